@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# A private PostgreSQL cluster for the demo, the tests and the benchmark, kept under the project's own
+# target/ folder and never touching the system cluster.
+#
+#   scripts/pg.sh start NAME   start (initialising on first use) cluster NAME, print its URL
+#   scripts/pg.sh stop NAME    stop it
+#   scripts/pg.sh url NAME     print its URL
+#
+# NAME is test, demo or bench; each has its own data folder and port (FINE_SETTLER_PG_PORT overrides it).
+# The test cluster trades durability for speed (fsync off): it holds nothing worth keeping.
+# PostgreSQL refuses to run as root, so as root the server runs as the `postgres` user.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cmd=${1:?usage: pg.sh start|stop|url NAME}
+name=${2:?usage: pg.sh start|stop|url NAME}
+
+case "$name" in
+  test)  port=${FINE_SETTLER_PG_PORT:-54329}; extra=(-c fsync=off -c synchronous_commit=off -c full_page_writes=off) ;;
+  demo)  port=${FINE_SETTLER_PG_PORT:-54330}; extra=() ;;
+  bench) port=${FINE_SETTLER_PG_PORT:-54331}; extra=() ;;
+  *) echo "pg.sh: unknown cluster '$name' (test, demo or bench)" >&2; exit 2 ;;
+esac
+
+url="postgres://postgres@127.0.0.1:${port}/postgres"
+if [ "$cmd" = url ]; then echo "$url"; exit 0; fi
+
+pgbin=${PG_BIN:-}
+if [ -z "$pgbin" ]; then
+  pgbin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
+fi
+if [ -z "$pgbin" ] || [ ! -x "$pgbin/initdb" ]; then
+  echo "pg.sh: no PostgreSQL server binaries found (looked in /usr/lib/postgresql/*/bin; set PG_BIN)" >&2
+  exit 1
+fi
+
+dir="$root/target/pg-$name"
+as_owner=()
+if [ "$(id -u)" = 0 ]; then
+  as_owner=(runuser -u postgres --)
+fi
+
+run() { "${as_owner[@]}" "$@"; }
+
+case "$cmd" in
+  start)
+    mkdir -p "$dir"
+    if [ "$(id -u)" = 0 ]; then
+      chown postgres: "$dir"
+      if ! runuser -u postgres -- test -w "$dir"; then
+        echo "pg.sh: user postgres cannot reach $dir (a parent folder is not searchable by others)" >&2
+        exit 1
+      fi
+    fi
+    if [ ! -f "$dir/data/PG_VERSION" ]; then
+      run "$pgbin/initdb" -D "$dir/data" -U postgres --auth=trust --encoding=UTF8 --locale=C.UTF-8 \
+        --no-instructions >"$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; exit 1; }
+    fi
+    if ! run "$pgbin/pg_ctl" -D "$dir/data" status >/dev/null 2>&1; then
+      # Loopback TCP only, no Unix socket: nothing outside this machine can reach the cluster.
+      run "$pgbin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
+        -o "-p $port -c listen_addresses=127.0.0.1 -c unix_socket_directories= -c max_connections=400 ${extra[*]:-}" \
+        start >/dev/null || { tail -n 20 "$dir/server.log" >&2; exit 1; }
+    fi
+    echo "$url"
+    ;;
+  stop)
+    if [ -f "$dir/data/PG_VERSION" ]; then
+      run "$pgbin/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null 2>&1 || true
+    fi
+    ;;
+  *) echo "pg.sh: unknown command '$cmd' (start, stop or url)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,403 @@
+//! The command line: argument parsing, configuration loading, dispatch, and the mapping of errors to exit
+//! codes (0 success or skip, 1 runtime failure, 2 usage or configuration, 3 `verify` found violations).
+//! Reports go to stdout, logs to stderr.
+
+use std::{collections::HashMap, path::PathBuf, process::ExitCode};
+
+use chrono::NaiveDate;
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    calendar,
+    config::{self, ConfigError, RawSettings, Settings},
+    demo,
+    jobs::{
+        runner::{process_owner, Runner},
+        settlement::Settlement,
+        JobName, Outcome, RunKey, RunReport,
+    },
+    shard::ShardSpec,
+    store::{self, StoreError},
+    telemetry,
+};
+
+/// Settles library fines in PostgreSQL: idempotent, sharded, resumable.
+#[derive(Debug, Parser)]
+#[command(name = "fine-settler", version)]
+pub struct Cli {
+    /// The replica's TOML file; overrides the built-in defaults (see config/default.toml).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply the database migrations (idempotent).
+    Migrate,
+    /// Settle one business month (its last day) for one shard, and print a one-line JSON report.
+    Settle {
+        /// The business date: the last day of the month to settle, e.g. 2026-10-31.
+        #[arg(long, value_name = "D")]
+        business_date: NaiveDate,
+        /// The shard to settle (default: instance.shard).
+        #[arg(long, value_name = "S", allow_negative_numbers = true)]
+        shard: Option<i64>,
+        /// The shard count (default: instance.shards).
+        #[arg(long, value_name = "N", allow_negative_numbers = true)]
+        shards: Option<i64>,
+        /// Re-run a key that already succeeded, from the beginning (rows already settled are not touched).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Show job_runs rows as a table.
+    Runs {
+        /// Only this job (fine-settlement or overdue-accrual).
+        #[arg(long, value_name = "J")]
+        job: Option<String>,
+        /// Only this business date.
+        #[arg(long, value_name = "D")]
+        business_date: Option<NaiveDate>,
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Audit a settled month; exit 3 on any violation.
+    Verify {
+        /// The business date (month end) to audit.
+        #[arg(long, value_name = "D")]
+        business_date: NaiveDate,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Validate the configuration and print the effective values (password redacted).
+    CheckConfig,
+    /// Insert deterministic demo loans (existing ids are left alone, so running it twice is a no-op).
+    DemoData {
+        /// How many loans.
+        #[arg(long, default_value_t = 5000)]
+        loans: u64,
+        /// The generator's seed.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// The month the loans cluster around, as YYYY-MM.
+        #[arg(long, value_name = "YYYY-MM", value_parser = parse_month)]
+        month: NaiveDate,
+        /// The first loan id.
+        #[arg(long, default_value_t = 1)]
+        first_id: i64,
+    },
+}
+
+fn parse_month(s: &str) -> Result<NaiveDate, String> {
+    NaiveDate::parse_from_str(&format!("{s}-01"), "%Y-%m-%d")
+        .map_err(|_| format!("{s:?} is not a month like 2026-10"))
+}
+
+/// Why a command could not do its work.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Bad arguments; nothing was written.
+    #[error("{0}")]
+    Usage(String),
+    /// Bad configuration; nothing was written.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The database failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl CliError {
+    pub fn exit_code(&self) -> ExitCode {
+        match self {
+            CliError::Usage(_) | CliError::Config(_) => ExitCode::from(2),
+            CliError::Store(_) => ExitCode::from(1),
+        }
+    }
+
+    /// One line per problem, for stderr.
+    pub fn lines(&self) -> Vec<String> {
+        match self {
+            CliError::Config(e) => e.lines(),
+            other => vec![format!("fine-settler: {other}")],
+        }
+    }
+}
+
+impl From<sqlx::Error> for CliError {
+    fn from(e: sqlx::Error) -> Self {
+        CliError::Store(StoreError::Sql(e))
+    }
+}
+
+/// Parses arguments (clap exits 2 on bad usage), runs the command, maps errors to exit codes.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fine-settler: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            for line in e.lines() {
+                eprintln!("{line}");
+            }
+            e.exit_code()
+        }
+    }
+}
+
+/// Loads and validates the configuration; nothing touches the database before this has passed.
+fn settings(cli: &Cli) -> Result<(RawSettings, Settings), CliError> {
+    let env: HashMap<String, String> = std::env::vars().collect();
+    let raw = config::load(cli.config.as_deref(), &env)?;
+    let settings = raw.validate()?;
+    Ok((raw, settings))
+}
+
+/// Runs one command.
+pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
+    let (raw, settings) = settings(&cli)?;
+    match cli.command {
+        Command::CheckConfig => {
+            print!("{}", raw.to_redacted_toml());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Migrate => {
+            telemetry::init(settings.log_format, &settings.log_level);
+            store::migrate(&settings.database).await?;
+            println!(
+                "{}",
+                serde_json::json!({"migrate": "ok", "migrations": store::MIGRATOR.iter().count()})
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Settle {
+            business_date,
+            shard,
+            shards,
+            force,
+        } => {
+            let spec = ShardSpec::new(
+                shard.unwrap_or(i64::from(settings.instance.shard())),
+                shards.unwrap_or(i64::from(settings.instance.shards())),
+            )
+            .map_err(|e| CliError::Usage(format!("--shard/--shards: {e}")))?;
+            calendar::settlement_month(business_date)
+                .map_err(|e| CliError::Usage(format!("--business-date: {e}")))?;
+            telemetry::init(settings.log_format, &settings.log_level);
+            let key = RunKey {
+                job: JobName::FineSettlement,
+                business_date,
+                shard: spec,
+            };
+            let report = settle(&settings, key, force).await;
+            println!("{}", serde_json::to_string(&report).unwrap_or_default());
+            Ok(ExitCode::from(report.outcome.exit_code()))
+        }
+        Command::Runs {
+            job,
+            business_date,
+            json,
+        } => {
+            if let Some(j) = job.as_deref() {
+                if ![JobName::FineSettlement, JobName::OverdueAccrual]
+                    .iter()
+                    .any(|n| n.as_str() == j)
+                {
+                    return Err(CliError::Usage(format!(
+                        "--job: {j:?} is not fine-settlement or overdue-accrual"
+                    )));
+                }
+            }
+            telemetry::init(settings.log_format, &settings.log_level);
+            let pool = store::connect(
+                &settings.database,
+                "fine-settler runs",
+                settings.claim.batch_timeout,
+            )
+            .await?;
+            let rows = store::job_runs::list(&pool, job.as_deref(), business_date).await?;
+            if json {
+                for row in &rows {
+                    println!("{}", serde_json::to_string(row).unwrap_or_default());
+                }
+            } else {
+                print!("{}", runs_table(&rows));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Verify { business_date, json } => {
+            let month = calendar::settlement_month(business_date)
+                .map_err(|e| CliError::Usage(format!("--business-date: {e}")))?;
+            telemetry::init(settings.log_format, &settings.log_level);
+            let pool = store::connect(
+                &settings.database,
+                "fine-settler verify",
+                settings.claim.batch_timeout,
+            )
+            .await?;
+            let audit = store::audit::month(&pool, month, &settings.fine).await?;
+            let violations = audit.violations();
+            if json {
+                let out = serde_json::json!({"business_date": business_date, "audit": audit, "violations": violations});
+                println!("{out}");
+            } else {
+                println!("business month {} .. {}", month.0, month.1);
+                println!("  loans returned      {}", audit.returned);
+                println!("  settled             {}", audit.settled);
+                println!(
+                    "  fine total (cents)  {} (policy: {})",
+                    audit.total_cents, audit.expected_cents
+                );
+                println!("  complete shard sets {:?}", audit.complete_shard_counts);
+                println!("  violations          {}", violations.len());
+                for v in &violations {
+                    println!("    - {v}");
+                }
+            }
+            Ok(if violations.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(3)
+            })
+        }
+        Command::DemoData {
+            loans,
+            seed,
+            month,
+            first_id,
+        } => {
+            telemetry::init(settings.log_format, &settings.log_level);
+            let pool = store::connect(
+                &settings.database,
+                "fine-settler demo-data",
+                settings.claim.batch_timeout,
+            )
+            .await?;
+            let spec = demo::DemoSpec {
+                loans,
+                seed,
+                month,
+                first_id,
+            };
+            let mut inserted = 0;
+            let mut chunk = Vec::with_capacity(10_000);
+            for loan in demo::loans(spec) {
+                chunk.push(loan);
+                if chunk.len() == 10_000 {
+                    inserted += store::loans::insert_new(&pool, &chunk).await?;
+                    chunk.clear();
+                }
+            }
+            inserted += store::loans::insert_new(&pool, &chunk).await?;
+            println!(
+                "{}",
+                serde_json::json!({"loans": loans, "inserted": inserted, "seed": seed})
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// Settles one key, handing it back cleanly on SIGINT/SIGTERM. Always returns a report.
+async fn settle(settings: &Settings, key: RunKey, force: bool) -> RunReport {
+    let started = tokio::time::Instant::now();
+    let app = format!("fine-settler settle {}/{}", key.shard.shard(), key.shard.shards());
+    let pool = match store::connect(&settings.database, &app, settings.claim.batch_timeout).await {
+        Ok(pool) => pool,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot connect to the database");
+            return RunReport {
+                job: key.job.as_str(),
+                business_date: key.business_date,
+                shard: key.shard.shard(),
+                shards: key.shard.shards(),
+                outcome: Outcome::Failed,
+                epoch: None,
+                scanned: 0,
+                updated: 0,
+                elapsed_ms: started.elapsed().as_millis() as u64,
+                detail: Some(e.to_string()),
+            };
+        }
+    };
+    let cancel = CancellationToken::new();
+    let signals = tokio::spawn(cancel_on_signal(cancel.clone()));
+    let runner = Runner {
+        pool: pool.clone(),
+        owner: process_owner(),
+        lease: settings.claim.lease,
+        batch_timeout: settings.claim.batch_timeout,
+        batch_size: settings.settlement.batch_size,
+        cancel,
+    };
+    let report = runner
+        .run(
+            &Settlement {
+                policy: settings.fine,
+            },
+            key,
+            force,
+        )
+        .await;
+    signals.abort();
+    pool.close().await;
+    report
+}
+
+/// Cancels `token` on the first SIGINT or SIGTERM: the run stops between batches and releases its key.
+async fn cancel_on_signal(token: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        return;
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::warn!("shutdown requested: finishing the current batch, then releasing the key");
+    token.cancel();
+}
+
+fn runs_table(rows: &[store::job_runs::JobRun]) -> String {
+    let mut out = format!(
+        "{:<16} {:<10} {:>6} {:<8} {:>5} {:>8} {:>10} {:>10} {:>12}  {:<30} {}\n",
+        "JOB",
+        "DATE",
+        "SHARD",
+        "STATUS",
+        "EPOCH",
+        "LEASE_S",
+        "SCANNED",
+        "UPDATED",
+        "CURSOR",
+        "OWNER",
+        "LAST_ERROR"
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "{:<16} {:<10} {:>6} {:<8} {:>5} {:>8.1} {:>10} {:>10} {:>12}  {:<30} {}\n",
+            r.job_name,
+            r.business_date,
+            format!("{}/{}", r.shard, r.shards),
+            r.status,
+            r.epoch,
+            r.lease_left_s,
+            r.scanned,
+            r.updated,
+            r.cursor.map_or("-".to_string(), |c| c.to_string()),
+            r.owner,
+            r.last_error.as_deref().unwrap_or("")
+        ));
+    }
+    out
+}

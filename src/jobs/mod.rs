@@ -1,0 +1,88 @@
+//! The jobs: what a run key is, what a run reports, and the jobs themselves on top of one generic
+//! claim → fenced batches → finish runner ([`runner`]).
+
+pub mod runner;
+pub mod settlement;
+
+use std::fmt;
+
+use chrono::NaiveDate;
+use serde::Serialize;
+
+use crate::shard::ShardSpec;
+
+/// The jobs fine-settler runs; their names are part of the `job_runs` contract.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum JobName {
+    /// Month-end settlement of returned loans' fines.
+    FineSettlement,
+    /// Daily accrual of overdue fines into the ledger.
+    OverdueAccrual,
+}
+
+impl JobName {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobName::FineSettlement => "fine-settlement",
+            JobName::OverdueAccrual => "overdue-accrual",
+        }
+    }
+}
+
+impl fmt::Display for JobName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The unit of claiming: one job, one business date, one shard of one shard count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RunKey {
+    pub job: JobName,
+    pub business_date: NaiveDate,
+    pub shard: ShardSpec,
+}
+
+/// How a run ended, as printed in the report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// This replica claimed the key and finished it.
+    Settled,
+    /// Someone finished the key, or a live owner holds it.
+    Skipped,
+    /// The run stopped on an error (or a shutdown request); the key is FAILED and a later run resumes it.
+    Failed,
+    /// Another replica took the key over; this replica's uncommitted batch was rolled back.
+    LeaseLost,
+}
+
+impl Outcome {
+    /// Exit code of a one-shot command: 0 when the key is done or someone else has it, 1 otherwise.
+    pub fn exit_code(self) -> u8 {
+        match self {
+            Outcome::Settled | Outcome::Skipped => 0,
+            Outcome::Failed | Outcome::LeaseLost => 1,
+        }
+    }
+}
+
+/// The one-line JSON report of a run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunReport {
+    pub job: &'static str,
+    pub business_date: NaiveDate,
+    pub shard: i32,
+    pub shards: i32,
+    pub outcome: Outcome,
+    /// The epoch this replica ran under; for a skip, the holder's epoch; null if the claim itself failed.
+    pub epoch: Option<i64>,
+    /// Rows this attempt read.
+    pub scanned: i64,
+    /// Rows this attempt wrote.
+    pub updated: i64,
+    pub elapsed_ms: u64,
+    /// Why the run failed, or who holds a skipped key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}

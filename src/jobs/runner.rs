@@ -1,0 +1,328 @@
+//! The one mechanism every job runs on: claim a key, walk its rows in fenced keyset batches, finish.
+//!
+//! A job supplies how to fetch the next rows after a cursor and how to write a batch of them (conditionally:
+//! a row already done is never changed again). The runner supplies everything that makes a run safe to repeat:
+//! the claim, one transaction per batch whose last statement is the epoch fence, the cursor checkpoint, the
+//! lease renewal by progress, the finish, and the history. A batch whose fence matches no row rolls back, so a
+//! replica that lost its claim commits nothing more.
+
+use std::{future::Future, hash::BuildHasher, time::Duration};
+
+use sqlx::{PgConnection, PgPool};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::{JobName, Outcome, RunKey, RunReport};
+use crate::{
+    calendar::CalendarError,
+    config::redact_secrets_in,
+    store::job_runs::{self, Claim, Ending, Progress},
+};
+
+/// A job the runner can drive.
+pub trait BatchJob: Send + Sync {
+    /// One unit of work, identified by a unique, ascending `i64` id (the keyset cursor).
+    type Row: Send + Sync;
+
+    fn name(&self) -> JobName;
+
+    fn row_id(row: &Self::Row) -> i64;
+
+    /// Up to `limit` rows of `key`'s work with `id >= from_id`, in ascending id order, that still need work.
+    fn fetch(
+        &self,
+        pool: &PgPool,
+        key: &RunKey,
+        from_id: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<Self::Row>, JobError>> + Send;
+
+    /// Writes `rows` inside the batch transaction, skipping rows already done; returns how many were written.
+    fn write(
+        &self,
+        tx: &mut PgConnection,
+        key: &RunKey,
+        rows: &[Self::Row],
+    ) -> impl Future<Output = Result<u64, JobError>> + Send;
+}
+
+/// Why a run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The business date does not fit the job.
+    #[error(transparent)]
+    Calendar(#[from] CalendarError),
+    /// A statement failed (connection lost, statement timeout, constraint).
+    #[error("database error: {}", redact_secrets_in(&.0.to_string()))]
+    Sql(#[from] sqlx::Error),
+    /// A row's data cannot be processed; the run stops so that an operator can look at it.
+    #[error("loan {id}: {problem}")]
+    Data { id: i64, problem: String },
+    /// A batch transaction did not complete in time (claim.batch_timeout).
+    #[error("a batch did not complete within {}", humantime::format_duration(*.0))]
+    BatchTimeout(Duration),
+}
+
+/// A process-unique owner name: host, pid and a random part, so two processes on one host (or a restarted
+/// process reusing a pid) never share an identity.
+pub fn process_owner() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown-host".to_string());
+    // RandomState is seeded from the OS's randomness per process: enough for a uniqueness suffix, no extra crate.
+    let random = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+    format!("{host}:{}:{:08x}", std::process::id(), random as u32)
+}
+
+/// What the runner needs besides the job: where, as whom, and with which limits.
+#[derive(Debug, Clone)]
+pub struct Runner {
+    pub pool: PgPool,
+    pub owner: String,
+    /// How long a claim stays valid without progress; every committed batch renews it.
+    pub lease: Duration,
+    /// The longest a batch transaction may take; shorter than `lease`, so a live replica's lease never lapses
+    /// mid-batch.
+    pub batch_timeout: Duration,
+    pub batch_size: u32,
+    /// Cancelled on shutdown: the run stops between batches and hands its key back.
+    pub cancel: CancellationToken,
+}
+
+enum BatchResult {
+    /// Nothing left to do.
+    Empty,
+    /// Committed a batch ending at this id.
+    Committed {
+        last_id: i64,
+        scanned: i64,
+        updated: i64,
+    },
+    /// The fence matched nothing: another replica owns the key now. Rolled back.
+    Fenced,
+}
+
+enum Stop {
+    Done,
+    Shutdown,
+    LeaseLost,
+}
+
+/// The message a run records when it hands its key back on shutdown.
+pub const SHUTDOWN_ERROR: &str = "shutdown requested: stopped between batches and released for a peer";
+
+impl Runner {
+    /// Runs `key` to completion (or until it is lost, fails or is cancelled). Never panics on a database
+    /// error: every path ends in a report, and every error is logged here, once.
+    pub async fn run<J: BatchJob>(&self, job: &J, key: RunKey, force: bool) -> RunReport {
+        let span = tracing::info_span!(
+            "run",
+            job = %key.job,
+            business_date = %key.business_date,
+            shards = key.shard.shards(),
+            shard = key.shard.shard(),
+            epoch = tracing::field::Empty,
+            owner = %self.owner,
+        );
+        let started = Instant::now();
+        let report = self
+            .claim_and_run(job, key, force, &span)
+            .instrument(span.clone())
+            .await;
+        let report = RunReport {
+            elapsed_ms: started.elapsed().as_millis() as u64,
+            ..report
+        };
+        span.in_scope(|| match report.outcome {
+            Outcome::Skipped => tracing::debug!(
+                outcome = "skipped",
+                holder_epoch = report.epoch,
+                detail = report.detail.as_deref(),
+                "run skipped"
+            ),
+            outcome => tracing::info!(
+                outcome = ?outcome,
+                scanned = report.scanned,
+                updated = report.updated,
+                elapsed_ms = report.elapsed_ms,
+                detail = report.detail.as_deref(),
+                "run finished"
+            ),
+        });
+        report
+    }
+
+    async fn claim_and_run<J: BatchJob>(
+        &self,
+        job: &J,
+        key: RunKey,
+        force: bool,
+        span: &tracing::Span,
+    ) -> RunReport {
+        let report = |outcome, epoch, scanned, updated, detail| RunReport {
+            job: key.job.as_str(),
+            business_date: key.business_date,
+            shard: key.shard.shard(),
+            shards: key.shard.shards(),
+            outcome,
+            epoch,
+            scanned,
+            updated,
+            elapsed_ms: 0,
+            detail,
+        };
+
+        let (epoch, cursor) = match job_runs::claim(&self.pool, &key, &self.owner, self.lease, force).await {
+            Ok(Claim::Won { epoch, cursor, kind }) => {
+                span.record("epoch", epoch);
+                tracing::info!(claim = ?kind, cursor, "claimed");
+                (epoch, cursor)
+            }
+            Ok(Claim::Skipped(holder)) => {
+                let detail = if holder.status == "RUNNING" {
+                    format!(
+                        "held by {} until {}",
+                        holder.owner,
+                        holder.lease_until.to_rfc3339()
+                    )
+                } else {
+                    format!("already {}", holder.status)
+                };
+                return report(Outcome::Skipped, Some(holder.epoch), 0, 0, Some(detail));
+            }
+            Err(e) => {
+                let e = JobError::from(e);
+                tracing::error!(error = %e, "claim failed");
+                return report(Outcome::Failed, None, 0, 0, Some(e.to_string()));
+            }
+        };
+
+        let (mut scanned, mut updated) = (0i64, 0i64);
+        // The cursor is the last id a committed batch covered; i64::MAX means there is nothing after it.
+        let mut next = match cursor {
+            None => Some(i64::MIN),
+            Some(c) => c.checked_add(1),
+        };
+        let stop = loop {
+            if self.cancel.is_cancelled() {
+                break Ok(Stop::Shutdown);
+            }
+            let Some(from_id) = next else { break Ok(Stop::Done) };
+            let batch = tokio::time::timeout(self.batch_timeout, self.batch(job, &key, epoch, from_id)).await;
+            match batch {
+                Err(_) => break Err(JobError::BatchTimeout(self.batch_timeout)),
+                Ok(Err(e)) => break Err(e),
+                Ok(Ok(BatchResult::Empty)) => break Ok(Stop::Done),
+                Ok(Ok(BatchResult::Fenced)) => break Ok(Stop::LeaseLost),
+                Ok(Ok(BatchResult::Committed {
+                    last_id,
+                    scanned: s,
+                    updated: u,
+                })) => {
+                    scanned += s;
+                    updated += u;
+                    next = last_id.checked_add(1);
+                    tracing::debug!(
+                        cursor = last_id,
+                        batch_scanned = s,
+                        batch_updated = u,
+                        "batch committed"
+                    );
+                }
+            }
+        };
+
+        let ending = match &stop {
+            Ok(Stop::Done) => Some(Ending::Success),
+            Ok(Stop::Shutdown) => Some(Ending::Failed(SHUTDOWN_ERROR)),
+            Ok(Stop::LeaseLost) => None,
+            Err(e) => {
+                tracing::error!(error = %e, scanned, updated, "run failed");
+                None
+            }
+        };
+        let error_text = stop.as_ref().err().map(ToString::to_string);
+        let ending = ending.or(error_text.as_deref().map(Ending::Failed));
+
+        let finished = match ending {
+            Some(ending) => job_runs::finish(&self.pool, &key, epoch, ending, scanned, updated).await,
+            None => Ok(false),
+        };
+        let lease_lost = match (&stop, &finished) {
+            (Ok(Stop::LeaseLost), _) => true,
+            // Finishing found another epoch: the key was taken over after our last batch.
+            (_, Ok(false)) => true,
+            _ => false,
+        };
+        if lease_lost {
+            tracing::warn!(scanned, updated, "lease lost: another replica took the key over");
+            if let Err(e) =
+                job_runs::record_lease_lost(&self.pool, &key, epoch, &self.owner, scanned, updated).await
+            {
+                tracing::warn!(error = %JobError::from(e), "could not record the lost lease in the history");
+            }
+            return report(Outcome::LeaseLost, Some(epoch), scanned, updated, None);
+        }
+        if let Err(e) = finished {
+            // The key stays RUNNING; its lease expires and a peer takes over and resumes from the cursor.
+            let e = JobError::from(e);
+            tracing::error!(error = %e, "could not record the end of the run; the lease will expire");
+            return report(
+                Outcome::Failed,
+                Some(epoch),
+                scanned,
+                updated,
+                Some(error_text.unwrap_or(e.to_string())),
+            );
+        }
+        match stop {
+            Ok(Stop::Done) => report(Outcome::Settled, Some(epoch), scanned, updated, None),
+            Ok(Stop::Shutdown) => report(
+                Outcome::Failed,
+                Some(epoch),
+                scanned,
+                updated,
+                Some(SHUTDOWN_ERROR.into()),
+            ),
+            _ => report(Outcome::Failed, Some(epoch), scanned, updated, error_text),
+        }
+    }
+
+    /// One batch: read the next rows, then one transaction that writes them and, last, passes the fence.
+    async fn batch<J: BatchJob>(
+        &self,
+        job: &J,
+        key: &RunKey,
+        epoch: i64,
+        from_id: i64,
+    ) -> Result<BatchResult, JobError> {
+        let rows = job
+            .fetch(&self.pool, key, from_id, i64::from(self.batch_size))
+            .await?;
+        let Some(last_id) = rows.last().map(J::row_id) else {
+            return Ok(BatchResult::Empty);
+        };
+        let scanned = rows.len() as i64;
+        let mut tx = self.pool.begin().await?;
+        let updated = i64::try_from(job.write(&mut tx, key, &rows).await?).unwrap_or(i64::MAX);
+        let progress = Progress {
+            cursor: last_id,
+            scanned,
+            updated,
+        };
+        if !job_runs::advance(&mut tx, key, epoch, progress, self.lease).await? {
+            tx.rollback().await?;
+            return Ok(BatchResult::Fenced);
+        }
+        tx.commit().await?;
+        Ok(BatchResult::Committed {
+            last_id,
+            scanned,
+            updated,
+        })
+    }
+}

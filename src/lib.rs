@@ -1,0 +1,21 @@
+//! fine-settler: a cron-style daemon that settles library fines in PostgreSQL, sharded across replicas, safe to
+//! run twice, concurrently, after a crash or by hand.
+//!
+//! Module map:
+//! - [`config`]: layered settings validated into typed [`config::Settings`].
+//! - [`calendar`], [`fine`], [`shard`]: the pure domain (business months, the fine policy, shard membership).
+//! - [`store`]: every SQL statement (claims, fences, loans, audit) and the migrations.
+//! - [`jobs`]: the generic claim → fenced batches → finish runner and the jobs on top of it.
+//! - [`demo`]: deterministic demo loans.
+//! - [`cli`]: the command line; `main.rs` only calls [`cli::main`].
+//! - [`telemetry`]: structured logs.
+
+pub mod calendar;
+pub mod cli;
+pub mod config;
+pub mod demo;
+pub mod fine;
+pub mod jobs;
+pub mod shard;
+pub mod store;
+pub mod telemetry;

@@ -1,0 +1,100 @@
+//! The audit behind `verify`: recomputes a settled month in plain SQL, independently of the settlement code.
+
+use chrono::NaiveDate;
+use sqlx::PgPool;
+
+use crate::fine::FinePolicy;
+
+/// What `verify` found for one business month.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct MonthAudit {
+    /// Loans returned in the month.
+    pub returned: i64,
+    /// Of those, settled (`fine_settled_at` set).
+    pub settled: i64,
+    /// Returned in the month but not settled.
+    pub unsettled: i64,
+    /// Settled with a fine other than the policy's.
+    pub wrong_fine: i64,
+    /// Sum of `fine_cents` over the settled loans.
+    pub total_cents: i64,
+    /// Sum of the policy's fine over all loans returned in the month.
+    pub expected_cents: i64,
+    /// Shard counts for which every shard's settlement run is SUCCESS.
+    pub complete_shard_counts: Vec<i32>,
+}
+
+/// Audits the loans returned in `[first, last]` against `policy`. The expected fine is computed by the database
+/// (`least` ignores a null cap), a second implementation of the policy that the Rust code does not share.
+pub async fn month(
+    pool: &PgPool,
+    (first, last): (NaiveDate, NaiveDate),
+    policy: &FinePolicy,
+) -> Result<MonthAudit, sqlx::Error> {
+    let row = sqlx::query!(
+        r#"with l as (
+               select fine_cents, fine_settled_at,
+                      least(nullif($3::bigint, 0),
+                            greatest(0, returned_on - due_on - $4::bigint) * $5::bigint) as expected
+               from loans
+               where returned_on between $1 and $2
+           )
+           select count(*) as "returned!",
+                  count(fine_settled_at) as "settled!",
+                  count(*) filter (where fine_settled_at is not null and fine_cents <> expected) as "wrong_fine!",
+                  coalesce(sum(fine_cents) filter (where fine_settled_at is not null), 0)::bigint as "total_cents!",
+                  coalesce(sum(expected), 0)::bigint as "expected_cents!"
+           from l"#,
+        first,
+        last,
+        policy.cap().map_or(0, |c| c.get()),
+        policy.grace_days(),
+        policy.daily_rate().get(),
+    )
+    .fetch_one(pool)
+    .await?;
+
+    let complete = sqlx::query_scalar!(
+        r#"select shards as "shards!" from job_runs
+           where job_name = 'fine-settlement' and business_date = $1
+           group by shards
+           having count(*) filter (where status = 'SUCCESS') = shards
+           order by shards"#,
+        last,
+    )
+    .fetch_all(pool)
+    .await?;
+
+    Ok(MonthAudit {
+        returned: row.returned,
+        settled: row.settled,
+        unsettled: row.returned - row.settled,
+        wrong_fine: row.wrong_fine,
+        total_cents: row.total_cents,
+        expected_cents: row.expected_cents,
+        complete_shard_counts: complete,
+    })
+}
+
+impl MonthAudit {
+    /// Human-readable violations; empty when the month is correct.
+    pub fn violations(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if self.unsettled > 0 {
+            v.push(format!(
+                "{} loans returned in the month are not settled",
+                self.unsettled
+            ));
+        }
+        if self.wrong_fine > 0 {
+            v.push(format!(
+                "{} settled loans carry a fine other than the policy's",
+                self.wrong_fine
+            ));
+        }
+        if self.returned > 0 && self.complete_shard_counts.is_empty() {
+            v.push("no shard count has a SUCCESS settlement run for every shard".to_string());
+        }
+        v
+    }
+}

@@ -1,0 +1,319 @@
+//! `job_runs` and `job_run_attempts`: the claim, the epoch fence and the finish of a run key.
+//!
+//! Every statement is short and runs on its own (never inside the long settlement work), and every write to a
+//! claimed row is conditioned on `epoch = my_epoch`: a replica that lost its claim cannot change the row. Each
+//! transition also appends its attempt-history row in the same statement, so history and state never disagree.
+//! All times are the database's `now()`.
+
+use std::time::Duration;
+
+use chrono::{DateTime, NaiveDate, Utc};
+use sqlx::{PgConnection, PgPool};
+
+use crate::jobs::RunKey;
+
+/// How a claim was won.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimKind {
+    /// No row existed: this replica inserted it with epoch 1.
+    Inserted,
+    /// The row was FAILED, or RUNNING with an expired lease: this replica bumped the epoch.
+    TakenOver,
+    /// An operator's `--force` re-run: the row (possibly SUCCESS) was taken over and its cursor reset.
+    Forced,
+}
+
+/// The current holder of a key this replica did not get.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    pub status: String,
+    pub owner: String,
+    pub epoch: i64,
+    pub lease_until: DateTime<Utc>,
+}
+
+/// The result of trying to claim a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// This replica owns the run under `epoch`, resuming after `cursor` (the last id a committed batch covered).
+    Won {
+        epoch: i64,
+        cursor: Option<i64>,
+        kind: ClaimKind,
+    },
+    /// Someone finished it, or a live owner holds it.
+    Skipped(Holder),
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Claims `key` for `owner`: insert, else take over, else skip (ARCHITECTURE.md, "The claim protocol").
+pub async fn claim(
+    pool: &PgPool,
+    key: &RunKey,
+    owner: &str,
+    lease: Duration,
+    force: bool,
+) -> Result<Claim, sqlx::Error> {
+    let inserted = sqlx::query_scalar!(
+        r#"with won as (
+               insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch,
+                                     started_at, heartbeat_at, lease_until)
+               values ($1, $2, $3, $4, 'RUNNING', $5, 1, now(), now(), now() + $6 * interval '1 millisecond')
+               on conflict on constraint job_runs_pkey do nothing
+               returning job_name, business_date, shards, shard, epoch, owner
+           ), history as (
+               insert into job_run_attempts (job_name, business_date, shards, shard, epoch, owner, event)
+               select job_name, business_date, shards, shard, epoch, owner, 'claimed' from won
+           )
+           select epoch as "epoch!" from won"#,
+        key.job.as_str(),
+        key.business_date,
+        key.shard.shards(),
+        key.shard.shard(),
+        owner,
+        millis(lease) as f64,
+    )
+    .fetch_optional(pool)
+    .await?;
+    if let Some(epoch) = inserted {
+        return Ok(Claim::Won {
+            epoch,
+            cursor: None,
+            kind: ClaimKind::Inserted,
+        });
+    }
+
+    // The row exists (a conflicting insert in flight is waited for, so it is committed by now). Take it over if
+    // it failed or its lease expired; `force` also takes a SUCCESS row and restarts from the beginning. A live
+    // RUNNING owner is never displaced, not even by force. `prior` reads the row as it was before the update,
+    // to say who holds it when we skip.
+    let row = sqlx::query!(
+        r#"with prior as (
+               select status, owner, epoch, lease_until from job_runs
+               where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
+           ), taken as (
+               update job_runs set
+                   status = 'RUNNING', owner = $5, epoch = epoch + 1,
+                   started_at = now(), heartbeat_at = now(), lease_until = now() + $6 * interval '1 millisecond',
+                   finished_at = null, last_error = null,
+                   cursor = case when $7 then null else cursor end,
+                   scanned = case when $7 then 0 else scanned end,
+                   updated = case when $7 then 0 else updated end
+               where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
+                 and (status = 'FAILED'
+                      or (status = 'RUNNING' and lease_until < now())
+                      or ($7 and status = 'SUCCESS'))
+               returning job_name, business_date, shards, shard, epoch, owner, cursor
+           ), history as (
+               insert into job_run_attempts (job_name, business_date, shards, shard, epoch, owner, event)
+               select job_name, business_date, shards, shard, epoch, owner,
+                      case when $7 then 'forced' else 'takeover' end
+               from taken
+           )
+           select prior.status as "status!", prior.owner as "owner!", prior.epoch as "epoch!",
+                  prior.lease_until as "lease_until!",
+                  taken.epoch as "new_epoch?", taken.cursor as "cursor?"
+           from prior left join taken on true"#,
+        key.job.as_str(),
+        key.business_date,
+        key.shard.shards(),
+        key.shard.shard(),
+        owner,
+        millis(lease) as f64,
+        force,
+    )
+    .fetch_optional(pool)
+    .await?;
+
+    match row {
+        Some(r) => match r.new_epoch {
+            Some(epoch) => Ok(Claim::Won {
+                epoch,
+                cursor: r.cursor,
+                kind: if force {
+                    ClaimKind::Forced
+                } else {
+                    ClaimKind::TakenOver
+                },
+            }),
+            None => Ok(Claim::Skipped(Holder {
+                status: r.status,
+                owner: r.owner,
+                epoch: r.epoch,
+                lease_until: r.lease_until,
+            })),
+        },
+        // Only reachable if the row was deleted between the two statements (rows are kept forever; an operator
+        // deleting one by hand is the only way). Report it as an error rather than guess.
+        None => Err(sqlx::Error::RowNotFound),
+    }
+}
+
+/// Progress of one committed batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// The last id the batch covered; the next batch starts after it.
+    pub cursor: i64,
+    pub scanned: i64,
+    pub updated: i64,
+}
+
+/// The fence, run inside the batch's transaction after its business writes: advances cursor and counters and
+/// renews the lease, only while `epoch` still owns the key. `false` means the claim was lost and the caller must
+/// roll back.
+///
+/// The row lock taken here serialises with a takeover: a takeover waits for an in-flight batch and then sees the
+/// renewed lease; a batch that runs after a takeover sees the new epoch and matches nothing.
+pub async fn advance(
+    tx: &mut PgConnection,
+    key: &RunKey,
+    epoch: i64,
+    progress: Progress,
+    lease: Duration,
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query!(
+        r#"update job_runs set
+               cursor = $6, scanned = scanned + $7, updated = updated + $8,
+               heartbeat_at = now(), lease_until = now() + $9 * interval '1 millisecond'
+           where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
+             and status = 'RUNNING' and epoch = $5"#,
+        key.job.as_str(),
+        key.business_date,
+        key.shard.shards(),
+        key.shard.shard(),
+        epoch,
+        progress.cursor,
+        progress.scanned,
+        progress.updated,
+        millis(lease) as f64,
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// How a run ended, as written to `job_runs` and `job_run_attempts`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ending<'a> {
+    Success,
+    /// FAILED with this `last_error`; the lease ends now, so a peer may take over at its next tick.
+    Failed(&'a str),
+}
+
+/// Finishes the run held under `epoch`. `scanned`/`updated` are this attempt's own counts, for the history.
+/// Returns `false` if the epoch no longer owns the key (the claim was lost).
+pub async fn finish(
+    pool: &PgPool,
+    key: &RunKey,
+    epoch: i64,
+    ending: Ending<'_>,
+    scanned: i64,
+    updated: i64,
+) -> Result<bool, sqlx::Error> {
+    let (status, event, error) = match ending {
+        Ending::Success => ("SUCCESS", "success", None),
+        Ending::Failed(e) => ("FAILED", "failed", Some(e)),
+    };
+    let rows = sqlx::query_scalar!(
+        r#"with done as (
+               update job_runs set status = $6, last_error = $8, finished_at = now(), heartbeat_at = now(),
+                                   lease_until = now()
+               where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
+                 and status = 'RUNNING' and epoch = $5
+               returning job_name, business_date, shards, shard, epoch, owner
+           ), history as (
+               insert into job_run_attempts (job_name, business_date, shards, shard, epoch, owner, event,
+                                             scanned, updated, error)
+               select job_name, business_date, shards, shard, epoch, owner, $7, $9, $10, $8 from done
+           )
+           select count(*) as "count!" from done"#,
+        key.job.as_str(),
+        key.business_date,
+        key.shard.shards(),
+        key.shard.shard(),
+        epoch,
+        status,
+        event,
+        error,
+        scanned,
+        updated,
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(rows == 1)
+}
+
+/// Appends a `lease_lost` history row: this replica found its epoch superseded. History only; the key's row
+/// belongs to the new owner and is not touched.
+pub async fn record_lease_lost(
+    pool: &PgPool,
+    key: &RunKey,
+    epoch: i64,
+    owner: &str,
+    scanned: i64,
+    updated: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        r#"insert into job_run_attempts (job_name, business_date, shards, shard, epoch, owner, event,
+                                         scanned, updated, error)
+           values ($1, $2, $3, $4, $5, $6, 'lease_lost', $7, $8, 'another replica took over the key')"#,
+        key.job.as_str(),
+        key.business_date,
+        key.shard.shards(),
+        key.shard.shard(),
+        epoch,
+        owner,
+        scanned,
+        updated,
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// One `job_runs` row, for `runs`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct JobRun {
+    pub job_name: String,
+    pub business_date: NaiveDate,
+    pub shards: i32,
+    pub shard: i32,
+    pub status: String,
+    pub owner: String,
+    pub epoch: i64,
+    pub started_at: DateTime<Utc>,
+    pub heartbeat_at: DateTime<Utc>,
+    pub lease_until: DateTime<Utc>,
+    /// Seconds of lease left (0 when expired or finished), by the database clock.
+    pub lease_left_s: f64,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub cursor: Option<i64>,
+    pub scanned: i64,
+    pub updated: i64,
+    pub last_error: Option<String>,
+}
+
+/// The `job_runs` rows, optionally for one job and/or business date, newest business date first.
+pub async fn list(
+    pool: &PgPool,
+    job: Option<&str>,
+    business_date: Option<NaiveDate>,
+) -> Result<Vec<JobRun>, sqlx::Error> {
+    sqlx::query_as!(
+        JobRun,
+        r#"select job_name, business_date, shards, shard, status, owner, epoch, started_at, heartbeat_at,
+                  lease_until,
+                  greatest(0, extract(epoch from lease_until - now()))::float8 as "lease_left_s!",
+                  finished_at, cursor, scanned, updated, last_error
+           from job_runs
+           where ($1::text is null or job_name = $1) and ($2::date is null or business_date = $2)
+           order by business_date desc, job_name, shards, shard"#,
+        job,
+        business_date,
+    )
+    .fetch_all(pool)
+    .await
+}

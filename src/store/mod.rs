@@ -1,0 +1,106 @@
+//! The database layer: every SQL statement fine-settler sends lives below this module, checked at compile time
+//! against the migrations (`.sqlx` holds the offline data, so building needs no database).
+
+pub mod audit;
+pub mod job_runs;
+pub mod loans;
+
+use std::{str::FromStr, time::Duration};
+
+use sqlx::{
+    postgres::{PgConnectOptions, PgPoolOptions},
+    PgPool,
+};
+
+use crate::config::{redact_secrets_in, DatabaseSettings};
+
+/// The migrations in `migrations/`, embedded in the binary.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Indexes built `CONCURRENTLY` by a migration; an interrupted build leaves them INVALID.
+const CONCURRENT_INDEXES: &[&str] = &["loans_unsettled_returned_idx"];
+
+/// Why a database operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The URL could not be turned into connection options.
+    #[error("database.url is not usable: {0}")]
+    Url(String),
+    /// A statement or connection failed; the message has the URL's password redacted.
+    #[error("database error: {}", redact_secrets_in(&.0.to_string()))]
+    Sql(#[from] sqlx::Error),
+    /// Applying migrations failed.
+    #[error("migration failed: {}", redact_secrets_in(&.0.to_string()))]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+/// Connection settings shared by every pool: the application name shows the replica in `pg_stat_activity`.
+fn connect_options(db: &DatabaseSettings, application_name: &str) -> Result<PgConnectOptions, StoreError> {
+    let options = PgConnectOptions::from_str(&db.url)
+        .map_err(|e| StoreError::Url(redact_secrets_in(&e.to_string())))?;
+    Ok(options.application_name(application_name))
+}
+
+/// A pool for the jobs. Every statement runs under `statement_timeout = batch_timeout`, so a batch that hangs
+/// on a lock fails well before the lease it renews runs out.
+pub async fn connect(
+    db: &DatabaseSettings,
+    application_name: &str,
+    batch_timeout: Duration,
+) -> Result<PgPool, StoreError> {
+    let options = connect_options(db, application_name)?
+        .options([("statement_timeout", format!("{}", batch_timeout.as_millis()))]);
+    let pool = PgPoolOptions::new()
+        .max_connections(db.max_connections)
+        .acquire_timeout(db.connect_timeout)
+        .connect_with(options)
+        .await?;
+    Ok(pool)
+}
+
+/// Applies the migrations; applying them twice is a no-op. Uses one connection without a statement timeout,
+/// because building an index concurrently on millions of loans takes longer than any batch.
+pub async fn migrate(db: &DatabaseSettings) -> Result<(), StoreError> {
+    let options = connect_options(db, "fine-settler migrate")?;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(db.connect_timeout)
+        .connect_with(options)
+        .await?;
+    drop_invalid_indexes(&pool).await?;
+    MIGRATOR.run(&pool).await?;
+    pool.close().await;
+    Ok(())
+}
+
+/// A `create index concurrently` that was interrupted leaves an INVALID index, which `if not exists` would then
+/// accept as done. Drop such leftovers (concurrently, so libraryd keeps writing) so the migration rebuilds them.
+async fn drop_invalid_indexes(pool: &PgPool) -> Result<(), StoreError> {
+    for name in CONCURRENT_INDEXES {
+        let invalid = sqlx::query_scalar!(
+            r#"select exists (
+                   select 1 from pg_index i join pg_class c on c.oid = i.indexrelid
+                   where c.relname = $1 and c.relnamespace = current_schema()::regnamespace
+                     and not i.indisvalid
+               ) as "invalid!""#,
+            name
+        )
+        .fetch_one(pool)
+        .await?;
+        if invalid {
+            tracing::warn!(
+                index = name,
+                "dropping an invalid index left by an interrupted build; it is rebuilt next"
+            );
+            sqlx::query(&format!("drop index concurrently if exists {name}"))
+                .execute(pool)
+                .await?;
+            // The migration that builds it is already recorded as applied; forget it so it runs again.
+            // (`_sqlx_migrations` belongs to sqlx, not to our schema, hence an unchecked query.)
+            sqlx::query("delete from _sqlx_migrations where description = 'loans unsettled index'")
+                .execute(pool)
+                .await?;
+        }
+    }
+    Ok(())
+}
