@@ -42,14 +42,19 @@ fn connect_options(db: &DatabaseSettings, application_name: &str) -> Result<PgCo
 }
 
 /// A pool for the jobs. Every statement runs under `statement_timeout = batch_timeout`, so a batch that hangs
-/// on a lock fails well before the lease it renews runs out.
+/// on a lock fails before the lease it renews runs out; and `idle_in_transaction_session_timeout =
+/// batch_timeout`, so the server aborts the open transaction of a replica that froze mid-batch (SIGSTOP, a VM
+/// pause) and its row locks do not block the peer that takes over.
 pub async fn connect(
     db: &DatabaseSettings,
     application_name: &str,
     batch_timeout: Duration,
 ) -> Result<PgPool, StoreError> {
     let options = connect_options(db, application_name)?
-        .options([("statement_timeout", format!("{}", batch_timeout.as_millis()))]);
+        .options([
+            ("statement_timeout", batch_timeout.as_millis().to_string()),
+            ("idle_in_transaction_session_timeout", batch_timeout.as_millis().to_string()),
+        ]);
     let pool = PgPoolOptions::new()
         .max_connections(db.max_connections)
         .acquire_timeout(db.connect_timeout)

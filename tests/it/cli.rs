@@ -1,0 +1,189 @@
+//! The command line's contract: bad input gets one clear line naming the problem, exit 2, and nothing written.
+
+use sqlx::PgPool;
+
+use crate::helpers::{database_url, fine_settler, output, report};
+
+async fn nothing_written(pool: &PgPool) {
+    let runs: i64 = sqlx::query_scalar("select count(*) from job_runs").fetch_one(pool).await.expect("count");
+    let settled: i64 = sqlx::query_scalar("select count(*) from loans where fine_settled_at is not null")
+        .fetch_one(pool)
+        .await
+        .expect("count");
+    assert_eq!((runs, settled), (0, 0));
+}
+
+fn stderr_lines(out: &std::process::Output) -> Vec<String> {
+    String::from_utf8_lossy(&out.stderr).lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect()
+}
+
+#[sqlx::test]
+async fn each_invalid_setting_is_one_line_naming_its_key_and_exit_2(pool: PgPool) {
+    sqlx::query("insert into loans values (1, 1, 1, '2026-09-01', '2026-10-01', '2026-10-09', 0, null)")
+        .execute(&pool)
+        .await
+        .expect("loan");
+    let url = database_url(&pool);
+    let cases = [
+        ("FINE_SETTLER__INSTANCE__SHARD", "3", "instance.shard"),
+        ("FINE_SETTLER__INSTANCE__SHARD", "-1", "instance.shard"),
+        ("FINE_SETTLER__INSTANCE__SHARDS", "0", "instance.shards"),
+        ("FINE_SETTLER__TIME__ZONE", "Europe/Atlantis", "time.zone"),
+        ("FINE_SETTLER__CLAIM__LEASE", "forever", "claim.lease"),
+        ("FINE_SETTLER__CLAIM__LEASE", "5s", "claim.lease"),
+        ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "-3s", "claim.batch_timeout"),
+        ("FINE_SETTLER__FINE__DAILY_RATE_CENTS", "-100", "fine.daily_rate_cents"),
+        ("FINE_SETTLER__FINE__GRACE_DAYS", "-2", "fine.grace_days"),
+        ("FINE_SETTLER__FINE__CAP_CENTS", "-1", "fine.cap_cents"),
+        ("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "0", "settlement.batch_size"),
+        ("FINE_SETTLER__INSTANCE__NAME", "x", "name"),
+    ];
+    for (var, value, key) in cases {
+        let mut cmd = fine_settler(&url);
+        cmd.env(var, value).args(["settle", "--business-date", "2026-10-31"]);
+        let out = output(cmd);
+        let lines = stderr_lines(&out);
+        assert_eq!(out.status.code(), Some(2), "{var}={value}: {lines:?}");
+        assert_eq!(lines.len(), 1, "{var}={value}: {lines:?}");
+        assert!(lines[0].contains(key), "{var}={value}: {lines:?}");
+        assert!(out.stdout.is_empty(), "{var}={value}: no report for a run that never started");
+    }
+    nothing_written(&pool).await;
+}
+
+#[sqlx::test]
+async fn a_bad_config_file_is_rejected_before_any_database_access(pool: PgPool) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("shard.toml");
+    std::fs::write(&file, "[instance]\nshard = 4\nshards = 4\n[claim]\nlease = \"1s\"\n").expect("write");
+    // An unreachable URL: if validation did not come first, this would be a connection failure (exit 1).
+    let mut cmd = fine_settler("postgres://nobody:hunter2@127.0.0.1:1/nothing");
+    cmd.arg("--config").arg(&file).args(["settle", "--business-date", "2026-10-31"]);
+    let out = output(cmd);
+    let lines = stderr_lines(&out);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(lines.len(), 2, "both problems, one line each: {lines:?}");
+    assert!(lines.iter().any(|l| l.contains("instance.shard")) && lines.iter().any(|l| l.contains("claim.lease")));
+    nothing_written(&pool).await;
+}
+
+#[sqlx::test]
+async fn bad_arguments_exit_2_and_write_nothing(pool: PgPool) {
+    let url = database_url(&pool);
+    for args in [
+        &["settle", "--business-date", "2026-10-30"][..],
+        &["settle", "--business-date", "2026-02-30"][..],
+        &["settle", "--business-date", "10000-01-31"][..],
+        &["settle", "--business-date", "2026-10-31", "--shard", "3", "--shards", "3"][..],
+        &["settle", "--business-date", "2026-10-31", "--shard", "-1", "--shards", "3"][..],
+        &["settle"][..],
+        &["verify", "--business-date", "2026-11-01"][..],
+    ] {
+        let mut cmd = fine_settler(&url);
+        cmd.args(args);
+        let out = output(cmd);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    nothing_written(&pool).await;
+}
+
+#[sqlx::test]
+async fn an_unreachable_database_is_a_runtime_failure_with_a_report(_pool: PgPool) {
+    let mut cmd = fine_settler("postgres://nobody:hunter2@127.0.0.1:1/nothing");
+    cmd.env("FINE_SETTLER__DATABASE__CONNECT_TIMEOUT", "2s").args(["settle", "--business-date", "2026-10-31"]);
+    let out = output(cmd);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(report(&out)["outcome"], "failed");
+    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!all.contains("hunter2"), "the password leaked: {all}");
+}
+
+#[sqlx::test]
+async fn check_config_prints_the_effective_values_with_the_password_redacted(_pool: PgPool) {
+    let mut cmd = fine_settler("postgres://settler:hunter2@db.example:5432/libraryd?sslmode=require");
+    cmd.env("FINE_SETTLER__INSTANCE__SHARDS", "3").env("FINE_SETTLER__INSTANCE__SHARD", "2").arg("check-config");
+    let out = output(cmd);
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(text.contains("settler:***@db.example:5432/libraryd?sslmode=require"), "{text}");
+    let parsed: toml::Value = toml::from_str(&text).expect("valid TOML");
+    assert_eq!(parsed["instance"]["shard"].as_integer(), Some(2));
+}
+
+#[sqlx::test]
+async fn migrate_twice_is_a_no_op(pool: PgPool) {
+    let url = database_url(&pool);
+    for _ in 0..2 {
+        let mut cmd = fine_settler(&url);
+        cmd.arg("migrate");
+        let out = output(cmd);
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let valid: bool = sqlx::query_scalar(
+        "select i.indisvalid from pg_index i join pg_class c on c.oid = i.indexrelid
+         where c.relname = 'loans_unsettled_returned_idx'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("index exists");
+    assert!(valid);
+}
+
+#[sqlx::test(migrations = false)]
+async fn migrate_upgrades_an_existing_libraryd_database(pool: PgPool) {
+    // libraryd's table as it was before fine-settler: no fine_settled_at, with data in it.
+    sqlx::raw_sql(
+        "create table loans (id bigint primary key, member_id bigint not null, book_id bigint not null,
+                             borrowed_on date not null, due_on date not null, returned_on date,
+                             fine_cents bigint not null default 0);
+         insert into loans select g, 1, 1, date '2026-09-01', date '2026-09-15', date '2026-10-01'
+         from generate_series(1, 1000) g;",
+    )
+    .execute(&pool)
+    .await
+    .expect("libraryd schema");
+    let url = database_url(&pool);
+    let mut cmd = fine_settler(&url);
+    cmd.arg("migrate");
+    let out = output(cmd);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let unsettled: i64 = sqlx::query_scalar("select count(*) from loans where fine_settled_at is null")
+        .fetch_one(&pool)
+        .await
+        .expect("new column");
+    assert_eq!(unsettled, 1000, "existing rows kept, new column null");
+
+    let mut cmd = fine_settler(&url);
+    cmd.args(["settle", "--business-date", "2026-10-31"]);
+    let out = output(cmd);
+    assert_eq!(report(&out)["updated"], 1000);
+}
+
+#[sqlx::test(migrations = false)]
+async fn migrate_rebuilds_an_index_left_invalid_by_an_interrupted_build(pool: PgPool) {
+    let url = database_url(&pool);
+    let mut cmd = fine_settler(&url);
+    cmd.arg("migrate");
+    assert_eq!(output(cmd).status.code(), Some(0));
+    // Simulate a `create index concurrently` that died half-way.
+    sqlx::query(
+        "update pg_index set indisvalid = false
+         where indexrelid = 'loans_unsettled_returned_idx'::regclass",
+    )
+    .execute(&pool)
+    .await
+    .expect("mark invalid");
+    let mut cmd = fine_settler(&url);
+    cmd.arg("migrate");
+    let out = output(cmd);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let valid: bool = sqlx::query_scalar(
+        "select i.indisvalid from pg_index i join pg_class c on c.oid = i.indexrelid
+         where c.relname = 'loans_unsettled_returned_idx'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("index exists");
+    assert!(valid);
+}

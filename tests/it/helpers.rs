@@ -1,0 +1,170 @@
+//! Shared test fixtures: loans, an update audit trigger, the independent SQL oracle, and the real binary.
+
+use std::{
+    process::{Command, Output, Stdio},
+    time::Duration,
+};
+
+use chrono::NaiveDate;
+use fine_settler::{
+    jobs::{runner::Runner, JobName, RunKey},
+    shard::ShardSpec,
+    store::loans::{insert_new, NewLoan},
+};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+pub fn d(s: &str) -> NaiveDate {
+    s.parse().expect("test date")
+}
+
+pub fn key(date: &str, shard: i64, shards: i64) -> RunKey {
+    RunKey {
+        job: JobName::FineSettlement,
+        business_date: d(date),
+        shard: ShardSpec::new(shard, shards).expect("test shard"),
+    }
+}
+
+/// A loan borrowed 30 days before it was due.
+pub fn loan(id: i64, due: &str, returned: Option<&str>) -> NewLoan {
+    let due_on = d(due);
+    NewLoan {
+        id,
+        member_id: 1,
+        book_id: 1,
+        borrowed_on: due_on - chrono::Duration::days(30),
+        due_on,
+        returned_on: returned.map(d),
+    }
+}
+
+pub async fn insert(pool: &PgPool, loans: &[NewLoan]) {
+    insert_new(pool, loans).await.expect("insert loans");
+}
+
+/// Counts every committed update of each loan row (rolled-back updates roll their count back too).
+pub async fn install_update_audit(pool: &PgPool) {
+    sqlx::raw_sql(
+        r#"create table loan_updates (loan_id bigint primary key, n int not null);
+           create function count_loan_update() returns trigger language plpgsql as $$
+           begin
+               insert into loan_updates values (new.id, 1)
+               on conflict (loan_id) do update set n = loan_updates.n + 1;
+               return new;
+           end $$;
+           create trigger count_loan_update after update on loans
+               for each row execute function count_loan_update();"#,
+    )
+    .execute(pool)
+    .await
+    .expect("install audit trigger");
+}
+
+/// The largest number of committed updates any loan received.
+pub async fn max_updates_per_loan(pool: &PgPool) -> i32 {
+    sqlx::query_scalar::<_, Option<i32>>("select max(n) from loan_updates")
+        .fetch_one(pool)
+        .await
+        .expect("read audit")
+        .unwrap_or(0)
+}
+
+/// The oracle, in plain SQL and independent of the daemon: (loans returned in the month, their total fine under
+/// the default policy of 100 cents a day, no grace, no cap).
+pub async fn oracle(pool: &PgPool, month_end: &str) -> (i64, i64) {
+    sqlx::query_as::<_, (i64, i64)>(
+        r#"select count(*), coalesce(sum(greatest(0, returned_on - due_on) * 100), 0)::bigint
+           from loans
+           where returned_on >= date_trunc('month', $1::date) and returned_on <= $1::date"#,
+    )
+    .bind(d(month_end))
+    .fetch_one(pool)
+    .await
+    .expect("oracle")
+}
+
+/// What the database holds for a month: (settled loans returned in it, their total fine).
+pub async fn settled(pool: &PgPool, month_end: &str) -> (i64, i64) {
+    sqlx::query_as::<_, (i64, i64)>(
+        r#"select count(*), coalesce(sum(fine_cents), 0)::bigint
+           from loans
+           where fine_settled_at is not null
+             and returned_on >= date_trunc('month', $1::date) and returned_on <= $1::date"#,
+    )
+    .bind(d(month_end))
+    .fetch_one(pool)
+    .await
+    .expect("settled")
+}
+
+/// Loans outside the month that were touched anyway (must be 0).
+pub async fn settled_outside(pool: &PgPool, month_end: &str) -> i64 {
+    sqlx::query_scalar(
+        r#"select count(*) from loans
+           where fine_settled_at is not null
+             and (returned_on is null or returned_on < date_trunc('month', $1::date) or returned_on > $1::date)"#,
+    )
+    .bind(d(month_end))
+    .fetch_one(pool)
+    .await
+    .expect("outside")
+}
+
+pub fn runner(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
+    Runner {
+        pool: pool.clone(),
+        owner: owner.to_string(),
+        lease: Duration::from_secs(60),
+        batch_timeout: Duration::from_secs(10),
+        batch_size,
+        cancel: CancellationToken::new(),
+    }
+}
+
+/// The URL of the test's own database on the server named by DATABASE_URL.
+pub fn database_url(pool: &PgPool) -> String {
+    let server = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let (base, _) = server.rsplit_once('/').expect("DATABASE_URL has a database path");
+    let db = pool.connect_options().get_database().expect("test pool has a database").to_string();
+    format!("{base}/{db}")
+}
+
+/// The real binary, pointed at `url`, with no configuration inherited from the environment.
+pub fn fine_settler(url: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fine-settler"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("FINE_SETTLER") || k == "RUST_LOG" {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env("DATABASE_URL", url).env("FINE_SETTLER__LOG__LEVEL", "info").stdin(Stdio::null());
+    cmd
+}
+
+/// Runs the binary to completion (blocking; call from `spawn_blocking` when running several).
+pub fn output(mut cmd: Command) -> Output {
+    cmd.output().expect("run fine-settler")
+}
+
+/// The JSON report a one-shot command printed on stdout.
+pub fn report(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_else(|| {
+        panic!("no report on stdout; stderr: {}", String::from_utf8_lossy(&out.stderr))
+    });
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("report {line:?} is not JSON: {e}"))
+}
+
+/// Polls `check` every 50 ms until it returns true, failing after `limit`.
+pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    while !check().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,8 @@
+//! Integration tests against a real PostgreSQL: each `#[sqlx::test]` gets a fresh database with the migrations
+//! applied. `DATABASE_URL` names the server (scripts/test.sh starts a private one).
+
+mod claim;
+mod cli;
+mod fencing;
+mod helpers;
+mod settlement;
