@@ -35,6 +35,12 @@ if [ -z "$pgbin" ] || [ ! -x "$pgbin/initdb" ]; then
 fi
 
 dir="$root/target/pg-$name"
+if [ "$(id -u)" = 0 ] && ! runuser -u postgres -- test -x "$root" 2>/dev/null; then
+  # The server runs as `postgres`, which cannot enter this checkout (e.g. one under /root): keep the cluster in
+  # a folder of its own under /tmp instead, named after the checkout so that two checkouts never share one.
+  dir="/tmp/fine-settler-pg-$(printf '%s' "$root" | md5sum | cut -c1-8)-$name"
+  echo "pg.sh: postgres cannot enter $root; the $name cluster lives in $dir" >&2
+fi
 as_owner=()
 if [ "$(id -u)" = 0 ]; then
   as_owner=(runuser -u postgres --)

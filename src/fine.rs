@@ -69,7 +69,11 @@ pub enum PolicyError {
 
 impl FinePolicy {
     /// The documented defaults: 100 cents a day, no grace, no cap.
-    pub const DEFAULT: FinePolicy = FinePolicy { daily_rate: Cents(100), grace_days: 0, cap: None };
+    pub const DEFAULT: FinePolicy = FinePolicy {
+        daily_rate: Cents(100),
+        grace_days: 0,
+        cap: None,
+    };
 
     /// Builds a policy; `cap_cents = 0` means no cap, as in the configuration file.
     pub fn new(daily_rate_cents: i64, grace_days: i64, cap_cents: i64) -> Result<Self, PolicyError> {

@@ -50,11 +50,13 @@ pub async fn connect(
     application_name: &str,
     batch_timeout: Duration,
 ) -> Result<PgPool, StoreError> {
-    let options = connect_options(db, application_name)?
-        .options([
-            ("statement_timeout", batch_timeout.as_millis().to_string()),
-            ("idle_in_transaction_session_timeout", batch_timeout.as_millis().to_string()),
-        ]);
+    let options = connect_options(db, application_name)?.options([
+        ("statement_timeout", batch_timeout.as_millis().to_string()),
+        (
+            "idle_in_transaction_session_timeout",
+            batch_timeout.as_millis().to_string(),
+        ),
+    ]);
     let pool = PgPoolOptions::new()
         .max_connections(db.max_connections)
         .acquire_timeout(db.connect_timeout)

@@ -10,14 +10,20 @@ use crate::helpers::key;
 const LEASE: Duration = Duration::from_secs(60);
 
 async fn won(pool: &PgPool, owner: &str, force: bool) -> Option<(i64, ClaimKind)> {
-    match claim(pool, &key("2026-10-31", 0, 1), owner, LEASE, force).await.expect("claim") {
+    match claim(pool, &key("2026-10-31", 0, 1), owner, LEASE, force)
+        .await
+        .expect("claim")
+    {
         Claim::Won { epoch, kind, .. } => Some((epoch, kind)),
         Claim::Skipped(_) => None,
     }
 }
 
 async fn status(pool: &PgPool) -> (String, String, i64) {
-    sqlx::query_as("select status, owner, epoch from job_runs").fetch_one(pool).await.expect("job_runs row")
+    sqlx::query_as("select status, owner, epoch from job_runs")
+        .fetch_one(pool)
+        .await
+        .expect("job_runs row")
 }
 
 async fn expire_lease(pool: &PgPool) {
@@ -37,9 +43,15 @@ async fn first_insert_wins_and_the_second_skips(pool: PgPool) {
 #[sqlx::test]
 async fn a_live_running_key_is_skipped_even_by_force(pool: PgPool) {
     won(&pool, "a", false).await;
-    match claim(&pool, &key("2026-10-31", 0, 1), "b", LEASE, true).await.expect("claim") {
+    match claim(&pool, &key("2026-10-31", 0, 1), "b", LEASE, true)
+        .await
+        .expect("claim")
+    {
         Claim::Skipped(holder) => {
-            assert_eq!((holder.status.as_str(), holder.owner.as_str(), holder.epoch), ("RUNNING", "a", 1));
+            assert_eq!(
+                (holder.status.as_str(), holder.owner.as_str(), holder.epoch),
+                ("RUNNING", "a", 1)
+            );
         }
         other => panic!("a live owner was displaced: {other:?}"),
     }
@@ -61,35 +73,52 @@ async fn an_expired_running_key_is_taken_over_with_the_next_epoch(pool: PgPool) 
 async fn a_failed_key_is_taken_over_at_once(pool: PgPool) {
     won(&pool, "a", false).await;
     let k = key("2026-10-31", 0, 1);
-    assert!(finish(&pool, &k, 1, Ending::Failed("boom"), 3, 2).await.expect("fail"));
+    assert!(finish(&pool, &k, 1, Ending::Failed("boom"), 3, 2)
+        .await
+        .expect("fail"));
     assert_eq!(won(&pool, "b", false).await, Some((2, ClaimKind::TakenOver)));
-    let last_error: Option<String> =
-        sqlx::query_scalar("select last_error from job_runs").fetch_one(&pool).await.expect("row");
+    let last_error: Option<String> = sqlx::query_scalar("select last_error from job_runs")
+        .fetch_one(&pool)
+        .await
+        .expect("row");
     assert_eq!(last_error, None, "a takeover clears the previous error");
 }
 
 #[sqlx::test]
 async fn success_is_skipped_unless_forced_and_force_resets_the_cursor(pool: PgPool) {
     won(&pool, "a", false).await;
-    sqlx::query("update job_runs set cursor = 500, scanned = 10, updated = 7").execute(&pool).await.expect("progress");
+    sqlx::query("update job_runs set cursor = 500, scanned = 10, updated = 7")
+        .execute(&pool)
+        .await
+        .expect("progress");
     let k = key("2026-10-31", 0, 1);
-    assert!(finish(&pool, &k, 1, Ending::Success, 10, 7).await.expect("finish"));
+    assert!(finish(&pool, &k, 1, Ending::Success, 10, 7)
+        .await
+        .expect("finish"));
     assert_eq!(won(&pool, "b", false).await, None);
     match claim(&pool, &k, "c", LEASE, true).await.expect("claim") {
         Claim::Won { epoch, cursor, kind } => assert_eq!((epoch, cursor, kind), (2, None, ClaimKind::Forced)),
         other => panic!("force did not take a SUCCESS key: {other:?}"),
     }
-    let counters: (i64, i64) =
-        sqlx::query_as("select scanned, updated from job_runs").fetch_one(&pool).await.expect("row");
+    let counters: (i64, i64) = sqlx::query_as("select scanned, updated from job_runs")
+        .fetch_one(&pool)
+        .await
+        .expect("row");
     assert_eq!(counters, (0, 0));
 }
 
 #[sqlx::test]
 async fn a_takeover_resumes_from_the_stored_cursor(pool: PgPool) {
     won(&pool, "a", false).await;
-    sqlx::query("update job_runs set cursor = 4242").execute(&pool).await.expect("progress");
+    sqlx::query("update job_runs set cursor = 4242")
+        .execute(&pool)
+        .await
+        .expect("progress");
     expire_lease(&pool).await;
-    match claim(&pool, &key("2026-10-31", 0, 1), "b", LEASE, false).await.expect("claim") {
+    match claim(&pool, &key("2026-10-31", 0, 1), "b", LEASE, false)
+        .await
+        .expect("claim")
+    {
         Claim::Won { cursor, .. } => assert_eq!(cursor, Some(4242)),
         other => panic!("{other:?}"),
     }
@@ -98,7 +127,10 @@ async fn a_takeover_resumes_from_the_stored_cursor(pool: PgPool) {
 #[sqlx::test]
 async fn keys_differ_by_shard_count(pool: PgPool) {
     for (shard, shards) in [(0, 3), (0, 4), (1, 4)] {
-        match claim(&pool, &key("2026-10-31", shard, shards), "a", LEASE, false).await.expect("claim") {
+        match claim(&pool, &key("2026-10-31", shard, shards), "a", LEASE, false)
+            .await
+            .expect("claim")
+        {
             Claim::Won { epoch: 1, .. } => {}
             other => panic!("{shard}/{shards}: {other:?}"),
         }
@@ -120,7 +152,15 @@ async fn sixteen_concurrent_claimers_get_exactly_one_winner(pool: PgPool) {
             let _conn_warm = pool.acquire().await.expect("connection");
             drop(_conn_warm);
             barrier.wait().await;
-            claim(&pool, &key("2026-10-31", 0, 1), &format!("claimer-{i}"), LEASE, false).await.expect("claim")
+            claim(
+                &pool,
+                &key("2026-10-31", 0, 1),
+                &format!("claimer-{i}"),
+                LEASE,
+                false,
+            )
+            .await
+            .expect("claim")
         }));
     }
     let mut winners = 0;
@@ -130,7 +170,10 @@ async fn sixteen_concurrent_claimers_get_exactly_one_winner(pool: PgPool) {
         }
     }
     assert_eq!(winners, 1);
-    let attempts: i64 = sqlx::query_scalar("select count(*) from job_run_attempts").fetch_one(&wide).await.expect("n");
+    let attempts: i64 = sqlx::query_scalar("select count(*) from job_run_attempts")
+        .fetch_one(&wide)
+        .await
+        .expect("n");
     assert_eq!(attempts, 1, "only the winner appears in the history");
 }
 
@@ -140,7 +183,9 @@ async fn every_transition_appends_history(pool: PgPool) {
     won(&pool, "a", false).await;
     expire_lease(&pool).await;
     won(&pool, "b", false).await;
-    finish(&pool, &k, 2, Ending::Failed("disk full"), 5, 5).await.expect("fail");
+    finish(&pool, &k, 2, Ending::Failed("disk full"), 5, 5)
+        .await
+        .expect("fail");
     won(&pool, "c", false).await;
     finish(&pool, &k, 3, Ending::Success, 1, 1).await.expect("finish");
     let events: Vec<(i64, String, String, Option<String>)> =
@@ -148,8 +193,10 @@ async fn every_transition_appends_history(pool: PgPool) {
             .fetch_all(&pool)
             .await
             .expect("history");
-    let events: Vec<(i64, &str, &str, Option<&str>)> =
-        events.iter().map(|(e, o, ev, err)| (*e, o.as_str(), ev.as_str(), err.as_deref())).collect();
+    let events: Vec<(i64, &str, &str, Option<&str>)> = events
+        .iter()
+        .map(|(e, o, ev, err)| (*e, o.as_str(), ev.as_str(), err.as_deref()))
+        .collect();
     assert_eq!(
         events,
         vec![

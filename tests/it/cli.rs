@@ -5,7 +5,10 @@ use sqlx::PgPool;
 use crate::helpers::{database_url, fine_settler, output, report};
 
 async fn nothing_written(pool: &PgPool) {
-    let runs: i64 = sqlx::query_scalar("select count(*) from job_runs").fetch_one(pool).await.expect("count");
+    let runs: i64 = sqlx::query_scalar("select count(*) from job_runs")
+        .fetch_one(pool)
+        .await
+        .expect("count");
     let settled: i64 = sqlx::query_scalar("select count(*) from loans where fine_settled_at is not null")
         .fetch_one(pool)
         .await
@@ -14,7 +17,11 @@ async fn nothing_written(pool: &PgPool) {
 }
 
 fn stderr_lines(out: &std::process::Output) -> Vec<String> {
-    String::from_utf8_lossy(&out.stderr).lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect()
+    String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_string)
+        .collect()
 }
 
 #[sqlx::test]
@@ -32,21 +39,33 @@ async fn each_invalid_setting_is_one_line_naming_its_key_and_exit_2(pool: PgPool
         ("FINE_SETTLER__CLAIM__LEASE", "forever", "claim.lease"),
         ("FINE_SETTLER__CLAIM__LEASE", "5s", "claim.lease"),
         ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "-3s", "claim.batch_timeout"),
-        ("FINE_SETTLER__FINE__DAILY_RATE_CENTS", "-100", "fine.daily_rate_cents"),
+        (
+            "FINE_SETTLER__FINE__DAILY_RATE_CENTS",
+            "-100",
+            "fine.daily_rate_cents",
+        ),
         ("FINE_SETTLER__FINE__GRACE_DAYS", "-2", "fine.grace_days"),
         ("FINE_SETTLER__FINE__CAP_CENTS", "-1", "fine.cap_cents"),
-        ("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "0", "settlement.batch_size"),
+        (
+            "FINE_SETTLER__SETTLEMENT__BATCH_SIZE",
+            "0",
+            "settlement.batch_size",
+        ),
         ("FINE_SETTLER__INSTANCE__NAME", "x", "name"),
     ];
     for (var, value, key) in cases {
         let mut cmd = fine_settler(&url);
-        cmd.env(var, value).args(["settle", "--business-date", "2026-10-31"]);
+        cmd.env(var, value)
+            .args(["settle", "--business-date", "2026-10-31"]);
         let out = output(cmd);
         let lines = stderr_lines(&out);
         assert_eq!(out.status.code(), Some(2), "{var}={value}: {lines:?}");
         assert_eq!(lines.len(), 1, "{var}={value}: {lines:?}");
         assert!(lines[0].contains(key), "{var}={value}: {lines:?}");
-        assert!(out.stdout.is_empty(), "{var}={value}: no report for a run that never started");
+        assert!(
+            out.stdout.is_empty(),
+            "{var}={value}: no report for a run that never started"
+        );
     }
     nothing_written(&pool).await;
 }
@@ -55,15 +74,23 @@ async fn each_invalid_setting_is_one_line_naming_its_key_and_exit_2(pool: PgPool
 async fn a_bad_config_file_is_rejected_before_any_database_access(pool: PgPool) {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("shard.toml");
-    std::fs::write(&file, "[instance]\nshard = 4\nshards = 4\n[claim]\nlease = \"1s\"\n").expect("write");
+    std::fs::write(
+        &file,
+        "[instance]\nshard = 4\nshards = 4\n[claim]\nlease = \"1s\"\n",
+    )
+    .expect("write");
     // An unreachable URL: if validation did not come first, this would be a connection failure (exit 1).
     let mut cmd = fine_settler("postgres://nobody:hunter2@127.0.0.1:1/nothing");
-    cmd.arg("--config").arg(&file).args(["settle", "--business-date", "2026-10-31"]);
+    cmd.arg("--config")
+        .arg(&file)
+        .args(["settle", "--business-date", "2026-10-31"]);
     let out = output(cmd);
     let lines = stderr_lines(&out);
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(lines.len(), 2, "both problems, one line each: {lines:?}");
-    assert!(lines.iter().any(|l| l.contains("instance.shard")) && lines.iter().any(|l| l.contains("claim.lease")));
+    assert!(
+        lines.iter().any(|l| l.contains("instance.shard")) && lines.iter().any(|l| l.contains("claim.lease"))
+    );
     nothing_written(&pool).await;
 }
 
@@ -74,15 +101,36 @@ async fn bad_arguments_exit_2_and_write_nothing(pool: PgPool) {
         &["settle", "--business-date", "2026-10-30"][..],
         &["settle", "--business-date", "2026-02-30"][..],
         &["settle", "--business-date", "10000-01-31"][..],
-        &["settle", "--business-date", "2026-10-31", "--shard", "3", "--shards", "3"][..],
-        &["settle", "--business-date", "2026-10-31", "--shard", "-1", "--shards", "3"][..],
+        &[
+            "settle",
+            "--business-date",
+            "2026-10-31",
+            "--shard",
+            "3",
+            "--shards",
+            "3",
+        ][..],
+        &[
+            "settle",
+            "--business-date",
+            "2026-10-31",
+            "--shard",
+            "-1",
+            "--shards",
+            "3",
+        ][..],
         &["settle"][..],
         &["verify", "--business-date", "2026-11-01"][..],
     ] {
         let mut cmd = fine_settler(&url);
         cmd.args(args);
         let out = output(cmd);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     nothing_written(&pool).await;
 }
@@ -90,23 +138,36 @@ async fn bad_arguments_exit_2_and_write_nothing(pool: PgPool) {
 #[sqlx::test]
 async fn an_unreachable_database_is_a_runtime_failure_with_a_report(_pool: PgPool) {
     let mut cmd = fine_settler("postgres://nobody:hunter2@127.0.0.1:1/nothing");
-    cmd.env("FINE_SETTLER__DATABASE__CONNECT_TIMEOUT", "2s").args(["settle", "--business-date", "2026-10-31"]);
+    cmd.env("FINE_SETTLER__DATABASE__CONNECT_TIMEOUT", "2s").args([
+        "settle",
+        "--business-date",
+        "2026-10-31",
+    ]);
     let out = output(cmd);
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(report(&out)["outcome"], "failed");
-    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(!all.contains("hunter2"), "the password leaked: {all}");
 }
 
 #[sqlx::test]
 async fn check_config_prints_the_effective_values_with_the_password_redacted(_pool: PgPool) {
     let mut cmd = fine_settler("postgres://settler:hunter2@db.example:5432/libraryd?sslmode=require");
-    cmd.env("FINE_SETTLER__INSTANCE__SHARDS", "3").env("FINE_SETTLER__INSTANCE__SHARD", "2").arg("check-config");
+    cmd.env("FINE_SETTLER__INSTANCE__SHARDS", "3")
+        .env("FINE_SETTLER__INSTANCE__SHARD", "2")
+        .arg("check-config");
     let out = output(cmd);
     assert_eq!(out.status.code(), Some(0));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(!text.contains("hunter2"), "{text}");
-    assert!(text.contains("settler:***@db.example:5432/libraryd?sslmode=require"), "{text}");
+    assert!(
+        text.contains("settler:***@db.example:5432/libraryd?sslmode=require"),
+        "{text}"
+    );
     let parsed: toml::Value = toml::from_str(&text).expect("valid TOML");
     assert_eq!(parsed["instance"]["shard"].as_integer(), Some(2));
 }
@@ -118,7 +179,12 @@ async fn migrate_twice_is_a_no_op(pool: PgPool) {
         let mut cmd = fine_settler(&url);
         cmd.arg("migrate");
         let out = output(cmd);
-        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let valid: bool = sqlx::query_scalar(
         "select i.indisvalid from pg_index i join pg_class c on c.oid = i.indexrelid
@@ -147,7 +213,12 @@ async fn migrate_upgrades_an_existing_libraryd_database(pool: PgPool) {
     let mut cmd = fine_settler(&url);
     cmd.arg("migrate");
     let out = output(cmd);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let unsettled: i64 = sqlx::query_scalar("select count(*) from loans where fine_settled_at is null")
         .fetch_one(&pool)
         .await
@@ -177,7 +248,12 @@ async fn migrate_rebuilds_an_index_left_invalid_by_an_interrupted_build(pool: Pg
     let mut cmd = fine_settler(&url);
     cmd.arg("migrate");
     let out = output(cmd);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let valid: bool = sqlx::query_scalar(
         "select i.indisvalid from pg_index i join pg_class c on c.oid = i.indexrelid
          where c.relname = 'loans_unsettled_returned_idx'",

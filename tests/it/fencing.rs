@@ -13,7 +13,9 @@ use fine_settler::{
 };
 use sqlx::{PgConnection, PgPool};
 
-use crate::helpers::{install_update_audit, insert, key, loan, max_updates_per_loan, oracle, runner, settled};
+use crate::helpers::{
+    insert, install_update_audit, key, loan, max_updates_per_loan, oracle, runner, settled,
+};
 
 /// Settlement, except that just before writing batch number `after` (0-based) the replica stalls long enough
 /// for its lease to expire and for a peer to take the key over and finish it.
@@ -36,7 +38,13 @@ impl BatchJob for StallsBeforeBatch {
         Settlement::row_id(row)
     }
 
-    async fn fetch(&self, pool: &PgPool, key: &RunKey, from_id: i64, limit: i64) -> Result<Vec<Unsettled>, JobError> {
+    async fn fetch(
+        &self,
+        pool: &PgPool,
+        key: &RunKey,
+        from_id: i64,
+        limit: i64,
+    ) -> Result<Vec<Unsettled>, JobError> {
         self.inner.fetch(pool, key, from_id, limit).await
     }
 
@@ -58,28 +66,46 @@ impl BatchJob for StallsBeforeBatch {
 #[sqlx::test]
 async fn a_replica_taken_over_mid_run_commits_nothing_more_and_the_peer_finishes(pool: PgPool) {
     install_update_audit(&pool).await;
-    let loans: Vec<_> = (1..=100).map(|id| loan(id, "2026-10-05", Some("2026-10-20"))).collect();
+    let loans: Vec<_> = (1..=100)
+        .map(|id| loan(id, "2026-10-05", Some("2026-10-20")))
+        .collect();
     insert(&pool, &loans).await;
 
     let job = StallsBeforeBatch {
-        inner: Settlement { policy: FinePolicy::default() },
+        inner: Settlement {
+            policy: FinePolicy::default(),
+        },
         after: 3,
         batches: AtomicUsize::new(0),
         peer_pool: pool.clone(),
         peer_report: tokio::sync::Mutex::new(None),
     };
-    let zombie = runner(&pool, "zombie", 10).run(&job, key("2026-10-31", 0, 1), false).await;
+    let zombie = runner(&pool, "zombie", 10)
+        .run(&job, key("2026-10-31", 0, 1), false)
+        .await;
 
     assert_eq!(zombie.outcome, Outcome::LeaseLost);
     assert_eq!(zombie.epoch, Some(1));
-    assert_eq!((zombie.scanned, zombie.updated), (30, 30), "only the three batches before the stall count");
+    assert_eq!(
+        (zombie.scanned, zombie.updated),
+        (30, 30),
+        "only the three batches before the stall count"
+    );
     let peer = job.peer_report.lock().await.clone().expect("the peer ran");
-    assert_eq!((peer.outcome, peer.epoch, peer.scanned), (Outcome::Settled, Some(2), 70));
+    assert_eq!(
+        (peer.outcome, peer.epoch, peer.scanned),
+        (Outcome::Settled, Some(2), 70)
+    );
 
-    assert_eq!(settled(&pool, "2026-10-31").await, oracle(&pool, "2026-10-31").await);
+    assert_eq!(
+        settled(&pool, "2026-10-31").await,
+        oracle(&pool, "2026-10-31").await
+    );
     assert_eq!(max_updates_per_loan(&pool).await, 1, "no loan was written twice");
-    let row: (String, String, i64) =
-        sqlx::query_as("select status, owner, epoch from job_runs").fetch_one(&pool).await.expect("row");
+    let row: (String, String, i64) = sqlx::query_as("select status, owner, epoch from job_runs")
+        .fetch_one(&pool)
+        .await
+        .expect("row");
     assert_eq!(row, ("SUCCESS".into(), "peer".into(), 2));
     let lost: i64 = sqlx::query_scalar(
         "select count(*) from job_run_attempts where event = 'lease_lost' and epoch = 1 and owner = 'zombie'",
@@ -93,7 +119,9 @@ async fn a_replica_taken_over_mid_run_commits_nothing_more_and_the_peer_finishes
 #[sqlx::test]
 async fn a_fenced_batch_rolls_back_its_business_writes(pool: PgPool) {
     install_update_audit(&pool).await;
-    let loans: Vec<_> = (1..=20).map(|id| loan(id, "2026-10-05", Some("2026-10-06"))).collect();
+    let loans: Vec<_> = (1..=20)
+        .map(|id| loan(id, "2026-10-05", Some("2026-10-06")))
+        .collect();
     insert(&pool, &loans).await;
     let k = key("2026-10-31", 0, 1);
     let runner = runner(&pool, "a", 1000);
@@ -106,12 +134,20 @@ async fn a_fenced_batch_rolls_back_its_business_writes(pool: PgPool) {
     .await
     .expect("seed row");
     let mut tx = pool.begin().await.expect("tx");
-    let settlement = Settlement { policy: FinePolicy::default() };
+    let settlement = Settlement {
+        policy: FinePolicy::default(),
+    };
     let rows = settlement.fetch(&pool, &k, i64::MIN, 1000).await.expect("fetch");
     let written = settlement.write(&mut tx, &k, &rows).await.expect("write");
     assert_eq!(written, 20);
-    let progress = fine_settler::store::job_runs::Progress { cursor: 20, scanned: 20, updated: 20 };
-    let fenced = fine_settler::store::job_runs::advance(&mut tx, &k, 4, progress, runner.lease).await.expect("advance");
+    let progress = fine_settler::store::job_runs::Progress {
+        cursor: 20,
+        scanned: 20,
+        updated: 20,
+    };
+    let fenced = fine_settler::store::job_runs::advance(&mut tx, &k, 4, progress, runner.lease)
+        .await
+        .expect("advance");
     assert!(!fenced, "epoch 4 does not own a key at epoch 5");
     tx.rollback().await.expect("rollback");
     assert_eq!(settled(&pool, "2026-10-31").await.0, 0);

@@ -126,7 +126,11 @@ pub fn runner(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
 pub fn database_url(pool: &PgPool) -> String {
     let server = std::env::var("DATABASE_URL").expect("DATABASE_URL");
     let (base, _) = server.rsplit_once('/').expect("DATABASE_URL has a database path");
-    let db = pool.connect_options().get_database().expect("test pool has a database").to_string();
+    let db = pool
+        .connect_options()
+        .get_database()
+        .expect("test pool has a database")
+        .to_string();
     format!("{base}/{db}")
 }
 
@@ -138,7 +142,9 @@ pub fn fine_settler(url: &str) -> Command {
             cmd.env_remove(k);
         }
     }
-    cmd.env("DATABASE_URL", url).env("FINE_SETTLER__LOG__LEVEL", "info").stdin(Stdio::null());
+    cmd.env("DATABASE_URL", url)
+        .env("FINE_SETTLER__LOG__LEVEL", "info")
+        .stdin(Stdio::null());
     cmd
 }
 
@@ -151,7 +157,10 @@ pub fn output(mut cmd: Command) -> Output {
 pub fn report(out: &Output) -> serde_json::Value {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let line = stdout.lines().last().unwrap_or_else(|| {
-        panic!("no report on stdout; stderr: {}", String::from_utf8_lossy(&out.stderr))
+        panic!(
+            "no report on stdout; stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
     });
     serde_json::from_str(line).unwrap_or_else(|e| panic!("report {line:?} is not JSON: {e}"))
 }
@@ -164,7 +173,10 @@ where
 {
     let deadline = tokio::time::Instant::now() + limit;
     while !check().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -11,14 +11,22 @@ use fine_settler::{
 use sqlx::PgPool;
 
 use crate::helpers::{
-    d, database_url, fine_settler, install_update_audit, insert, key, loan, max_updates_per_loan, oracle, output,
-    report, runner, settled, settled_outside, wait_until,
+    d, database_url, fine_settler, insert, install_update_audit, key, loan, max_updates_per_loan, oracle,
+    output, report, runner, settled, settled_outside, wait_until,
 };
 
-const POLICY: Settlement = Settlement { policy: FinePolicy::DEFAULT };
+const POLICY: Settlement = Settlement {
+    policy: FinePolicy::DEFAULT,
+};
 
 async fn demo_loans(pool: &PgPool, n: u64) {
-    let loans: Vec<_> = demo::loans(DemoSpec { loans: n, seed: 7, month: d("2026-10-01"), first_id: 1 }).collect();
+    let loans: Vec<_> = demo::loans(DemoSpec {
+        loans: n,
+        seed: 7,
+        month: d("2026-10-01"),
+        first_id: 1,
+    })
+    .collect();
     insert(pool, &loans).await;
 }
 
@@ -31,15 +39,25 @@ async fn a_run_settles_the_month_and_reruns_change_nothing(pool: PgPool) {
     assert!(expected_n > 100 && expected_total > 0);
 
     let first = runner(&pool, "a", 64).run(&POLICY, k, false).await;
-    assert_eq!((first.outcome, first.epoch, first.scanned, first.updated), (Outcome::Settled, Some(1), expected_n, expected_n));
+    assert_eq!(
+        (first.outcome, first.epoch, first.scanned, first.updated),
+        (Outcome::Settled, Some(1), expected_n, expected_n)
+    );
     assert_eq!(settled(&pool, "2026-10-31").await, (expected_n, expected_total));
-    assert_eq!(settled_outside(&pool, "2026-10-31").await, 0, "loans outside the month are untouched");
+    assert_eq!(
+        settled_outside(&pool, "2026-10-31").await,
+        0,
+        "loans outside the month are untouched"
+    );
 
     let again = runner(&pool, "b", 64).run(&POLICY, k, false).await;
     assert_eq!(again.outcome, Outcome::Skipped);
 
     let forced = runner(&pool, "c", 64).run(&POLICY, k, true).await;
-    assert_eq!((forced.outcome, forced.epoch, forced.scanned, forced.updated), (Outcome::Settled, Some(2), 0, 0));
+    assert_eq!(
+        (forced.outcome, forced.epoch, forced.scanned, forced.updated),
+        (Outcome::Settled, Some(2), 0, 0)
+    );
     assert_eq!(settled(&pool, "2026-10-31").await, (expected_n, expected_total));
     assert_eq!(max_updates_per_loan(&pool).await, 1);
 }
@@ -59,7 +77,14 @@ async fn three_shards_twice_each_concurrently_then_rerun_then_forced(pool: PgPoo
                 for _ in 0..2 {
                     let mut cmd = fine_settler(&url);
                     cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "50")
-                        .args(["settle", "--business-date", "2026-10-31", "--shards", "3", "--shard"])
+                        .args([
+                            "settle",
+                            "--business-date",
+                            "2026-10-31",
+                            "--shards",
+                            "3",
+                            "--shard",
+                        ])
                         .arg(shard.to_string())
                         .args(extra);
                     tasks.push(tokio::task::spawn_blocking(move || output(cmd)));
@@ -68,14 +93,26 @@ async fn three_shards_twice_each_concurrently_then_rerun_then_forced(pool: PgPoo
             let mut reports = Vec::new();
             for t in tasks {
                 let out = t.await.expect("join");
-                assert_eq!(out.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+                assert_eq!(
+                    out.status.code(),
+                    Some(0),
+                    "stderr: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
                 reports.push(report(&out));
             }
             reports
         }
     };
-    let count = |reports: &[serde_json::Value], outcome: &str| reports.iter().filter(|r| r["outcome"] == outcome).count();
-    let sum = |reports: &[serde_json::Value], field: &str| reports.iter().map(|r| r[field].as_i64().unwrap_or(0)).sum::<i64>();
+    let count = |reports: &[serde_json::Value], outcome: &str| {
+        reports.iter().filter(|r| r["outcome"] == outcome).count()
+    };
+    let sum = |reports: &[serde_json::Value], field: &str| {
+        reports
+            .iter()
+            .map(|r| r[field].as_i64().unwrap_or(0))
+            .sum::<i64>()
+    };
 
     let first = settle_all(&[]).await;
     // Each shard has one winner; its twin either skipped or, if it came after the winner finished, also skipped.
@@ -89,28 +126,52 @@ async fn three_shards_twice_each_concurrently_then_rerun_then_forced(pool: PgPoo
     let forced = settle_all(&["--force"]).await;
     // A forced twin that comes after its shard's forced run finished forces again: that is what --force means.
     assert!(count(&forced, "settled") >= 3, "{forced:?}");
-    assert_eq!(count(&forced, "settled") + count(&forced, "skipped"), 6, "{forced:?}");
-    assert_eq!(sum(&forced, "scanned"), 0, "a forced rerun finds nothing left to settle");
+    assert_eq!(
+        count(&forced, "settled") + count(&forced, "skipped"),
+        6,
+        "{forced:?}"
+    );
+    assert_eq!(
+        sum(&forced, "scanned"),
+        0,
+        "a forced rerun finds nothing left to settle"
+    );
 
     assert_eq!(settled(&pool, "2026-10-31").await, oracle_totals);
     assert_eq!(max_updates_per_loan(&pool).await, 1, "no loan was updated twice");
-    let statuses: Vec<(i32, String)> =
-        sqlx::query_as("select shard, status from job_runs order by shard").fetch_all(&pool).await.expect("runs");
-    assert_eq!(statuses, vec![(0, "SUCCESS".into()), (1, "SUCCESS".into()), (2, "SUCCESS".into())]);
+    let statuses: Vec<(i32, String)> = sqlx::query_as("select shard, status from job_runs order by shard")
+        .fetch_all(&pool)
+        .await
+        .expect("runs");
+    assert_eq!(
+        statuses,
+        vec![
+            (0, "SUCCESS".into()),
+            (1, "SUCCESS".into()),
+            (2, "SUCCESS".into())
+        ]
+    );
 
     let verify = output({
         let mut c = fine_settler(&url);
         c.args(["verify", "--business-date", "2026-10-31"]);
         c
     });
-    assert_eq!(verify.status.code(), Some(0), "{}", String::from_utf8_lossy(&verify.stdout));
+    assert_eq!(
+        verify.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
 }
 
 #[sqlx::test]
 async fn the_seeds_zero_fine_trap_reworks_nothing(pool: PgPool) {
     install_update_audit(&pool).await;
     // 40 on-time returns (fine 0) and 10 late ones.
-    let mut loans: Vec<_> = (1..=40).map(|id| loan(id, "2026-10-20", Some("2026-10-10"))).collect();
+    let mut loans: Vec<_> = (1..=40)
+        .map(|id| loan(id, "2026-10-20", Some("2026-10-10")))
+        .collect();
     loans.extend((41..=50).map(|id| loan(id, "2026-10-01", Some("2026-10-04"))));
     insert(&pool, &loans).await;
     let k = key("2026-10-31", 0, 1);
@@ -137,7 +198,9 @@ async fn resharding_from_three_to_four_settles_every_row(pool: PgPool) {
     demo_loans(&pool, 1500).await;
     // Only shards 0 and 1 of 3 ran (a replica was missing); then the deployment moved to 4 shards.
     for shard in [0, 1] {
-        let r = runner(&pool, "old", 40).run(&POLICY, key("2026-10-31", shard, 3), false).await;
+        let r = runner(&pool, "old", 40)
+            .run(&POLICY, key("2026-10-31", shard, 3), false)
+            .await;
         assert_eq!(r.outcome, Outcome::Settled);
     }
     let partial = settled(&pool, "2026-10-31").await.0;
@@ -145,8 +208,14 @@ async fn resharding_from_three_to_four_settles_every_row(pool: PgPool) {
     assert!(partial > 0 && partial < expected.0);
     let mut second = 0;
     for shard in 0..4 {
-        let r = runner(&pool, "new", 40).run(&POLICY, key("2026-10-31", shard, 4), false).await;
-        assert_eq!(r.outcome, Outcome::Settled, "shard {shard} of 4 runs fresh, not skipped");
+        let r = runner(&pool, "new", 40)
+            .run(&POLICY, key("2026-10-31", shard, 4), false)
+            .await;
+        assert_eq!(
+            r.outcome,
+            Outcome::Settled,
+            "shard {shard} of 4 runs fresh, not skipped"
+        );
         second += r.updated;
     }
     assert_eq!(partial + second, expected.0, "the overlap was not written twice");
@@ -167,40 +236,78 @@ async fn the_business_month_is_first_to_last_day_inclusive(pool: PgPool) {
         ],
     )
     .await;
-    let r = runner(&pool, "a", 10).run(&POLICY, key("2028-02-29", 0, 1), false).await;
+    let r = runner(&pool, "a", 10)
+        .run(&POLICY, key("2028-02-29", 0, 1), false)
+        .await;
     assert_eq!((r.outcome, r.scanned), (Outcome::Settled, 2));
     let fines: Vec<(i64, i64, bool)> =
         sqlx::query_as("select id, fine_cents, fine_settled_at is not null from loans order by id")
             .fetch_all(&pool)
             .await
             .expect("loans");
-    assert_eq!(fines, vec![(1, 0, false), (2, 200, true), (3, 1000, true), (4, 0, false), (5, 0, false)]);
+    assert_eq!(
+        fines,
+        vec![
+            (1, 0, false),
+            (2, 200, true),
+            (3, 1000, true),
+            (4, 0, false),
+            (5, 0, false)
+        ]
+    );
 }
 
 #[sqlx::test]
 async fn a_january_tick_settles_december(pool: PgPool) {
-    insert(&pool, &[loan(1, "2026-12-30", Some("2026-12-31")), loan(2, "2026-12-30", Some("2027-01-01"))]).await;
+    insert(
+        &pool,
+        &[
+            loan(1, "2026-12-30", Some("2026-12-31")),
+            loan(2, "2026-12-30", Some("2027-01-01")),
+        ],
+    )
+    .await;
     // 2026-12-31T16:30Z is 00:30 on January 1st in Shanghai.
     let tick = d("2026-12-31").and_hms_opt(16, 30, 0).expect("time").and_utc();
     let business_date = calendar::previous_month_end(calendar::local_date(tick, chrono_tz::Asia::Shanghai));
     assert_eq!(business_date, d("2026-12-31"));
-    let r = runner(&pool, "a", 10).run(&POLICY, key("2026-12-31", 0, 1), false).await;
+    let r = runner(&pool, "a", 10)
+        .run(&POLICY, key("2026-12-31", 0, 1), false)
+        .await;
     assert_eq!((r.outcome, r.scanned, r.updated), (Outcome::Settled, 1, 1));
 }
 
 #[sqlx::test]
 async fn ids_at_the_top_of_the_range_terminate(pool: PgPool) {
-    insert(&pool, &[loan(i64::MAX - 1, "2026-10-01", Some("2026-10-02")), loan(i64::MAX, "2026-10-01", Some("2026-10-03"))])
+    insert(
+        &pool,
+        &[
+            loan(i64::MAX - 1, "2026-10-01", Some("2026-10-02")),
+            loan(i64::MAX, "2026-10-01", Some("2026-10-03")),
+        ],
+    )
+    .await;
+    let r = runner(&pool, "a", 1)
+        .run(&POLICY, key("2026-10-31", 0, 1), false)
         .await;
-    let r = runner(&pool, "a", 1).run(&POLICY, key("2026-10-31", 0, 1), false).await;
     assert_eq!((r.outcome, r.scanned), (Outcome::Settled, 2));
-    let cursor: Option<i64> = sqlx::query_scalar("select cursor from job_runs").fetch_one(&pool).await.expect("row");
+    let cursor: Option<i64> = sqlx::query_scalar("select cursor from job_runs")
+        .fetch_one(&pool)
+        .await
+        .expect("row");
     assert_eq!(cursor, Some(i64::MAX));
 }
 
 #[sqlx::test]
 async fn bad_data_fails_the_run_naming_the_loan_and_a_later_run_resumes(pool: PgPool) {
-    insert(&pool, &[loan(1, "2026-10-01", Some("2026-10-02")), loan(3, "2026-10-01", Some("2026-10-03"))]).await;
+    insert(
+        &pool,
+        &[
+            loan(1, "2026-10-01", Some("2026-10-02")),
+            loan(3, "2026-10-01", Some("2026-10-03")),
+        ],
+    )
+    .await;
     sqlx::query(
         "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
          values (2, 1, 1, '2026-09-01', '-infinity', '2026-10-05')",
@@ -215,20 +322,31 @@ async fn bad_data_fails_the_run_naming_the_loan_and_a_later_run_resumes(pool: Pg
     let detail = failed.detail.unwrap_or_default();
     assert!(detail.contains("loan 2"), "{detail}");
     let (status, last_error): (String, Option<String>) =
-        sqlx::query_as("select status, last_error from job_runs").fetch_one(&pool).await.expect("row");
+        sqlx::query_as("select status, last_error from job_runs")
+            .fetch_one(&pool)
+            .await
+            .expect("row");
     assert_eq!(status, "FAILED");
     assert!(last_error.unwrap_or_default().contains("loan 2"));
 
-    sqlx::query("update loans set due_on = '2026-09-30' where id = 2").execute(&pool).await.expect("fix");
+    sqlx::query("update loans set due_on = '2026-09-30' where id = 2")
+        .execute(&pool)
+        .await
+        .expect("fix");
     let resumed = runner(&pool, "b", 1).run(&POLICY, k, false).await;
-    assert_eq!((resumed.outcome, resumed.epoch, resumed.scanned), (Outcome::Settled, Some(2), 2));
+    assert_eq!(
+        (resumed.outcome, resumed.epoch, resumed.scanned),
+        (Outcome::Settled, Some(2), 2)
+    );
     assert_eq!(settled(&pool, "2026-10-31").await, (3, 100 + 500 + 200));
 }
 
 #[sqlx::test]
 async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(pool: PgPool) {
     install_update_audit(&pool).await;
-    let loans: Vec<_> = (1..=300).map(|id| loan(id, "2026-10-05", Some("2026-10-15"))).collect();
+    let loans: Vec<_> = (1..=300)
+        .map(|id| loan(id, "2026-10-05", Some("2026-10-15")))
+        .collect();
     insert(&pool, &loans).await;
     // Slow every row down so that the process is reliably mid-run when it is killed.
     sqlx::raw_sql(
@@ -249,40 +367,67 @@ async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(
             .args(["settle", "--business-date", "2026-10-31"]);
         cmd
     };
-    let mut victim = settle(&url).stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("spawn");
+    let mut victim = settle(&url)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
     let scanned_so_far = || async {
-        sqlx::query_scalar::<_, i64>("select coalesce(max(scanned), 0) from job_runs").fetch_one(&pool).await.unwrap_or(0)
+        sqlx::query_scalar::<_, i64>("select coalesce(max(scanned), 0) from job_runs")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
     };
-    wait_until("five committed batches", Duration::from_secs(30), || async { scanned_so_far().await >= 50 }).await;
+    wait_until("five committed batches", Duration::from_secs(30), || async {
+        scanned_so_far().await >= 50
+    })
+    .await;
     victim.kill().expect("SIGKILL");
     victim.wait().expect("reap");
     // Its last transaction dies with its connection; wait until the server has let go of it.
     wait_until("the killed session to end", Duration::from_secs(10), || async {
-        sqlx::query_scalar::<_, i64>("select count(*) from pg_stat_activity where application_name like 'fine-settler settle%'")
-            .fetch_one(&pool)
-            .await
-            .unwrap_or(1)
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_stat_activity where application_name like 'fine-settler settle%'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap_or(1)
             == 0
     })
     .await;
     let committed = scanned_so_far().await;
-    assert!((50..300).contains(&committed), "killed mid-run, after {committed} rows");
-    sqlx::query("drop trigger slow_down on loans").execute(&pool).await.expect("drop slow trigger");
+    assert!(
+        (50..300).contains(&committed),
+        "killed mid-run, after {committed} rows"
+    );
+    sqlx::query("drop trigger slow_down on loans")
+        .execute(&pool)
+        .await
+        .expect("drop slow trigger");
 
     // While the dead owner's lease is still live, nobody takes over.
     let early = output(settle(&url));
     assert_eq!(report(&early)["outcome"], "skipped");
     wait_until("the lease to expire", Duration::from_secs(10), || async {
-        sqlx::query_scalar::<_, bool>("select lease_until < now() from job_runs").fetch_one(&pool).await.unwrap_or(false)
+        sqlx::query_scalar::<_, bool>("select lease_until < now() from job_runs")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(false)
     })
     .await;
 
     let resumed = output(settle(&url));
     assert_eq!(resumed.status.code(), Some(0));
     let r = report(&resumed);
-    assert_eq!((r["outcome"].as_str(), r["epoch"].as_i64()), (Some("settled"), Some(2)));
+    assert_eq!(
+        (r["outcome"].as_str(), r["epoch"].as_i64()),
+        (Some("settled"), Some(2))
+    );
     let rescanned = committed + r["scanned"].as_i64().unwrap_or(0) - 300;
-    assert!((0..=10).contains(&rescanned), "rows scanned again: {rescanned} (at most one batch)");
+    assert!(
+        (0..=10).contains(&rescanned),
+        "rows scanned again: {rescanned} (at most one batch)"
+    );
     assert_eq!(settled(&pool, "2026-10-31").await, (300, 300 * 1000));
     assert_eq!(max_updates_per_loan(&pool).await, 1);
     let events: Vec<(i64, String)> = sqlx::query_as("select epoch, event from job_run_attempts order by id")
