@@ -16,6 +16,28 @@ async fn nothing_written(pool: &PgPool) {
     assert_eq!((runs, settled), (0, 0));
 }
 
+fn migrate(url: &str) {
+    let mut cmd = fine_settler(url);
+    cmd.arg("migrate");
+    let out = output(cmd);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+async fn scan_index_is_valid(pool: &PgPool) -> bool {
+    sqlx::query_scalar(
+        "select i.indisvalid from pg_index i join pg_class c on c.oid = i.indexrelid
+         where c.relname = 'loans_unsettled_returned_idx'",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("the scan index exists")
+}
+
 fn stderr_lines(out: &std::process::Output) -> Vec<String> {
     String::from_utf8_lossy(&out.stderr)
         .lines()
@@ -186,14 +208,7 @@ async fn migrate_twice_is_a_no_op(pool: PgPool) {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let valid: bool = sqlx::query_scalar(
-        "select i.indisvalid from pg_index i join pg_class c on c.oid = i.indexrelid
-         where c.relname = 'loans_unsettled_returned_idx'",
-    )
-    .fetch_one(&pool)
-    .await
-    .expect("index exists");
-    assert!(valid);
+    assert!(scan_index_is_valid(&pool).await);
 }
 
 #[sqlx::test(migrations = false)]
@@ -234,9 +249,7 @@ async fn migrate_upgrades_an_existing_libraryd_database(pool: PgPool) {
 #[sqlx::test(migrations = false)]
 async fn migrate_rebuilds_an_index_left_invalid_by_an_interrupted_build(pool: PgPool) {
     let url = database_url(&pool);
-    let mut cmd = fine_settler(&url);
-    cmd.arg("migrate");
-    assert_eq!(output(cmd).status.code(), Some(0));
+    migrate(&url);
     // Simulate a `create index concurrently` that died half-way.
     sqlx::query(
         "update pg_index set indisvalid = false
@@ -254,12 +267,5 @@ async fn migrate_rebuilds_an_index_left_invalid_by_an_interrupted_build(pool: Pg
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let valid: bool = sqlx::query_scalar(
-        "select i.indisvalid from pg_index i join pg_class c on c.oid = i.indexrelid
-         where c.relname = 'loans_unsettled_returned_idx'",
-    )
-    .fetch_one(&pool)
-    .await
-    .expect("index exists");
-    assert!(valid);
+    assert!(scan_index_is_valid(&pool).await);
 }

@@ -153,3 +153,37 @@ async fn a_fenced_batch_rolls_back_its_business_writes(pool: PgPool) {
     assert_eq!(settled(&pool, "2026-10-31").await.0, 0);
     assert_eq!(max_updates_per_loan(&pool).await, 0);
 }
+
+#[sqlx::test]
+async fn the_conditional_write_never_changes_a_settled_loan(pool: PgPool) {
+    install_update_audit(&pool).await;
+    insert(
+        &pool,
+        &[
+            loan(1, "2026-10-01", Some("2026-10-04")),
+            loan(2, "2026-10-01", Some("2026-10-02")),
+        ],
+    )
+    .await;
+    let mut tx = pool.begin().await.expect("tx");
+    assert_eq!(
+        fine_settler::store::loans::settle(&mut tx, &[1], &[300])
+            .await
+            .expect("settle"),
+        1
+    );
+    tx.commit().await.expect("commit");
+    // A second writer that missed the first (a stale batch, another shard count) with a different fine.
+    let mut tx = pool.begin().await.expect("tx");
+    let written = fine_settler::store::loans::settle(&mut tx, &[1, 2], &[999_999, 100])
+        .await
+        .expect("settle");
+    tx.commit().await.expect("commit");
+    assert_eq!(written, 1, "only the unsettled loan is written");
+    let fines: Vec<(i64, i64)> = sqlx::query_as("select id, fine_cents from loans order by id")
+        .fetch_all(&pool)
+        .await
+        .expect("loans");
+    assert_eq!(fines, vec![(1, 300), (2, 100)]);
+    assert_eq!(max_updates_per_loan(&pool).await, 1);
+}
