@@ -2,22 +2,25 @@
 //! codes (0 success or skip, 1 runtime failure, 2 usage or configuration, 3 `verify` found violations).
 //! Reports go to stdout, logs to stderr.
 
-use std::{collections::HashMap, path::PathBuf, process::ExitCode};
+use std::{collections::HashMap, path::PathBuf, process::ExitCode, sync::Arc};
 
-use chrono::NaiveDate;
+use chrono::{DateTime, NaiveDate, Utc};
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
     calendar,
-    config::{self, ConfigError, RawSettings, Settings},
+    config::{self, ConfigError, RawSettings, Settings, TimeSource},
+    daemon::{self, Daemon},
     demo,
     jobs::{
         runner::{process_owner, Runner},
         settlement::Settlement,
         JobName, Outcome, RunKey, RunReport,
     },
+    schedule::{drift, SystemWall},
     shard::ShardSpec,
+    signals::Signals,
     store::{self, StoreError},
     telemetry,
 };
@@ -51,6 +54,34 @@ pub enum Command {
         /// Re-run a key that already succeeded, from the beginning (rows already settled are not touched).
         #[arg(long)]
         force: bool,
+    },
+    /// Run the replica: tick on the schedule, settling every due business date of this shard.
+    Run {
+        /// Do one tick, print its runs' reports, and exit (0 if every run settled or skipped).
+        #[arg(long)]
+        once: bool,
+    },
+    /// Print what a tick at that time would claim (one JSON line per due key); writes nothing.
+    Plan {
+        /// The time of the tick (default: now, by the configured clock).
+        #[arg(long, value_name = "RFC3339")]
+        at: Option<DateTime<chrono::FixedOffset>>,
+    },
+    /// Measure the scheduler: run it with simulated work and print each tick's start, lag and gap.
+    Drift {
+        #[arg(long, value_enum)]
+        mode: DriftMode,
+        /// The period (fixed-rate) or delay (fixed-delay).
+        #[arg(long, value_parser = parse_duration, default_value = "200ms")]
+        period: std::time::Duration,
+        /// Simulated work per tick.
+        #[arg(long, value_parser = parse_duration, default_value = "80ms")]
+        work: std::time::Duration,
+        #[arg(long, default_value_t = 6)]
+        ticks: usize,
+        /// Print at most this many table rows (the summary covers all ticks).
+        #[arg(long, default_value_t = 20)]
+        rows: usize,
     },
     /// Show job_runs rows as a table.
     Runs {
@@ -92,6 +123,21 @@ pub enum Command {
     },
 }
 
+/// The scheduler modes `drift` can measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DriftMode {
+    FixedRate,
+    FixedDelay,
+}
+
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    match humantime::parse_duration(s) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        Ok(_) => Err("must be longer than zero".into()),
+        Err(e) => Err(format!("{s:?} is not a duration ({e})")),
+    }
+}
+
 fn parse_month(s: &str) -> Result<NaiveDate, String> {
     NaiveDate::parse_from_str(&format!("{s}-01"), "%Y-%m-%d")
         .map_err(|_| format!("{s:?} is not a month like 2026-10"))
@@ -109,13 +155,19 @@ pub enum CliError {
     /// The database failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The daemon could not look at its work (one-shot `run --once`).
+    #[error(transparent)]
+    Tick(#[from] daemon::TickError),
+    /// Signal handlers could not be installed.
+    #[error("cannot install signal handlers: {0}")]
+    Signals(#[from] std::io::Error),
 }
 
 impl CliError {
     pub fn exit_code(&self) -> ExitCode {
         match self {
             CliError::Usage(_) | CliError::Config(_) => ExitCode::from(2),
-            CliError::Store(_) => ExitCode::from(1),
+            CliError::Store(_) | CliError::Tick(_) | CliError::Signals(_) => ExitCode::from(1),
         }
     }
 
@@ -159,7 +211,7 @@ pub fn main() -> ExitCode {
 fn settings(cli: &Cli) -> Result<(RawSettings, Settings), CliError> {
     let env: HashMap<String, String> = std::env::vars().collect();
     let raw = config::load(cli.config.as_deref(), &env)?;
-    let settings = raw.validate()?;
+    let settings = raw.validate(&env)?;
     Ok((raw, settings))
 }
 
@@ -202,6 +254,72 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             let report = settle(&settings, key, force).await;
             println!("{}", serde_json::to_string(&report).unwrap_or_default());
             Ok(ExitCode::from(report.outcome.exit_code()))
+        }
+        Command::Run { once } => {
+            telemetry::init(settings.log_format, &settings.log_level);
+            let signals = Signals::install()?;
+            let drain_timeout = settings.schedule.drain_timeout;
+            let mut daemon = Daemon::new(
+                settings,
+                Arc::new(SystemWall),
+                signals.shutdown.clone(),
+                signals.run_now.clone(),
+            )?;
+            if once {
+                let reports = daemon.tick().await?;
+                for r in &reports {
+                    println!("{}", serde_json::to_string(r).unwrap_or_default());
+                }
+                let worst = reports.iter().map(|r| r.outcome.exit_code()).max().unwrap_or(0);
+                return Ok(ExitCode::from(worst));
+            }
+            let drain_expired = async {
+                signals.shutdown.cancelled().await;
+                tokio::time::sleep(drain_timeout).await;
+            };
+            tokio::select! {
+                () = daemon.run() => Ok(ExitCode::SUCCESS),
+                () = signals.hard_stop.cancelled() => Ok(ExitCode::from(1)),
+                () = drain_expired => {
+                    tracing::error!(
+                        drain_timeout_ms = drain_timeout.as_millis() as u64,
+                        "drain timeout: exiting with a batch in flight; its key is taken over when the lease expires"
+                    );
+                    Ok(ExitCode::from(1))
+                }
+            }
+        }
+        Command::Plan { at } => {
+            telemetry::init(settings.log_format, &settings.log_level);
+            let mut session = store::Session::new(
+                &settings.database,
+                "fine-settler plan",
+                settings.claim.batch_timeout,
+            )?;
+            let (db_now, states) = session
+                .tick_status(settings.instance, daemon::window_days(&settings))
+                .await
+                .map_err(daemon::TickError::from)?;
+            let now = match (at, settings.time_source) {
+                (Some(at), _) => at.with_timezone(&Utc),
+                (None, TimeSource::Database) => db_now,
+                (None, TimeSource::System) => Utc::now(),
+            };
+            for due in daemon::plan(&settings, now, &states) {
+                println!("{}", serde_json::to_string(&due).unwrap_or_default());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Drift {
+            mode,
+            period,
+            work,
+            ticks,
+            rows,
+        } => {
+            let report = drift::measure(mode == DriftMode::FixedRate, period, work, ticks).await;
+            print!("{}", report.render(rows));
+            Ok(ExitCode::SUCCESS)
         }
         Command::Runs {
             job,
@@ -330,8 +448,13 @@ async fn settle(settings: &Settings, key: RunKey, force: bool) -> RunReport {
             };
         }
     };
-    let cancel = CancellationToken::new();
-    let signals = tokio::spawn(cancel_on_signal(cancel.clone()));
+    let cancel = match Signals::install() {
+        Ok(signals) => signals.shutdown,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot install signal handlers; SIGTERM will not release the key");
+            CancellationToken::new()
+        }
+    };
     let runner = Runner {
         pool: pool.clone(),
         owner: process_owner(),
@@ -349,23 +472,8 @@ async fn settle(settings: &Settings, key: RunKey, force: bool) -> RunReport {
             force,
         )
         .await;
-    signals.abort();
     pool.close().await;
     report
-}
-
-/// Cancels `token` on the first SIGINT or SIGTERM: the run stops between batches and releases its key.
-async fn cancel_on_signal(token: CancellationToken) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let Ok(mut term) = signal(SignalKind::terminate()) else {
-        return;
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-    tracing::warn!("shutdown requested: finishing the current batch, then releasing the key");
-    token.cancel();
 }
 
 fn runs_table(rows: &[store::job_runs::JobRun]) -> String {

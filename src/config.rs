@@ -52,6 +52,9 @@ pub struct RawDatabase {
 pub struct RawInstance {
     pub shard: i64,
     pub shards: i64,
+    pub shard_from: String,
+    pub pod_index_env: String,
+    pub pod_name_env: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -61,6 +64,7 @@ pub struct RawSchedule {
     pub period: String,
     pub cron: String,
     pub max_catch_up: i64,
+    pub drain_timeout: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -68,6 +72,7 @@ pub struct RawSchedule {
 pub struct RawTime {
     pub zone: String,
     pub source: String,
+    pub max_skew: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -204,6 +209,8 @@ pub enum ScheduleMode {
 pub struct ScheduleSettings {
     pub mode: ScheduleMode,
     pub max_catch_up: u32,
+    /// After a shutdown signal, how long the daemon may take to finish its batch and hand its key back.
+    pub drain_timeout: Duration,
 }
 
 /// Where a tick reads the time.
@@ -258,6 +265,8 @@ pub struct Settings {
     pub schedule: ScheduleSettings,
     pub zone: Tz,
     pub time_source: TimeSource,
+    /// Warn when the host clock and the database clock differ by more than this.
+    pub max_skew: Duration,
     pub claim: ClaimSettings,
     pub settlement: SettlementSettings,
     pub accrual: AccrualSettings,
@@ -322,8 +331,9 @@ impl Checker {
 }
 
 impl RawSettings {
-    /// Validates every value; on failure returns all problems found.
-    pub fn validate(&self) -> Result<Settings, ConfigError> {
+    /// Validates every value; on failure returns all problems found. `env` is read for the shard when
+    /// `instance.shard_from` names a pod index or pod name variable.
+    pub fn validate(&self, env: &HashMap<String, String>) -> Result<Settings, ConfigError> {
         let mut c = Checker { problems: Vec::new() };
 
         let url = self.database.url.trim().to_string();
@@ -353,13 +363,68 @@ impl RawSettings {
         let max_connections = c.int_in("database.max_connections", self.database.max_connections, 1..=100);
         let connect_timeout = c.duration("database.connect_timeout", &self.database.connect_timeout);
 
-        let instance = match ShardSpec::new(self.instance.shard, self.instance.shards) {
-            Ok(spec) => Some(spec),
-            Err(e @ ShardError::Shards(_)) => {
+        let shard = match self.instance.shard_from.as_str() {
+            "config" => Some(self.instance.shard),
+            "pod-index" => {
+                let var = &self.instance.pod_index_env;
+                match env.get(var).map(|v| v.trim().parse::<i64>()) {
+                    Some(Ok(index)) => Some(index),
+                    Some(Err(_)) => {
+                        c.fail(
+                            "instance.shard_from",
+                            format!("pod-index: {var}={:?} is not a number", env[var]),
+                        );
+                        None
+                    }
+                    None => {
+                        c.fail(
+                            "instance.shard_from",
+                            format!("pod-index: environment variable {var} is not set"),
+                        );
+                        None
+                    }
+                }
+            }
+            "pod-name" => {
+                let var = &self.instance.pod_name_env;
+                match env.get(var) {
+                    Some(name) => {
+                        match pod_ordinal(name) {
+                            Some(ordinal) => Some(ordinal),
+                            None => {
+                                c.fail(
+                                "instance.shard_from",
+                                format!("pod-name: {var}={name:?} does not end in -ORDINAL (e.g. fine-settler-2)"),
+                            );
+                                None
+                            }
+                        }
+                    }
+                    None => {
+                        c.fail(
+                            "instance.shard_from",
+                            format!("pod-name: environment variable {var} is not set"),
+                        );
+                        None
+                    }
+                }
+            }
+            other => {
+                c.fail(
+                    "instance.shard_from",
+                    format!("{other:?} is not one of config, pod-index, pod-name"),
+                );
+                None
+            }
+        };
+        let instance = match shard.map(|shard| ShardSpec::new(shard, self.instance.shards)) {
+            None => None,
+            Some(Ok(spec)) => Some(spec),
+            Some(Err(e @ ShardError::Shards(_))) => {
                 c.fail("instance.shards", e.to_string());
                 None
             }
-            Err(e @ ShardError::Shard { .. }) => {
+            Some(Err(e @ ShardError::Shard { .. })) => {
                 c.fail("instance.shard", e.to_string());
                 None
             }
@@ -381,6 +446,7 @@ impl RawSettings {
             }
         };
         let max_catch_up = c.int_in("schedule.max_catch_up", self.schedule.max_catch_up, 0..=1_000_000);
+        let drain_timeout = c.duration("schedule.drain_timeout", &self.schedule.drain_timeout);
 
         let zone = match self.time.zone.parse::<Tz>() {
             Ok(zone) => Some(zone),
@@ -403,6 +469,8 @@ impl RawSettings {
                 None
             }
         };
+
+        let max_skew = c.duration("time.max_skew", &self.time.max_skew);
 
         let lease = c.duration("claim.lease", &self.claim.lease);
         let batch_timeout = c.duration("claim.batch_timeout", &self.claim.batch_timeout);
@@ -492,9 +560,11 @@ impl RawSettings {
                 schedule: ScheduleSettings {
                     mode: mode?,
                     max_catch_up: max_catch_up?,
+                    drain_timeout: drain_timeout?,
                 },
                 zone: zone?,
                 time_source: time_source?,
+                max_skew: max_skew?,
                 claim: ClaimSettings {
                     lease: lease?,
                     batch_timeout: batch_timeout?,
@@ -530,6 +600,15 @@ impl RawSettings {
         shown.database.url = redact_url(&shown.database.url);
         toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render configuration: {e}\n"))
     }
+}
+
+/// The ordinal of a StatefulSet pod name: `fine-settler-2` → 2.
+pub fn pod_ordinal(name: &str) -> Option<i64> {
+    let (_, ordinal) = name.trim().rsplit_once('-')?;
+    if ordinal.is_empty() || !ordinal.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    ordinal.parse().ok()
 }
 
 /// The URL with any password replaced by `***` (in the user-info part and in a `password=` parameter).
@@ -600,7 +679,8 @@ mod tests {
     }
 
     fn problems(pairs: &[(&str, &str)]) -> Vec<String> {
-        match load(None, &env(pairs)).and_then(|raw| raw.validate()) {
+        let env = env(pairs);
+        match load(None, &env).and_then(|raw| raw.validate(&env)) {
             Ok(_) => Vec::new(),
             Err(e) => e.lines(),
         }
@@ -608,9 +688,8 @@ mod tests {
 
     #[test]
     fn the_defaults_are_valid() {
-        let settings = load(None, &HashMap::new())
-            .and_then(|r| r.validate())
-            .expect("defaults validate");
+        let settings = settings(&[]);
+
         assert_eq!(settings.instance, ShardSpec::SINGLE);
         assert_eq!(settings.claim.lease, Duration::from_secs(120));
         assert_eq!(settings.settlement.batch_size, 1000);
@@ -619,20 +698,20 @@ mod tests {
         assert!(settings.http_listen.is_none());
     }
 
+    fn settings(pairs: &[(&str, &str)]) -> Settings {
+        let env = env(pairs);
+        load(None, &env).and_then(|r| r.validate(&env)).expect("valid")
+    }
+
     #[test]
     fn environment_overrides_and_database_url_wins() {
-        let s = load(
-            None,
-            &env(&[
-                ("FINE_SETTLER__INSTANCE__SHARD", "2"),
-                ("FINE_SETTLER__INSTANCE__SHARDS", "3"),
-                ("FINE_SETTLER__SCHEDULE__PERIOD", "500ms"),
-                ("FINE_SETTLER__DATABASE__URL", "postgres://a@h1/db"),
-                ("DATABASE_URL", "postgres://b@h2/db"),
-            ]),
-        )
-        .and_then(|r| r.validate())
-        .expect("valid");
+        let s = settings(&[
+            ("FINE_SETTLER__INSTANCE__SHARD", "2"),
+            ("FINE_SETTLER__INSTANCE__SHARDS", "3"),
+            ("FINE_SETTLER__SCHEDULE__PERIOD", "500ms"),
+            ("FINE_SETTLER__DATABASE__URL", "postgres://a@h1/db"),
+            ("DATABASE_URL", "postgres://b@h2/db"),
+        ]);
         assert_eq!((s.instance.shard(), s.instance.shards()), (2, 3));
         assert!(matches!(s.schedule.mode, ScheduleMode::FixedRate(p) if p == Duration::from_millis(500)));
         assert_eq!(s.database.url, "postgres://b@h2/db");
@@ -670,6 +749,40 @@ mod tests {
             assert_eq!(lines.len(), 1, "{var}={value}: {lines:?}");
             assert!(lines[0].contains(key), "{var}={value}: {lines:?}");
         }
+    }
+
+    #[test]
+    fn the_shard_can_come_from_a_statefulset_pod() {
+        let s = settings(&[
+            ("FINE_SETTLER__INSTANCE__SHARDS", "3"),
+            ("FINE_SETTLER__INSTANCE__SHARD_FROM", "pod-index"),
+            ("POD_INDEX", "2"),
+        ]);
+        assert_eq!(s.instance.shard(), 2);
+        let s = settings(&[
+            ("FINE_SETTLER__INSTANCE__SHARDS", "3"),
+            ("FINE_SETTLER__INSTANCE__SHARD_FROM", "pod-name"),
+            ("POD_NAME", "fine-settler-1"),
+        ]);
+        assert_eq!(s.instance.shard(), 1);
+        let lines = problems(&[
+            ("FINE_SETTLER__INSTANCE__SHARDS", "3"),
+            ("FINE_SETTLER__INSTANCE__SHARD_FROM", "pod-name"),
+            ("POD_NAME", "fine-settler-3"),
+        ]);
+        assert!(
+            lines.len() == 1 && lines[0].contains("instance.shard"),
+            "{lines:?}"
+        );
+        let lines = problems(&[("FINE_SETTLER__INSTANCE__SHARD_FROM", "pod-index")]);
+        assert!(
+            lines.len() == 1 && lines[0].contains("POD_INDEX is not set"),
+            "{lines:?}"
+        );
+        assert_eq!(pod_ordinal("web-12"), Some(12));
+        assert_eq!(pod_ordinal("web"), None);
+        assert_eq!(pod_ordinal("web-"), None);
+        assert_eq!(pod_ordinal("web-+1"), None);
     }
 
     #[test]

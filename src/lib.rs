@@ -6,6 +6,8 @@
 //! - [`calendar`], [`fine`], [`shard`]: the pure domain (business months, the fine policy, shard membership).
 //! - [`store`]: every SQL statement (claims, fences, loans, audit) and the migrations.
 //! - [`jobs`]: the generic claim → fenced batches → finish runner and the jobs on top of it.
+//! - [`schedule`]: slots, the slot guard, the scheduler loop and the drift measurement.
+//! - [`daemon`]: the long-running replica (ticks, catch-up window, outages); [`signals`]: signal handling.
 //! - [`demo`]: deterministic demo loans.
 //! - [`cli`]: the command line; `main.rs` only calls [`cli::main`].
 //! - [`telemetry`]: structured logs.
@@ -13,9 +15,12 @@
 pub mod calendar;
 pub mod cli;
 pub mod config;
+pub mod daemon;
 pub mod demo;
 pub mod fine;
 pub mod jobs;
+pub mod schedule;
 pub mod shard;
+pub mod signals;
 pub mod store;
 pub mod telemetry;

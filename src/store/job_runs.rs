@@ -317,3 +317,51 @@ pub async fn list(
     .fetch_all(pool)
     .await
 }
+
+/// A `job_runs` row of this shard, as a tick sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyState {
+    pub job_name: String,
+    pub business_date: NaiveDate,
+    pub status: String,
+    pub owner: String,
+    /// The lease has run out (by the database clock).
+    pub expired: bool,
+}
+
+/// Everything a tick needs to know before it claims anything, in one statement: the database clock and this
+/// shard's `job_runs` rows for business dates in the last `window_days` days. An idle tick costs exactly this
+/// one round trip.
+pub async fn tick_status(
+    conn: &mut PgConnection,
+    shard: crate::shard::ShardSpec,
+    window_days: i32,
+) -> Result<(DateTime<Utc>, Vec<KeyState>), sqlx::Error> {
+    let rows = sqlx::query!(
+        r#"select t.now as "now!", r.job_name as "job_name?", r.business_date as "business_date?",
+                  r.status as "status?", r.owner as "owner?", (r.lease_until < t.now) as "expired?"
+           from (select now() as now) t
+           left join job_runs r
+             on r.shards = $1 and r.shard = $2
+            and r.business_date >= (t.now at time zone 'UTC')::date - $3::int"#,
+        shard.shards(),
+        shard.shard(),
+        window_days,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let now = rows.first().map(|r| r.now).ok_or(sqlx::Error::RowNotFound)?;
+    let states = rows
+        .into_iter()
+        .filter_map(|r| {
+            Some(KeyState {
+                job_name: r.job_name?,
+                business_date: r.business_date?,
+                status: r.status?,
+                owner: r.owner?,
+                expired: r.expired?,
+            })
+        })
+        .collect();
+    Ok((now, states))
+}

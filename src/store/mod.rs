@@ -9,7 +9,7 @@ use std::{str::FromStr, time::Duration};
 
 use sqlx::{
     postgres::{PgConnectOptions, PgPoolOptions},
-    PgPool,
+    Connection, PgConnection, PgPool,
 };
 
 use crate::config::{redact_secrets_in, DatabaseSettings};
@@ -41,6 +41,22 @@ fn connect_options(db: &DatabaseSettings, application_name: &str) -> Result<PgCo
     Ok(options.application_name(application_name))
 }
 
+/// The options every job connection uses: the application name, and the batch timeout as both
+/// `statement_timeout` and `idle_in_transaction_session_timeout`.
+fn job_options(
+    db: &DatabaseSettings,
+    application_name: &str,
+    batch_timeout: Duration,
+) -> Result<PgConnectOptions, StoreError> {
+    Ok(connect_options(db, application_name)?.options([
+        ("statement_timeout", batch_timeout.as_millis().to_string()),
+        (
+            "idle_in_transaction_session_timeout",
+            batch_timeout.as_millis().to_string(),
+        ),
+    ]))
+}
+
 /// A pool for the jobs. Every statement runs under `statement_timeout = batch_timeout`, so a batch that hangs
 /// on a lock fails before the lease it renews runs out; and `idle_in_transaction_session_timeout =
 /// batch_timeout`, so the server aborts the open transaction of a replica that froze mid-batch (SIGSTOP, a VM
@@ -50,19 +66,73 @@ pub async fn connect(
     application_name: &str,
     batch_timeout: Duration,
 ) -> Result<PgPool, StoreError> {
-    let options = connect_options(db, application_name)?.options([
-        ("statement_timeout", batch_timeout.as_millis().to_string()),
-        (
-            "idle_in_transaction_session_timeout",
-            batch_timeout.as_millis().to_string(),
-        ),
-    ]);
-    let pool = PgPoolOptions::new()
-        .max_connections(db.max_connections)
-        .acquire_timeout(db.connect_timeout)
-        .connect_with(options)
+    let pool = pool_options(db)
+        .connect_with(job_options(db, application_name, batch_timeout)?)
         .await?;
     Ok(pool)
+}
+
+fn pool_options(db: &DatabaseSettings) -> PgPoolOptions {
+    PgPoolOptions::new()
+        .max_connections(db.max_connections)
+        .acquire_timeout(db.connect_timeout)
+}
+
+/// Like [`connect`], but opens no connection until one is needed: the daemon starts (and keeps running) while
+/// the database is down.
+pub fn connect_lazy(
+    db: &DatabaseSettings,
+    application_name: &str,
+    batch_timeout: Duration,
+) -> Result<PgPool, StoreError> {
+    Ok(pool_options(db).connect_lazy_with(job_options(db, application_name, batch_timeout)?))
+}
+
+/// One dedicated connection, re-opened after any error. The daemon reads its tick status through it, so an idle
+/// tick is a single round trip (a pooled connection adds a health-check ping at every checkout and release).
+#[derive(Debug)]
+pub struct Session {
+    options: PgConnectOptions,
+    connect_timeout: Duration,
+    conn: Option<PgConnection>,
+}
+
+impl Session {
+    pub fn new(
+        db: &DatabaseSettings,
+        application_name: &str,
+        batch_timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        Ok(Session {
+            options: job_options(db, application_name, batch_timeout)?,
+            connect_timeout: db.connect_timeout,
+            conn: None,
+        })
+    }
+
+    /// The database clock and this shard's recent `job_runs` rows (see [`job_runs::tick_status`]).
+    pub async fn tick_status(
+        &mut self,
+        shard: crate::shard::ShardSpec,
+        window_days: i32,
+    ) -> Result<(chrono::DateTime<chrono::Utc>, Vec<job_runs::KeyState>), sqlx::Error> {
+        if self.conn.is_none() {
+            let connect = PgConnection::connect_with(&self.options);
+            let conn = tokio::time::timeout(self.connect_timeout, connect)
+                .await
+                .map_err(|_| sqlx::Error::PoolTimedOut)??;
+            self.conn = Some(conn);
+        }
+        let Some(conn) = self.conn.as_mut() else {
+            return Err(sqlx::Error::PoolClosed);
+        };
+        let result = job_runs::tick_status(conn, shard, window_days).await;
+        if result.is_err() {
+            // Whatever went wrong, the next tick starts from a fresh connection.
+            self.conn = None;
+        }
+        result
+    }
 }
 
 /// Applies the migrations; applying them twice is a no-op. Uses one connection without a statement timeout,

@@ -1,0 +1,310 @@
+//! The long-running replica: on every admitted tick, settle every due business date of every enabled job for
+//! this shard, oldest first. The only place that runs the scheduler loop.
+//!
+//! A tick reads the time once (the database clock by default, so replicas with skewed clocks agree, and logs the
+//! host−database skew), computes the due business dates in each job's catch-up window, and runs each one that
+//! is not SUCCESS for this shard. An idle tick — everything SUCCESS — is one statement (see
+//! [`store::Session`]). When PostgreSQL is unreachable the tick is retried with capped exponential backoff; the
+//! outage is logged once when it starts and once when it ends, and the daemon never exits because of it.
+
+use std::{collections::HashSet, sync::Arc, time::Duration};
+
+use chrono::{DateTime, NaiveDate, Utc};
+use sqlx::PgPool;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    calendar,
+    config::{Settings, TimeSource},
+    jobs::{
+        runner::{process_owner, Runner},
+        settlement::Settlement,
+        JobName, RunKey, RunReport,
+    },
+    schedule::{
+        scheduler::{Scheduler, Tick},
+        Schedule, WallClock,
+    },
+    store::{self, job_runs::KeyState, Session, StoreError},
+};
+
+/// First retry delay after a failed tick; doubled per failure up to [`MAX_BACKOFF`].
+pub const FIRST_BACKOFF: Duration = Duration::from_millis(250);
+/// The longest wait between retries while the database is unreachable.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// The capped exponential backoff before retry number `failures` (1-based).
+pub fn backoff(failures: u32) -> Duration {
+    let factor = 2u32.saturating_pow(failures.saturating_sub(1));
+    FIRST_BACKOFF.saturating_mul(factor).min(MAX_BACKOFF)
+}
+
+/// Why a tick could not look at its work.
+#[derive(Debug, thiserror::Error)]
+pub enum TickError {
+    /// The tick's status query failed: the database is unreachable, restarting, or not migrated.
+    #[error("cannot read the tick status: {}", crate::config::redact_secrets_in(&.0.to_string()))]
+    Database(#[from] sqlx::Error),
+}
+
+/// One due business date of one job, and what the tick saw of it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Due {
+    pub job: &'static str,
+    pub business_date: NaiveDate,
+    pub shard: i32,
+    pub shards: i32,
+    /// `none` when no row exists yet, else the row's status.
+    pub status: String,
+    /// `claim` (no row), `takeover` (FAILED, or RUNNING with an expired lease), `skip` (SUCCESS, or a live owner).
+    pub action: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+}
+
+/// The due business dates at `now`, oldest first per job, with what a tick would do with each.
+pub fn plan(settings: &Settings, now: DateTime<Utc>, states: &[KeyState]) -> Vec<Due> {
+    let today = calendar::local_date(now, settings.zone);
+    let mut due = Vec::new();
+    if settings.settlement.enabled {
+        for date in calendar::settlement_due(today, settings.settlement.catch_up_months) {
+            due.push(classify(settings, JobName::FineSettlement, date, states));
+        }
+    }
+    due
+}
+
+fn classify(settings: &Settings, job: JobName, date: NaiveDate, states: &[KeyState]) -> Due {
+    let state = states
+        .iter()
+        .find(|s| s.job_name == job.as_str() && s.business_date == date);
+    let (status, action, owner) = match state {
+        None => ("none".to_string(), "claim", None),
+        Some(s) => {
+            let action = match s.status.as_str() {
+                "SUCCESS" => "skip",
+                "FAILED" => "takeover",
+                _ if s.expired => "takeover",
+                _ => "skip",
+            };
+            (s.status.clone(), action, Some(s.owner.clone()))
+        }
+    };
+    Due {
+        job: job.as_str(),
+        business_date: date,
+        shard: settings.instance.shard(),
+        shards: settings.instance.shards(),
+        status,
+        action,
+        owner,
+    }
+}
+
+/// How many days back the tick status must look to cover every job's catch-up window (plus a margin for the
+/// zone offset).
+pub fn window_days(settings: &Settings) -> i32 {
+    let months = settings.settlement.catch_up_months as i32;
+    months.saturating_mul(31).saturating_add(33)
+}
+
+/// A replica.
+#[derive(Debug)]
+pub struct Daemon {
+    settings: Settings,
+    pool: PgPool,
+    session: Session,
+    owner: String,
+    wall: Arc<dyn WallClock>,
+    shutdown: CancellationToken,
+    run_now: Arc<Notify>,
+    skew_warned: bool,
+}
+
+impl Daemon {
+    /// Sets up the replica without touching the database (connections open lazily).
+    pub fn new(
+        settings: Settings,
+        wall: Arc<dyn WallClock>,
+        shutdown: CancellationToken,
+        run_now: Arc<Notify>,
+    ) -> Result<Self, StoreError> {
+        let owner = process_owner();
+        let app = format!("fine-settler run {}", settings.instance);
+        let pool = store::connect_lazy(&settings.database, &app, settings.claim.batch_timeout)?;
+        let session = Session::new(
+            &settings.database,
+            &format!("{app} tick"),
+            settings.claim.batch_timeout,
+        )?;
+        Ok(Daemon {
+            settings,
+            pool,
+            session,
+            owner,
+            wall,
+            shutdown,
+            run_now,
+            skew_warned: false,
+        })
+    }
+
+    fn runner(&self, batch_size: u32) -> Runner {
+        Runner {
+            pool: self.pool.clone(),
+            owner: self.owner.clone(),
+            lease: self.settings.claim.lease,
+            batch_timeout: self.settings.claim.batch_timeout,
+            batch_size,
+            cancel: self.shutdown.clone(),
+        }
+    }
+
+    /// Runs until shutdown: ticks on the schedule (and once at start), each tick retried through outages.
+    pub async fn run(mut self) {
+        let schedule = Schedule::new(self.settings.schedule.mode.clone(), self.settings.zone);
+        tracing::info!(
+            owner = %self.owner,
+            shard = self.settings.instance.shard(),
+            shards = self.settings.instance.shards(),
+            schedule = %schedule.describe(),
+            "replica started"
+        );
+        let mut scheduler = Scheduler::new(
+            schedule,
+            self.settings.schedule.max_catch_up,
+            self.wall.clone(),
+            true,
+        );
+        let run_now = self.run_now.clone();
+        let shutdown = self.shutdown.clone();
+        while let Some(tick) = scheduler.next(&run_now, &shutdown).await {
+            self.tick_through_outages(tick).await;
+            scheduler.finished();
+        }
+        self.pool.close().await;
+        tracing::info!(stats = ?scheduler.stats(), "replica stopped");
+    }
+
+    /// One tick, retried with capped exponential backoff while the database is unreachable. Returns the runs'
+    /// reports (empty if shut down before the database came back).
+    pub async fn tick_through_outages(&mut self, tick: Tick) -> Vec<RunReport> {
+        let mut failures = 0u32;
+        let mut outage_started: Option<tokio::time::Instant> = None;
+        loop {
+            match self.tick().await {
+                Ok(reports) => {
+                    if let Some(started) = outage_started {
+                        tracing::info!(
+                            down_ms = started.elapsed().as_millis() as u64,
+                            attempts = failures,
+                            "database reachable again; resuming"
+                        );
+                    }
+                    return reports;
+                }
+                Err(e) => {
+                    failures += 1;
+                    if outage_started.is_none() {
+                        outage_started = Some(tokio::time::Instant::now());
+                        tracing::error!(error = %e, slot = tick.slot, "database unreachable; retrying with backoff");
+                    }
+                    let wait = backoff(failures);
+                    tracing::debug!(error = %e, attempt = failures, backoff_ms = wait.as_millis() as u64, "tick failed");
+                    tokio::select! {
+                        _ = self.shutdown.cancelled() => return Vec::new(),
+                        _ = self.run_now.notified() => {}
+                        _ = tokio::time::sleep(wait) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// One tick: read the time and the shard's keys (one statement), then run every due key not yet SUCCESS.
+    pub async fn tick(&mut self) -> Result<Vec<RunReport>, TickError> {
+        let shard = self.settings.instance;
+        let before = self.wall.now();
+        let (db_now, states) = self
+            .session
+            .tick_status(shard, window_days(&self.settings))
+            .await?;
+        let after = self.wall.now();
+        self.observe_skew(before + (after - before) / 2, db_now);
+        let now = match self.settings.time_source {
+            TimeSource::Database => db_now,
+            TimeSource::System => after,
+        };
+        let done: HashSet<(&str, NaiveDate)> = states
+            .iter()
+            .filter(|s| s.status == "SUCCESS")
+            .map(|s| (s.job_name.as_str(), s.business_date))
+            .collect();
+        let todo: Vec<Due> = plan(&self.settings, now, &states)
+            .into_iter()
+            .filter(|d| !done.contains(&(d.job, d.business_date)))
+            .collect();
+        if todo.is_empty() {
+            tracing::debug!(%now, "tick: nothing due");
+            return Ok(Vec::new());
+        }
+        let mut reports = Vec::with_capacity(todo.len());
+        for due in todo {
+            if self.shutdown.is_cancelled() {
+                break;
+            }
+            let key = RunKey {
+                job: JobName::FineSettlement,
+                business_date: due.business_date,
+                shard,
+            };
+            let runner = self.runner(self.settings.settlement.batch_size);
+            reports.push(
+                runner
+                    .run(
+                        &Settlement {
+                            policy: self.settings.fine,
+                        },
+                        key,
+                        false,
+                    )
+                    .await,
+            );
+        }
+        Ok(reports)
+    }
+
+    /// Logs the host−database clock skew: debug every tick, a warning when it first exceeds `time.max_skew`,
+    /// and an info line when it is back within bounds.
+    fn observe_skew(&mut self, host: DateTime<Utc>, db: DateTime<Utc>) {
+        let skew_ms = (host - db).num_milliseconds();
+        let limit = self.settings.max_skew.as_millis() as i64;
+        tracing::debug!(clock_skew_ms = skew_ms, "host clock minus database clock");
+        if skew_ms.abs() > limit && !self.skew_warned {
+            self.skew_warned = true;
+            tracing::warn!(
+                clock_skew_ms = skew_ms,
+                max_skew_ms = limit,
+                "host clock differs from the database clock"
+            );
+        } else if skew_ms.abs() <= limit && self.skew_warned {
+            self.skew_warned = false;
+            tracing::info!(clock_skew_ms = skew_ms, "clock skew back within bounds");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_is_capped() {
+        assert_eq!(backoff(1), Duration::from_millis(250));
+        assert_eq!(backoff(2), Duration::from_millis(500));
+        assert_eq!(backoff(5), Duration::from_secs(4));
+        assert_eq!(backoff(8), MAX_BACKOFF);
+        assert_eq!(backoff(u32::MAX), MAX_BACKOFF);
+    }
+}

@@ -1,0 +1,250 @@
+//! The scheduler loop: waits for the next due slot, passes every trigger through the slot guard, and hands out
+//! admitted ticks one at a time. The caller runs the tick and reports back with [`Scheduler::finished`].
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    guard::{Decision, SlotGuard},
+    wait_until, Schedule, Wake, WallClock,
+};
+
+/// What started a tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trigger {
+    Startup,
+    Timer,
+    RunNow,
+}
+
+/// An admitted tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tick {
+    pub slot: i64,
+    /// Missed slots this tick covers.
+    pub merged: u64,
+    /// The scheduler fell behind by more than `max_catch_up` slots (or the clock jumped) and re-based.
+    pub rebased: bool,
+    pub trigger: Trigger,
+    /// Wall time at which the tick was admitted.
+    pub at: DateTime<Utc>,
+}
+
+/// Counters since start, for logs and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlotStats {
+    pub ticks: u64,
+    pub dropped: u64,
+    pub merged: u64,
+    pub rebased: u64,
+}
+
+#[derive(Debug)]
+pub struct Scheduler {
+    schedule: Schedule,
+    guard: SlotGuard,
+    max_catch_up: u32,
+    wall: Arc<dyn WallClock>,
+    /// Tick once at start instead of waiting for the first slot.
+    startup_tick: bool,
+    started: bool,
+    last_end: DateTime<Utc>,
+    stats: SlotStats,
+}
+
+impl Scheduler {
+    pub fn new(schedule: Schedule, max_catch_up: u32, wall: Arc<dyn WallClock>, startup_tick: bool) -> Self {
+        let now = wall.now();
+        Scheduler {
+            schedule,
+            guard: SlotGuard::new(max_catch_up),
+            max_catch_up,
+            wall,
+            startup_tick,
+            started: false,
+            last_end: now,
+            stats: SlotStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> SlotStats {
+        self.stats
+    }
+
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// Waits for the next admitted tick; `None` once `cancel` fires.
+    pub async fn next(&mut self, run_now: &Notify, cancel: &CancellationToken) -> Option<Tick> {
+        loop {
+            let trigger = if !self.started && self.startup_tick {
+                self.started = true;
+                Trigger::Startup
+            } else {
+                self.started = true;
+                let now = self.wall.now();
+                let due = self.schedule.next_due(self.guard.last(), self.last_end, now);
+                match wait_until(&self.wall, due, run_now, cancel).await {
+                    Wake::Cancelled => return None,
+                    Wake::RunNow => Trigger::RunNow,
+                    Wake::Due => Trigger::Timer,
+                }
+            };
+            if cancel.is_cancelled() {
+                return None;
+            }
+            let at = self.wall.now();
+            let slot = self.schedule.slot_of(at);
+            let (schedule, cap) = (&self.schedule, self.max_catch_up);
+            match self
+                .guard
+                .admit(slot, |last, slot| schedule.missed(last, slot, cap))
+            {
+                Decision::Drop => {
+                    self.stats.dropped += 1;
+                    tracing::debug!(slot, trigger = ?trigger, dropped_total = self.stats.dropped, "trigger dropped: slot already processed");
+                }
+                Decision::Run {
+                    slot,
+                    merged,
+                    rebased,
+                } => {
+                    self.stats.ticks += 1;
+                    self.stats.merged += merged;
+                    if rebased {
+                        self.stats.rebased += 1;
+                        tracing::warn!(
+                            slot,
+                            missed_slots = merged,
+                            max_catch_up = cap,
+                            "fell behind (suspend, overload or clock jump): running once and re-basing"
+                        );
+                    } else if merged > 0 {
+                        tracing::info!(
+                            slot,
+                            merged_slots = merged,
+                            merged_total = self.stats.merged,
+                            "missed slots merged into this tick"
+                        );
+                    }
+                    return Some(Tick {
+                        slot,
+                        merged,
+                        rebased,
+                        trigger,
+                        at,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Records the end of the tick just run (fixed-delay waits from here).
+    pub fn finished(&mut self) {
+        self.last_end = self.wall.now();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{config::ScheduleMode, schedule::TokioWall};
+
+    fn origin() -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339("2026-11-30T10:00:00Z")
+            .expect("origin")
+            .with_timezone(&Utc)
+    }
+
+    fn scheduler(mode: ScheduleMode, startup: bool, max_catch_up: u32) -> Scheduler {
+        let wall: Arc<dyn WallClock> = Arc::new(TokioWall::new(origin()));
+        Scheduler::new(Schedule::new(mode, chrono_tz::UTC), max_catch_up, wall, startup)
+    }
+
+    /// Runs `n` ticks with `work` each; returns (ms since origin at admission, merged, rebased).
+    async fn run(s: &mut Scheduler, n: usize, work: Duration) -> Vec<(i64, u64, bool)> {
+        let (notify, cancel) = (Notify::new(), CancellationToken::new());
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let tick = s.next(&notify, &cancel).await.expect("tick");
+            out.push(((tick.at - origin()).num_milliseconds(), tick.merged, tick.rebased));
+            tokio::time::sleep(work).await;
+            s.finished();
+        }
+        out
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fixed_rate_stays_on_the_grid() {
+        let mut s = scheduler(ScheduleMode::FixedRate(Duration::from_millis(200)), false, 3);
+        let ticks = run(&mut s, 6, Duration::from_millis(80)).await;
+        let starts: Vec<i64> = ticks.iter().map(|t| t.0).collect();
+        assert_eq!(starts, vec![200, 400, 600, 800, 1000, 1200]);
+        assert!(ticks.iter().all(|t| t.1 == 0 && !t.2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fixed_delay_drifts_by_the_work_time() {
+        let mut s = scheduler(ScheduleMode::FixedDelay(Duration::from_millis(200)), true, 3);
+        let starts: Vec<i64> = run(&mut s, 4, Duration::from_millis(80))
+            .await
+            .iter()
+            .map(|t| t.0)
+            .collect();
+        assert_eq!(starts, vec![0, 280, 560, 840]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fixed_rate_task_slower_than_its_period_is_merged_not_burst() {
+        let mut s = scheduler(ScheduleMode::FixedRate(Duration::from_millis(100)), true, 3);
+        let ticks = run(&mut s, 4, Duration::from_millis(300)).await;
+        assert_eq!(
+            ticks,
+            vec![(0, 0, false), (300, 2, false), (600, 2, false), (900, 2, false)]
+        );
+        assert_eq!(
+            s.stats(),
+            SlotStats {
+                ticks: 4,
+                dropped: 0,
+                merged: 6,
+                rebased: 0
+            }
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stall_runs_once_and_rebases() {
+        let mut s = scheduler(ScheduleMode::FixedRate(Duration::from_millis(100)), true, 3);
+        run(&mut s, 1, Duration::from_millis(10)).await;
+        // The process is suspended for a second inside a tick.
+        let ticks = run(&mut s, 2, Duration::from_millis(1_000)).await;
+        assert_eq!(ticks[0], (100, 0, false));
+        assert_eq!(ticks[1], (1100, 9, true));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn run_now_in_a_processed_slot_is_dropped() {
+        let mut s = scheduler(ScheduleMode::FixedRate(Duration::from_millis(1_000)), true, 3);
+        let (notify, cancel) = (Notify::new(), CancellationToken::new());
+        let first = s.next(&notify, &cancel).await.expect("startup tick");
+        assert_eq!(first.trigger, Trigger::Startup);
+        s.finished();
+        // A "run now" in the same slot as the startup tick is dropped; then the timer fires.
+        notify.notify_one();
+        let next = s.next(&notify, &cancel).await.expect("tick");
+        assert_eq!(
+            (next.trigger, (next.at - origin()).num_milliseconds()),
+            (Trigger::Timer, 1_000)
+        );
+        assert_eq!(s.stats().dropped, 1);
+        cancel.cancel();
+        assert_eq!(s.next(&notify, &cancel).await, None);
+    }
+}
