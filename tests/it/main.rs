@@ -3,6 +3,8 @@
 
 mod claim;
 mod cli;
+mod daemon;
 mod fencing;
 mod helpers;
+mod server;
 mod settlement;

@@ -1,0 +1,452 @@
+//! The replica as a process: catch-up across months with three shards, graceful and hard shutdown, surviving a
+//! PostgreSQL restart, and what an idle tick costs.
+
+use std::{
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use chrono::{DateTime, NaiveDate, Utc};
+use fine_settler::{calendar, demo};
+use sqlx::{postgres::PgPoolOptions, PgPool};
+
+use crate::{
+    helpers::{
+        database_url, fine_settler, insert, install_update_audit, loan, max_updates_per_loan, oracle, output,
+        settled, wait_until,
+    },
+    server::PrivateServer,
+};
+
+/// The settlement business dates a daemon in Asia/Shanghai is due for right now, oldest first (computed from
+/// the database clock, as the daemon does).
+async fn due_now(pool: &PgPool, months: u32) -> Vec<NaiveDate> {
+    let now: DateTime<Utc> = sqlx::query_scalar("select now()")
+        .fetch_one(pool)
+        .await
+        .expect("now");
+    calendar::settlement_due(calendar::local_date(now, chrono_tz::Asia::Shanghai), months)
+}
+
+/// Demo loans around each month, with disjoint ids.
+async fn load_months(pool: &PgPool, months: &[NaiveDate], per_month: u64) {
+    for (i, month) in months.iter().enumerate() {
+        let spec = demo::DemoSpec {
+            loans: per_month,
+            seed: 11 + i as u64,
+            month: *month,
+            first_id: 1 + i as i64 * 100_000,
+        };
+        insert(pool, &demo::loans(spec).collect::<Vec<_>>()).await;
+    }
+}
+
+fn daemon(url: &str, shard: i32, shards: i32, extra: &[(&str, &str)]) -> Child {
+    let mut cmd = fine_settler(url);
+    cmd.env("FINE_SETTLER__INSTANCE__SHARD", shard.to_string())
+        .env("FINE_SETTLER__INSTANCE__SHARDS", shards.to_string())
+        .env("FINE_SETTLER__SCHEDULE__PERIOD", "300ms")
+        .env("FINE_SETTLER__CLAIM__LEASE", "3s")
+        .env("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "1s")
+        .env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "25");
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    cmd.arg("run")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn daemon")
+}
+
+fn signal(child: &Child, name: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{name}"), &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+}
+
+/// Waits for the process to exit (at most `limit`); returns its exit code and stderr.
+async fn exit_of(mut child: Child, limit: Duration) -> (Option<i32>, String) {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                use std::io::Read;
+                let _ = e.read_to_string(&mut err);
+            }
+            return (status.code(), err);
+        }
+        if tokio::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("process did not exit within {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn success_keys(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("select count(*) from job_runs where status = 'SUCCESS'")
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0)
+}
+
+async fn slow_down_updates(pool: &PgPool, seconds_per_row: f64) {
+    sqlx::raw_sql(&format!(
+        "create or replace function slow_down() returns trigger language plpgsql as $$
+         begin perform pg_sleep({seconds_per_row}); return new; end $$;
+         create trigger slow_down before update on loans for each row execute function slow_down();"
+    ))
+    .execute(pool)
+    .await
+    .expect("slow trigger");
+}
+
+async fn assert_every_month_settled_once(pool: &PgPool, months: &[NaiveDate]) {
+    for m in months {
+        let m = m.to_string();
+        assert_eq!(settled(pool, &m).await, oracle(pool, &m).await, "month {m}");
+    }
+    assert_eq!(max_updates_per_loan(pool).await, 1, "no loan was updated twice");
+}
+
+#[sqlx::test]
+async fn three_replicas_settle_every_missed_month_and_stop_cleanly(pool: PgPool) {
+    install_update_audit(&pool).await;
+    let months = due_now(&pool, 3).await;
+    load_months(&pool, &months, 1500).await;
+    let url = database_url(&pool);
+    let replicas: Vec<Child> = (0..3).map(|s| daemon(&url, s, 3, &[])).collect();
+    wait_until("all 3 x 3 keys SUCCESS", Duration::from_secs(60), || async {
+        success_keys(&pool).await == 9
+    })
+    .await;
+    for r in &replicas {
+        signal(r, "TERM");
+    }
+    for r in replicas {
+        let (code, stderr) = exit_of(r, Duration::from_secs(10)).await;
+        assert_eq!(code, Some(0), "{stderr}");
+    }
+    let keys: Vec<(NaiveDate, i32, i32)> =
+        sqlx::query_as("select business_date, shards, shard from job_runs order by 1, 3")
+            .fetch_all(&pool)
+            .await
+            .expect("keys");
+    let expected: Vec<(NaiveDate, i32, i32)> = months
+        .iter()
+        .flat_map(|m| (0..3).map(move |s| (*m, 3, s)))
+        .collect();
+    assert_eq!(keys, expected);
+    assert_every_month_settled_once(&pool, &months).await;
+}
+
+#[sqlx::test]
+async fn sigterm_mid_run_hands_the_key_back_and_a_restarted_replica_finishes_it(pool: PgPool) {
+    install_update_audit(&pool).await;
+    let months = due_now(&pool, 1).await;
+    let loans: Vec<_> = (1..=400)
+        .map(|id| {
+            let returned = months[0] - chrono::Duration::days(1);
+            let due = returned - chrono::Duration::days(3);
+            loan(id, &due.to_string(), Some(&returned.to_string()))
+        })
+        .collect();
+    insert(&pool, &loans).await;
+    slow_down_updates(&pool, 0.004).await;
+    let url = database_url(&pool);
+    let extra = [
+        ("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1"),
+        ("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "10"),
+    ];
+    let replica = daemon(&url, 0, 1, &extra);
+    wait_until("a few committed batches", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>("select coalesce(max(scanned), 0) from job_runs")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+            >= 30
+    })
+    .await;
+    signal(&replica, "TERM");
+    let (code, stderr) = exit_of(replica, Duration::from_secs(10)).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    let (status, error, released): (String, Option<String>, bool) =
+        sqlx::query_as("select status, last_error, lease_until <= now() from job_runs")
+            .fetch_one(&pool)
+            .await
+            .expect("row");
+    assert_eq!(status, "FAILED");
+    assert!(error.unwrap_or_default().contains("shutdown"));
+    assert!(released, "the lease ends at once so a peer need not wait");
+    let scanned_before: i64 = sqlx::query_scalar("select scanned from job_runs")
+        .fetch_one(&pool)
+        .await
+        .expect("row");
+    assert!(scanned_before < 400, "stopped mid-run");
+
+    sqlx::query("drop trigger slow_down on loans")
+        .execute(&pool)
+        .await
+        .expect("drop trigger");
+    let mut once = fine_settler(&url);
+    once.env("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1")
+        .args(["run", "--once"]);
+    let out = output(once);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = crate::helpers::report(&out);
+    assert_eq!(
+        (report["outcome"].as_str(), report["epoch"].as_i64()),
+        (Some("settled"), Some(2))
+    );
+    assert_eq!(
+        report["scanned"].as_i64(),
+        Some(400 - scanned_before),
+        "resumed from the cursor"
+    );
+    assert_every_month_settled_once(&pool, &months).await;
+}
+
+#[sqlx::test]
+async fn a_second_signal_exits_at_once(pool: PgPool) {
+    let months = due_now(&pool, 1).await;
+    let returned = (months[0] - chrono::Duration::days(1)).to_string();
+    insert(
+        &pool,
+        &(1..=50)
+            .map(|id| loan(id, "2020-01-01", Some(&returned)))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    // One batch takes about 4 s: long enough to signal twice while it is in flight.
+    slow_down_updates(&pool, 0.4).await;
+    let url = database_url(&pool);
+    let extra = [
+        ("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1"),
+        ("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "10"),
+        ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "20s"),
+        ("FINE_SETTLER__CLAIM__LEASE", "30s"),
+    ];
+    let replica = daemon(&url, 0, 1, &extra);
+    wait_until("the first batch to be in flight", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_stat_activity where wait_event = 'PgSleep' and application_name like 'fine-settler run%'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap_or(0)
+            > 0
+    })
+    .await;
+    let started = tokio::time::Instant::now();
+    signal(&replica, "TERM");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    signal(&replica, "TERM");
+    let (code, stderr) = exit_of(replica, Duration::from_secs(10)).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "did not wait for the batch: {:?}",
+        started.elapsed()
+    );
+    assert!(stderr.contains("second shutdown signal"), "{stderr}");
+}
+
+#[sqlx::test]
+async fn an_invalid_shard_exits_2_with_one_line(pool: PgPool) {
+    let url = database_url(&pool);
+    for extra in [
+        &[
+            ("FINE_SETTLER__INSTANCE__SHARD", "3"),
+            ("FINE_SETTLER__INSTANCE__SHARDS", "3"),
+        ][..],
+        &[
+            ("FINE_SETTLER__INSTANCE__SHARD_FROM", "pod-index"),
+            ("POD_INDEX", "7"),
+        ][..],
+        &[
+            ("FINE_SETTLER__INSTANCE__SHARD_FROM", "pod-name"),
+            ("POD_NAME", "fine-settler"),
+        ][..],
+    ] {
+        let mut cmd = fine_settler(&url);
+        cmd.env_remove("POD_INDEX").env_remove("POD_NAME");
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        cmd.arg("run");
+        let out = output(cmd);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{extra:?}: {stderr}");
+        assert!(stderr.contains("instance.shard"), "{stderr}");
+    }
+    let runs: i64 = sqlx::query_scalar("select count(*) from job_runs")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(runs, 0);
+}
+
+#[sqlx::test]
+async fn the_shard_comes_from_the_statefulset_pod(pool: PgPool) {
+    let months = due_now(&pool, 1).await;
+    let url = database_url(&pool);
+    let mut cmd = fine_settler(&url);
+    cmd.env("FINE_SETTLER__INSTANCE__SHARDS", "3")
+        .env("FINE_SETTLER__INSTANCE__SHARD_FROM", "pod-name")
+        .env("POD_NAME", "fine-settler-2")
+        .env("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1")
+        .args(["run", "--once"]);
+    let out = output(cmd);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let key: (NaiveDate, i32, i32, String) =
+        sqlx::query_as("select business_date, shards, shard, status from job_runs")
+            .fetch_one(&pool)
+            .await
+            .expect("key");
+    assert_eq!(key, (months[0], 3, 2, "SUCCESS".to_string()));
+}
+
+#[tokio::test]
+async fn replicas_recover_from_a_postgres_restart_without_restarting_themselves() {
+    let server = PrivateServer::start(&[]);
+    let admin = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&server.url("postgres"))
+        .await
+        .expect("connect");
+    sqlx::query("create database libraryd")
+        .execute(&admin)
+        .await
+        .expect("create database");
+    admin.close().await;
+    let url = server.url("libraryd");
+    let mut migrate = fine_settler(&url);
+    migrate.arg("migrate");
+    assert_eq!(output(migrate).status.code(), Some(0));
+    let pool = PgPoolOptions::new()
+        .max_connections(3)
+        .connect(&url)
+        .await
+        .expect("connect");
+    install_update_audit(&pool).await;
+    let months = due_now(&pool, 3).await;
+    load_months(&pool, &months, 1500).await;
+    // About 15 s of work in all: the restart lands while batches are in flight.
+    slow_down_updates(&pool, 0.005).await;
+    pool.close().await;
+
+    let replicas: Vec<Child> = (0..3).map(|s| daemon(&url, s, 3, &[])).collect();
+    let pool = PgPoolOptions::new()
+        .max_connections(3)
+        .connect(&url)
+        .await
+        .expect("connect");
+    wait_until("work in progress", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>("select coalesce(sum(scanned), 0)::bigint from job_runs")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+            > 300
+    })
+    .await;
+    let before_restart = success_keys(&pool).await;
+    pool.close().await;
+    server.restart();
+    // A replica notices the outage when a tick's first statement fails on its dead connection.
+
+    let pool = PgPoolOptions::new()
+        .max_connections(3)
+        .connect(&url)
+        .await
+        .expect("reconnect");
+    wait_until(
+        "all 3 x 3 keys SUCCESS after the restart",
+        Duration::from_secs(90),
+        || async { success_keys(&pool).await == 9 },
+    )
+    .await;
+    for r in &replicas {
+        signal(r, "TERM");
+    }
+    let mut outages = 0;
+    for r in replicas {
+        let (code, stderr) = exit_of(r, Duration::from_secs(10)).await;
+        assert_eq!(code, Some(0), "{stderr}");
+        let down = stderr.matches("database unreachable").count();
+        let up = stderr.matches("database reachable again").count();
+        assert_eq!(
+            down, up,
+            "each outage logged once when it starts and once when it ends: {stderr}"
+        );
+        outages += down;
+    }
+    assert!(
+        before_restart < 9,
+        "the restart happened mid-run ({before_restart} keys were done)"
+    );
+    assert!(
+        (1..=3 * 2).contains(&outages),
+        "outages seen and logged once each, not per retry: {outages}"
+    );
+    assert_every_month_settled_once(&pool, &months).await;
+}
+
+#[tokio::test]
+async fn an_idle_tick_is_one_statement() {
+    let server = PrivateServer::start(&["shared_preload_libraries=pg_stat_statements"]);
+    let url = server.url("postgres");
+    let mut migrate = fine_settler(&url);
+    migrate.arg("migrate");
+    assert_eq!(output(migrate).status.code(), Some(0));
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .expect("connect");
+    sqlx::query("create extension pg_stat_statements")
+        .execute(&pool)
+        .await
+        .expect("extension");
+    let once = || {
+        let mut cmd = fine_settler(&url);
+        cmd.args(["run", "--once"]);
+        let out = output(cmd);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    once(); // settles the (empty) catch-up window: every key becomes SUCCESS
+    assert_eq!(success_keys(&pool).await, 3);
+    sqlx::query("select pg_stat_statements_reset()")
+        .execute(&pool)
+        .await
+        .expect("reset");
+    once(); // idle
+    let statements: Vec<(String, i64)> = sqlx::query_as(
+        "select query, calls from pg_stat_statements
+         where query not like '%pg_stat_statements%' and dbid = (select oid from pg_database where datname = current_database())",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("statements");
+    let calls: i64 = statements.iter().map(|(_, c)| c).sum();
+    assert_eq!(calls, 1, "an idle tick runs one statement: {statements:?}");
+}

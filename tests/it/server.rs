@@ -1,0 +1,137 @@
+//! A private PostgreSQL server for the tests that must restart the server or load a preload library: initdb in a
+//! fresh folder, a free loopback port, stopped and removed on drop.
+
+use std::{
+    path::PathBuf,
+    process::{Command, Stdio},
+};
+
+pub struct PrivateServer {
+    dir: String,
+    port: u16,
+    bin: PathBuf,
+    as_postgres: bool,
+}
+
+fn pg_bin() -> PathBuf {
+    if let Ok(bin) = std::env::var("PG_BIN") {
+        return PathBuf::from(bin);
+    }
+    let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL server binaries under /usr/lib/postgresql (or set PG_BIN)")
+        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+        .filter(|p| p.join("initdb").exists())
+        .collect();
+    candidates.sort();
+    candidates
+        .pop()
+        .expect("an initdb under /usr/lib/postgresql/*/bin")
+}
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("addr").port()
+}
+
+impl PrivateServer {
+    /// Initialises and starts a server; `extra` are `-c name=value` settings.
+    pub fn start(extra: &[&str]) -> Self {
+        let as_postgres = Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| o.stdout == b"0\n")
+            .unwrap_or(false);
+        let mut mktemp = Self::command_as(as_postgres, "mktemp");
+        mktemp.args(["-d", "-t", "fine-settler-it-XXXXXX"]);
+        let dir = String::from_utf8(mktemp.output().expect("mktemp").stdout)
+            .expect("utf8")
+            .trim()
+            .to_string();
+        let server = PrivateServer {
+            dir,
+            port: free_port(),
+            bin: pg_bin(),
+            as_postgres,
+        };
+        let mut initdb = server.tool("initdb");
+        initdb.args([
+            "-D",
+            &server.data(),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--no-sync",
+        ]);
+        server.check(initdb, "initdb");
+        let mut options = format!(
+            "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories= -c fsync=off -c max_connections=100",
+            server.port
+        );
+        for setting in extra {
+            options.push_str(" -c ");
+            options.push_str(setting);
+        }
+        let mut start = server.tool("pg_ctl");
+        start.args([
+            "-D",
+            &server.data(),
+            "-l",
+            &format!("{}/log", server.dir),
+            "-o",
+            &options,
+            "-w",
+            "start",
+        ]);
+        server.check(start, "pg_ctl start");
+        server
+    }
+
+    fn command_as(as_postgres: bool, program: &str) -> Command {
+        if as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--", program]);
+            c
+        } else {
+            Command::new(program)
+        }
+    }
+
+    fn tool(&self, name: &str) -> Command {
+        let mut c = Self::command_as(self.as_postgres, &self.bin.join(name).to_string_lossy());
+        c.stdout(Stdio::null()).stderr(Stdio::piped());
+        c
+    }
+
+    fn check(&self, mut cmd: Command, what: &str) {
+        let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(
+            out.status.success(),
+            "{what} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn data(&self) -> String {
+        format!("{}/data", self.dir)
+    }
+
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// `pg_ctl restart -m fast`: every connection is cut, in-flight transactions roll back.
+    pub fn restart(&self) {
+        let mut restart = self.tool("pg_ctl");
+        restart.args(["-D", &self.data(), "-m", "fast", "-w", "restart"]);
+        self.check(restart, "pg_ctl restart");
+    }
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        let mut stop = self.tool("pg_ctl");
+        stop.args(["-D", &self.data(), "-m", "immediate", "-w", "stop"]);
+        let _ = stop.output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
