@@ -95,4 +95,50 @@ else
   echo "RESULT: FAILED — see above" >&2
   exit 1
 fi
-echo "(runs: DATABASE_URL=$DATABASE_URL $bin runs)"
+
+echo
+echo "== the daemon: three replicas (deploy/shard.example.toml, shards 0..2) catch up the last three months"
+psql "$server_url" -qX -v ON_ERROR_STOP=1 -c "drop database if exists fine_settler_demo_daemon" \
+  -c "create database fine_settler_demo_daemon" 2>/dev/null
+export DATABASE_URL=$server/fine_settler_demo_daemon
+config=$root/deploy/shard.example.toml
+"$bin" --config "$config" migrate >/dev/null
+months=$("$bin" --config "$config" plan | sed -nE 's/.*"business_date":"([0-9]{4}-[0-9]{2})-[0-9]{2}".*/\1/p')
+i=0
+for m in $months; do
+  "$bin" demo-data --loans 3000 --seed $((100 + i)) --month "$m" --first-id $((1 + i * 100000)) >/dev/null
+  i=$((i + 1))
+done
+echo "   loaded 3000 loans around each of: $(echo $months)"
+pids=()
+start=$(now_ms)
+for s in 0 1 2; do
+  FINE_SETTLER__INSTANCE__SHARD=$s FINE_SETTLER__SCHEDULE__PERIOD=1s \
+    "$bin" --config "$config" run 2>"$work/replica.$s.log" &
+  pids+=($!)
+done
+expected=$((3 * $(echo $months | wc -w)))
+for _ in $(seq 1 600); do
+  done_keys=$("$bin" runs --json | grep -c '"status":"SUCCESS"' || true)
+  [ "$done_keys" -ge "$expected" ] && break
+  sleep 0.1
+done
+took=$(( $(now_ms) - start ))
+kill -TERM "${pids[@]}"
+codes=()
+for p in "${pids[@]}"; do
+  if wait "$p"; then codes+=(0); else codes+=($?); fi
+done
+echo "   $done_keys of $expected keys SUCCESS after ${took} ms; replicas exited with ${codes[*]} on SIGTERM"
+"$bin" runs | sed 's/^/   /'
+for m in $months; do
+  last=$("$bin" --config "$config" plan | sed -nE "s/.*\"business_date\":\"($m-[0-9]{2})\".*/\1/p" | head -n 1)
+  printf '   verify %s: ' "$last"
+  "$bin" verify --business-date "$last" | sed -nE 's/.*violations +([0-9]+).*/\1 violations/p'
+done
+if [ "$done_keys" -lt "$expected" ] || [ "${codes[*]}" != "0 0 0" ]; then
+  echo "RESULT: the replicas did not settle every key" >&2
+  cat "$work"/replica.*.log >&2
+  exit 1
+fi
+echo "RESULT: three replicas settled ${expected} keys and stopped cleanly."

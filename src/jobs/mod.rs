@@ -58,6 +58,16 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// The name used in reports and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Settled => "settled",
+            Outcome::Skipped => "skipped",
+            Outcome::Failed => "failed",
+            Outcome::LeaseLost => "lease_lost",
+        }
+    }
+
     /// Exit code of a one-shot command: 0 when the key is done or someone else has it, 1 otherwise.
     pub fn exit_code(self) -> u8 {
         match self {

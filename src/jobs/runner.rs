@@ -145,7 +145,7 @@ impl Runner {
                 "run skipped"
             ),
             outcome => tracing::info!(
-                outcome = ?outcome,
+                outcome = outcome.as_str(),
                 scanned = report.scanned,
                 updated = report.updated,
                 elapsed_ms = report.elapsed_ms,
