@@ -4,7 +4,7 @@
 
 use std::{collections::HashMap, path::PathBuf, process::ExitCode, sync::Arc};
 
-use chrono::{DateTime, NaiveDate, Utc};
+use chrono::{DateTime, Datelike, NaiveDate, Utc};
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
@@ -14,6 +14,7 @@ use crate::{
     daemon::{self, Daemon},
     demo,
     jobs::{
+        accrual::{compensate, Accrual},
         runner::{process_owner, Runner},
         settlement::Settlement,
         JobName, Outcome, RunKey, RunReport,
@@ -83,6 +84,27 @@ pub enum Command {
         #[arg(long, default_value_t = 20)]
         rows: usize,
     },
+    /// Accrue one day's overdue fines for one shard (after retrying its due pending charges), and print a
+    /// one-line JSON report with the shard's pending and dead counts.
+    Accrue {
+        /// The accrual day, before today in time.zone.
+        #[arg(long, value_name = "D")]
+        date: NaiveDate,
+        /// The shard (default: instance.shard).
+        #[arg(long, value_name = "S", allow_negative_numbers = true)]
+        shard: Option<i64>,
+        /// The shard count (default: instance.shards).
+        #[arg(long, value_name = "N", allow_negative_numbers = true)]
+        shards: Option<i64>,
+        /// Re-run a day that already succeeded (days already charged are not charged again).
+        #[arg(long)]
+        force: bool,
+    },
+    /// The compensation queue of failed charges.
+    Pending {
+        #[command(subcommand)]
+        action: PendingAction,
+    },
     /// Show job_runs rows as a table.
     Runs {
         /// Only this job (fine-settlement or overdue-accrual).
@@ -120,6 +142,22 @@ pub enum Command {
         /// The first loan id.
         #[arg(long, default_value_t = 1)]
         first_id: i64,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PendingAction {
+    /// List queued charges: loan, date, amount, attempts, next attempt, last error, status.
+    List {
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Retry every PENDING charge now, whatever its next attempt time.
+    Retry {
+        /// Also give DEAD charges a fresh set of attempts first.
+        #[arg(long)]
+        dead: bool,
     },
 }
 
@@ -289,6 +327,79 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 }
             }
         }
+        Command::Accrue {
+            date,
+            shard,
+            shards,
+            force,
+        } => {
+            let spec = ShardSpec::new(
+                shard.unwrap_or(i64::from(settings.instance.shard())),
+                shards.unwrap_or(i64::from(settings.instance.shards())),
+            )
+            .map_err(|e| CliError::Usage(format!("--shard/--shards: {e}")))?;
+            let today = calendar::local_date(Utc::now(), settings.zone);
+            if date >= today {
+                return Err(CliError::Usage(format!(
+                    "--date: {date} is not before today ({today} in {}); a day is accrued once it is over",
+                    settings.zone.name()
+                )));
+            }
+            if date.year() < 1 {
+                return Err(CliError::Usage(format!(
+                    "--date: {date} is out of range (years 1 to 9999)"
+                )));
+            }
+            telemetry::init(settings.log_format, &settings.log_level);
+            let key = RunKey {
+                job: JobName::OverdueAccrual,
+                business_date: date,
+                shard: spec,
+            };
+            let report = accrue(&settings, key, force).await;
+            println!("{}", serde_json::to_string(&report).unwrap_or_default());
+            Ok(ExitCode::from(report.run.outcome.exit_code()))
+        }
+        Command::Pending { action } => {
+            telemetry::init(settings.log_format, &settings.log_level);
+            let pool = store::connect(
+                &settings.database,
+                "fine-settler pending",
+                settings.claim.batch_timeout,
+            )
+            .await?;
+            match action {
+                PendingAction::List { json } => {
+                    let rows = store::ledger::list(&pool).await?;
+                    if json {
+                        for r in &rows {
+                            println!("{}", serde_json::to_string(r).unwrap_or_default());
+                        }
+                    } else {
+                        print!("{}", pending_table(&rows));
+                    }
+                }
+                PendingAction::Retry { dead } => {
+                    let resurrected = if dead {
+                        store::ledger::resurrect(&pool).await?
+                    } else {
+                        0
+                    };
+                    let job = Accrual::from_settings(&settings);
+                    let done = compensate(&pool, &job, None, false, settings.accrual.max_attempts).await?;
+                    let (pending, dead) = store::ledger::counts(&pool, None).await?;
+                    println!(
+                        "{}",
+                        serde_json::json!({
+                            "resurrected": resurrected, "charged": done.charged, "retried": done.retried,
+                            "dead_now": done.dead, "pending": pending, "dead": dead
+                        })
+                    );
+                }
+            }
+            pool.close().await;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Plan { at } => {
             telemetry::init(settings.log_format, &settings.log_level);
             let mut session = store::Session::new(
@@ -296,16 +407,16 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 "fine-settler plan",
                 settings.claim.batch_timeout,
             )?;
-            let (db_now, states) = session
+            let status = session
                 .tick_status(settings.instance, daemon::window_days(&settings))
                 .await
                 .map_err(daemon::TickError::from)?;
             let now = match (at, settings.time_source) {
                 (Some(at), _) => at.with_timezone(&Utc),
-                (None, TimeSource::Database) => db_now,
+                (None, TimeSource::Database) => status.now,
                 (None, TimeSource::System) => Utc::now(),
             };
-            for due in daemon::plan(&settings, now, &states) {
+            for due in daemon::plan(&settings, now, &status.keys) {
                 println!("{}", serde_json::to_string(&due).unwrap_or_default());
             }
             Ok(ExitCode::SUCCESS)
@@ -377,6 +488,10 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                     audit.total_cents, audit.expected_cents
                 );
                 println!("  complete shard sets {:?}", audit.complete_shard_counts);
+                println!(
+                    "  ledger reconciled   {} loans, {} mismatches",
+                    audit.ledger_checked, audit.ledger_mismatches
+                );
                 println!("  violations          {}", violations.len());
                 for v in &violations {
                     println!("    - {v}");
@@ -426,28 +541,31 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
     }
 }
 
-/// Settles one key, handing it back cleanly on SIGINT/SIGTERM. Always returns a report.
-async fn settle(settings: &Settings, key: RunKey, force: bool) -> RunReport {
-    let started = tokio::time::Instant::now();
-    let app = format!("fine-settler settle {}/{}", key.shard.shard(), key.shard.shards());
-    let pool = match store::connect(&settings.database, &app, settings.claim.batch_timeout).await {
-        Ok(pool) => pool,
-        Err(e) => {
+/// A report for a run that could not start (no database).
+fn not_started(key: RunKey, started: tokio::time::Instant, error: String) -> RunReport {
+    RunReport {
+        job: key.job.as_str(),
+        business_date: key.business_date,
+        shard: key.shard.shard(),
+        shards: key.shard.shards(),
+        outcome: Outcome::Failed,
+        epoch: None,
+        scanned: 0,
+        updated: 0,
+        elapsed_ms: started.elapsed().as_millis() as u64,
+        detail: Some(error),
+    }
+}
+
+/// A runner for a one-shot command, handing its key back cleanly on SIGINT/SIGTERM.
+async fn one_shot_runner(settings: &Settings, key: RunKey, batch_size: u32) -> Result<Runner, String> {
+    let app = format!("fine-settler {} {}", key.job, key.shard);
+    let pool = store::connect(&settings.database, &app, settings.claim.batch_timeout)
+        .await
+        .map_err(|e| {
             tracing::error!(error = %e, "cannot connect to the database");
-            return RunReport {
-                job: key.job.as_str(),
-                business_date: key.business_date,
-                shard: key.shard.shard(),
-                shards: key.shard.shards(),
-                outcome: Outcome::Failed,
-                epoch: None,
-                scanned: 0,
-                updated: 0,
-                elapsed_ms: started.elapsed().as_millis() as u64,
-                detail: Some(e.to_string()),
-            };
-        }
-    };
+            e.to_string()
+        })?;
     let cancel = match Signals::install() {
         Ok(signals) => signals.shutdown,
         Err(e) => {
@@ -455,25 +573,110 @@ async fn settle(settings: &Settings, key: RunKey, force: bool) -> RunReport {
             CancellationToken::new()
         }
     };
-    let runner = Runner {
-        pool: pool.clone(),
+    Ok(Runner {
+        pool,
         owner: process_owner(),
         lease: settings.claim.lease,
         batch_timeout: settings.claim.batch_timeout,
-        batch_size: settings.settlement.batch_size,
+        batch_size,
         cancel,
+    })
+}
+
+/// Settles one key. Always returns a report.
+async fn settle(settings: &Settings, key: RunKey, force: bool) -> RunReport {
+    let started = tokio::time::Instant::now();
+    match one_shot_runner(settings, key, settings.settlement.batch_size).await {
+        Ok(runner) => {
+            let report = runner
+                .run(
+                    &Settlement {
+                        policy: settings.fine,
+                    },
+                    key,
+                    force,
+                )
+                .await;
+            runner.pool.close().await;
+            report
+        }
+        Err(e) => not_started(key, started, e),
+    }
+}
+
+/// The report of `accrue`: the run's, plus what the compensation pass did and the shard's queue.
+#[derive(Debug, serde::Serialize)]
+struct AccrualReport {
+    #[serde(flatten)]
+    run: RunReport,
+    /// Pending charges of this shard written by the compensation pass before the run.
+    compensated: u64,
+    /// This shard's PENDING charges after the run.
+    pending: Option<i64>,
+    /// This shard's DEAD charges after the run.
+    dead: Option<i64>,
+}
+
+/// Accrues one day for one shard, after retrying the shard's due pending charges. Always returns a report.
+async fn accrue(settings: &Settings, key: RunKey, force: bool) -> AccrualReport {
+    let started = tokio::time::Instant::now();
+    let runner = match one_shot_runner(settings, key, settings.accrual.batch_size).await {
+        Ok(runner) => runner,
+        Err(e) => {
+            return AccrualReport {
+                run: not_started(key, started, e),
+                compensated: 0,
+                pending: None,
+                dead: None,
+            }
+        }
     };
-    let report = runner
-        .run(
-            &Settlement {
-                policy: settings.fine,
-            },
-            key,
-            force,
-        )
-        .await;
-    pool.close().await;
-    report
+    let job = Accrual::from_settings(settings);
+    let max_attempts = settings.accrual.max_attempts;
+    let compensated = match compensate(&runner.pool, &job, Some(key.shard), true, max_attempts).await {
+        Ok(c) => c.charged,
+        Err(e) => {
+            let e = StoreError::from(e);
+            tracing::error!(error = %e, "compensation pass failed");
+            runner.pool.close().await;
+            return AccrualReport {
+                run: not_started(key, started, e.to_string()),
+                compensated: 0,
+                pending: None,
+                dead: None,
+            };
+        }
+    };
+    let run = runner.run(&job, key, force).await;
+    let counts = store::ledger::counts(&runner.pool, Some(key.shard)).await.ok();
+    runner.pool.close().await;
+    AccrualReport {
+        run,
+        compensated,
+        pending: counts.map(|c| c.0),
+        dead: counts.map(|c| c.1),
+    }
+}
+
+fn pending_table(rows: &[store::ledger::Pending]) -> String {
+    let mut out = format!(
+        "{:>12} {:<10} {:>10} {:>8} {:<25} {:<7} {}\n",
+        "LOAN", "DATE", "AMOUNT", "ATTEMPTS", "NEXT_ATTEMPT", "STATUS", "LAST_ERROR"
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "{:>12} {:<10} {:>10} {:>8} {:<25} {:<7} {}\n",
+            r.loan_id,
+            r.accrual_date,
+            r.amount_cents,
+            r.attempts,
+            r.next_attempt_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            r.status,
+            r.last_error.as_deref().unwrap_or("")
+        ));
+    }
+    out
 }
 
 fn runs_table(rows: &[store::job_runs::JobRun]) -> String {

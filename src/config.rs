@@ -97,6 +97,8 @@ pub struct RawAccrual {
     pub batch_size: i64,
     pub catch_up_days: i64,
     pub max_attempts: i64,
+    pub retry_backoff: String,
+    pub retry_backoff_max: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -255,6 +257,9 @@ pub struct AccrualSettings {
     pub batch_size: u32,
     pub catch_up_days: u32,
     pub max_attempts: u32,
+    /// Delay before the first retry of a failed charge; doubled per attempt up to `retry_backoff_max`.
+    pub retry_backoff: Duration,
+    pub retry_backoff_max: Duration,
 }
 
 /// The validated configuration. Holding one means every value is in range.
@@ -502,6 +507,16 @@ impl RawSettings {
         let accrual_batch = c.int_in("accrual.batch_size", self.accrual.batch_size, 1..=MAX_BATCH_SIZE);
         let catch_up_days = c.int_in("accrual.catch_up_days", self.accrual.catch_up_days, 1..=3660);
         let max_attempts = c.int_in("accrual.max_attempts", self.accrual.max_attempts, 1..=1000);
+        let retry_backoff = c.duration("accrual.retry_backoff", &self.accrual.retry_backoff);
+        let retry_backoff_max = c.duration("accrual.retry_backoff_max", &self.accrual.retry_backoff_max);
+        if let (Some(base), Some(max)) = (retry_backoff, retry_backoff_max) {
+            if max < base {
+                c.fail(
+                    "accrual.retry_backoff_max",
+                    "must not be shorter than accrual.retry_backoff",
+                );
+            }
+        }
 
         let fine = match FinePolicy::new(
             self.fine.daily_rate_cents,
@@ -579,6 +594,8 @@ impl RawSettings {
                     batch_size: accrual_batch?,
                     catch_up_days: catch_up_days?,
                     max_attempts: max_attempts?,
+                    retry_backoff: retry_backoff?,
+                    retry_backoff_max: retry_backoff_max?,
                 },
                 fine: fine?,
                 log_format: log_format?,

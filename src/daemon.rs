@@ -18,6 +18,7 @@ use crate::{
     calendar,
     config::{Settings, TimeSource},
     jobs::{
+        accrual::{self, Accrual},
         runner::{process_owner, Runner},
         settlement::Settlement,
         JobName, RunKey, RunReport,
@@ -43,7 +44,8 @@ pub fn backoff(failures: u32) -> Duration {
 /// Why a tick could not look at its work.
 #[derive(Debug, thiserror::Error)]
 pub enum TickError {
-    /// The tick's status query failed: the database is unreachable, restarting, or not migrated.
+    /// The tick's status query (or its compensation pass) failed: the database is unreachable, restarting, or
+    /// not migrated.
     #[error("cannot read the tick status: {}", crate::config::redact_secrets_in(&.0.to_string()))]
     Database(#[from] sqlx::Error),
 }
@@ -70,6 +72,11 @@ pub fn plan(settings: &Settings, now: DateTime<Utc>, states: &[KeyState]) -> Vec
     if settings.settlement.enabled {
         for date in calendar::settlement_due(today, settings.settlement.catch_up_months) {
             due.push(classify(settings, JobName::FineSettlement, date, states));
+        }
+    }
+    if settings.accrual.enabled {
+        for date in accrual::due_days(today, settings.accrual.catch_up_days) {
+            due.push(classify(settings, JobName::OverdueAccrual, date, states));
         }
     }
     due
@@ -106,7 +113,8 @@ fn classify(settings: &Settings, job: JobName, date: NaiveDate, states: &[KeySta
 /// zone offset).
 pub fn window_days(settings: &Settings) -> i32 {
     let months = settings.settlement.catch_up_months as i32;
-    months.saturating_mul(31).saturating_add(33)
+    let days = settings.accrual.catch_up_days as i32;
+    months.saturating_mul(31).max(days).saturating_add(33)
 }
 
 /// A replica.
@@ -222,26 +230,39 @@ impl Daemon {
         }
     }
 
-    /// One tick: read the time and the shard's keys (one statement), then run every due key not yet SUCCESS.
+    /// One tick: read the time, the shard's keys and its due pending charges (one statement); retry the due
+    /// pending charges; then run every due key not yet SUCCESS, oldest first per job.
     pub async fn tick(&mut self) -> Result<Vec<RunReport>, TickError> {
         let shard = self.settings.instance;
         let before = self.wall.now();
-        let (db_now, states) = self
+        let status = self
             .session
             .tick_status(shard, window_days(&self.settings))
             .await?;
         let after = self.wall.now();
-        self.observe_skew(before + (after - before) / 2, db_now);
+        self.observe_skew(before + (after - before) / 2, status.now);
         let now = match self.settings.time_source {
-            TimeSource::Database => db_now,
+            TimeSource::Database => status.now,
             TimeSource::System => after,
         };
-        let done: HashSet<(&str, NaiveDate)> = states
+        let accrual = Accrual::from_settings(&self.settings);
+        if self.settings.accrual.enabled && status.due_pending > 0 {
+            let max_attempts = self.settings.accrual.max_attempts;
+            let done = accrual::compensate(&self.pool, &accrual, Some(shard), true, max_attempts).await?;
+            tracing::info!(
+                charged = done.charged,
+                retried = done.retried,
+                dead = done.dead,
+                "compensation pass"
+            );
+        }
+        let done: HashSet<(&str, NaiveDate)> = status
+            .keys
             .iter()
             .filter(|s| s.status == "SUCCESS")
             .map(|s| (s.job_name.as_str(), s.business_date))
             .collect();
-        let todo: Vec<Due> = plan(&self.settings, now, &states)
+        let todo: Vec<Due> = plan(&self.settings, now, &status.keys)
             .into_iter()
             .filter(|d| !done.contains(&(d.job, d.business_date)))
             .collect();
@@ -254,23 +275,29 @@ impl Daemon {
             if self.shutdown.is_cancelled() {
                 break;
             }
-            let key = RunKey {
-                job: JobName::FineSettlement,
-                business_date: due.business_date,
-                shard,
+            let report = if due.job == JobName::OverdueAccrual.as_str() {
+                let key = RunKey {
+                    job: JobName::OverdueAccrual,
+                    business_date: due.business_date,
+                    shard,
+                };
+                self.runner(self.settings.accrual.batch_size)
+                    .run(&accrual, key, false)
+                    .await
+            } else {
+                let key = RunKey {
+                    job: JobName::FineSettlement,
+                    business_date: due.business_date,
+                    shard,
+                };
+                let settlement = Settlement {
+                    policy: self.settings.fine,
+                };
+                self.runner(self.settings.settlement.batch_size)
+                    .run(&settlement, key, false)
+                    .await
             };
-            let runner = self.runner(self.settings.settlement.batch_size);
-            reports.push(
-                runner
-                    .run(
-                        &Settlement {
-                            policy: self.settings.fine,
-                        },
-                        key,
-                        false,
-                    )
-                    .await,
-            );
+            reports.push(report);
         }
         Ok(reports)
     }

@@ -1,6 +1,7 @@
 //! The jobs: what a run key is, what a run reports, and the jobs themselves on top of one generic
 //! claim → fenced batches → finish runner ([`runner`]).
 
+pub mod accrual;
 pub mod runner;
 pub mod settlement;
 

@@ -22,6 +22,11 @@ pub struct MonthAudit {
     pub expected_cents: i64,
     /// Shard counts for which every shard's settlement run is SUCCESS.
     pub complete_shard_counts: Vec<i32>,
+    /// Settled loans whose every overdue day is in the ledger (or whose ledger reached the cap): the ones the
+    /// ledger can be reconciled with.
+    pub ledger_checked: i64,
+    /// Of those, loans whose ledger total differs from `fine_cents`.
+    pub ledger_mismatches: i64,
 }
 
 /// Audits the loans returned in `[first, last]` against `policy`. The expected fine is computed by the database
@@ -65,6 +70,32 @@ pub async fn month(
     .fetch_all(pool)
     .await?;
 
+    // Reconciliation: a returned loan's overdue days are due_on + grace < D <= returned_on. When the ledger has a
+    // row for each (or has reached the cap), its total must equal the settled fine.
+    let ledger = sqlx::query!(
+        r#"with r as (
+               select l.id, l.fine_cents,
+                      greatest(0, l.returned_on - l.due_on - $4::int) as days,
+                      coalesce(sum(f.amount_cents), 0)::bigint as total,
+                      count(f.loan_id) as rows
+               from loans l
+               left join fine_ledger f on f.loan_id = l.id
+               where l.returned_on between $1 and $2 and l.fine_settled_at is not null
+               group by l.id, l.fine_cents, l.returned_on, l.due_on
+           ), full_ledger as (
+               select * from r
+               where (rows > 0 and rows = days) or ($3::bigint > 0 and rows > 0 and total >= $3)
+           )
+           select count(*) as "checked!", count(*) filter (where total <> fine_cents) as "mismatches!"
+           from full_ledger"#,
+        first,
+        last,
+        policy.cap().map_or(0, |c| c.get()),
+        i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
+    )
+    .fetch_one(pool)
+    .await?;
+
     Ok(MonthAudit {
         returned: row.returned,
         settled: row.settled,
@@ -73,6 +104,8 @@ pub async fn month(
         total_cents: row.total_cents,
         expected_cents: row.expected_cents,
         complete_shard_counts: complete,
+        ledger_checked: ledger.checked,
+        ledger_mismatches: ledger.mismatches,
     })
 }
 
@@ -90,6 +123,12 @@ impl MonthAudit {
             v.push(format!(
                 "{} settled loans carry a fine other than the policy's",
                 self.wrong_fine
+            ));
+        }
+        if self.ledger_mismatches > 0 {
+            v.push(format!(
+                "{} fully accrued loans have a ledger total other than their settled fine",
+                self.ledger_mismatches
             ));
         }
         if self.returned > 0 && self.complete_shard_counts.is_empty() {

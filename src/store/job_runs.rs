@@ -329,20 +329,35 @@ pub struct KeyState {
     pub expired: bool,
 }
 
-/// Everything a tick needs to know before it claims anything, in one statement: the database clock and this
-/// shard's `job_runs` rows for business dates in the last `window_days` days. An idle tick costs exactly this
-/// one round trip.
+/// What a tick sees before it claims anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TickStatus {
+    /// The database clock.
+    pub now: DateTime<Utc>,
+    /// This shard's `job_runs` rows in the window.
+    pub keys: Vec<KeyState>,
+    /// This shard's pending charges due for a retry.
+    pub due_pending: i64,
+}
+
+/// Everything a tick needs to know before it claims anything, in one statement: the database clock, this
+/// shard's `job_runs` rows for business dates in the last `window_days` days, and how many of its pending
+/// charges are due. An idle tick costs exactly this one round trip.
 pub async fn tick_status(
     conn: &mut PgConnection,
     shard: crate::shard::ShardSpec,
     window_days: i32,
-) -> Result<(DateTime<Utc>, Vec<KeyState>), sqlx::Error> {
+) -> Result<TickStatus, sqlx::Error> {
     let rows = sqlx::query!(
-        r#"select t.now as "now!", r.job_name as "job_name?", r.business_date as "business_date?",
+        r#"select t.now as "now!", t.due_pending as "due_pending!",
+                  r.job_name as "job_name?", r.business_date as "business_date?",
                   r.status as "status?", r.owner as "owner?", (r.lease_until < t.now) as "expired?"
-           from (select now() as now) t
+           from (select now() as now,
+                        (select count(*) from fine_pending p
+                         where p.status = 'PENDING' and p.next_attempt_at <= now()
+                           and p.loan_id % $1::int = $2::int) as due_pending) t
            left join job_runs r
-             on r.shards = $1 and r.shard = $2
+             on r.shards = $1::int and r.shard = $2::int
             and r.business_date >= (t.now at time zone 'UTC')::date - $3::int"#,
         shard.shards(),
         shard.shard(),
@@ -350,8 +365,11 @@ pub async fn tick_status(
     )
     .fetch_all(&mut *conn)
     .await?;
-    let now = rows.first().map(|r| r.now).ok_or(sqlx::Error::RowNotFound)?;
-    let states = rows
+    let (now, due_pending) = rows
+        .first()
+        .map(|r| (r.now, r.due_pending))
+        .ok_or(sqlx::Error::RowNotFound)?;
+    let keys = rows
         .into_iter()
         .filter_map(|r| {
             Some(KeyState {
@@ -363,5 +381,9 @@ pub async fn tick_status(
             })
         })
         .collect();
-    Ok((now, states))
+    Ok(TickStatus {
+        now,
+        keys,
+        due_pending,
+    })
 }

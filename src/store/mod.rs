@@ -3,6 +3,7 @@
 
 pub mod audit;
 pub mod job_runs;
+pub mod ledger;
 pub mod loans;
 
 use std::{str::FromStr, time::Duration};
@@ -110,12 +111,13 @@ impl Session {
         })
     }
 
-    /// The database clock and this shard's recent `job_runs` rows (see [`job_runs::tick_status`]).
+    /// The database clock, this shard's recent `job_runs` rows and due pending charges (see
+    /// [`job_runs::tick_status`]).
     pub async fn tick_status(
         &mut self,
         shard: crate::shard::ShardSpec,
         window_days: i32,
-    ) -> Result<(chrono::DateTime<chrono::Utc>, Vec<job_runs::KeyState>), sqlx::Error> {
+    ) -> Result<job_runs::TickStatus, sqlx::Error> {
         if self.conn.is_none() {
             let connect = PgConnection::connect_with(&self.options);
             let conn = tokio::time::timeout(self.connect_timeout, connect)

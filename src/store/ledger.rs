@@ -1,0 +1,246 @@
+//! `fine_ledger` and `fine_pending`: the accrual scan, its charges, and the compensation queue.
+
+use chrono::{DateTime, NaiveDate, Utc};
+use sqlx::{PgConnection, PgPool};
+
+use crate::shard::ShardSpec;
+
+/// A loan overdue on the accrual day and not yet charged (nor queued) for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Overdue {
+    pub id: i64,
+    /// What the ledger already holds for this loan, all days together (for the cap).
+    pub accrued: i64,
+}
+
+/// The next batch of the shard's loans overdue on `day` — `due_on + grace_days < day` and not returned before
+/// `day` — that have no ledger row and no pending charge for `day`, and (with a cap) have not reached it.
+pub async fn overdue_batch(
+    pool: &PgPool,
+    day: NaiveDate,
+    shard: ShardSpec,
+    grace_days: i64,
+    cap_cents: i64,
+    from_id: i64,
+    limit: i64,
+) -> Result<Vec<Overdue>, sqlx::Error> {
+    sqlx::query_as!(
+        Overdue,
+        r#"select l.id, coalesce(a.total, 0)::bigint as "accrued!"
+           from loans l
+           left join lateral (
+               select sum(f.amount_cents) as total from fine_ledger f where f.loan_id = l.id
+           ) a on true
+           where l.id >= $1 and l.id % $2 = $3
+             and l.due_on + $4::int < $5
+             and (l.returned_on is null or l.returned_on >= $5)
+             and not exists (select 1 from fine_ledger f where f.loan_id = l.id and f.accrual_date = $5)
+             and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $5)
+             and ($6::bigint = 0 or coalesce(a.total, 0) < $6)
+           order by l.id
+           limit $7"#,
+        from_id,
+        i64::from(shard.shards()),
+        i64::from(shard.shard()),
+        i32::try_from(grace_days).unwrap_or(i32::MAX),
+        day,
+        cap_cents,
+        limit,
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// Charges every loan in `ids` for `day`, skipping days already charged. Returns the rows written.
+pub async fn charge(
+    tx: &mut PgConnection,
+    day: NaiveDate,
+    ids: &[i64],
+    amounts: &[i64],
+) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query!(
+        r#"insert into fine_ledger (loan_id, accrual_date, amount_cents)
+           select b.id, $1, b.amount from unnest($2::bigint[], $3::bigint[]) as b (id, amount)
+           on conflict on constraint fine_ledger_pkey do nothing"#,
+        day,
+        ids,
+        amounts,
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// Sets this transaction's statement timeout (used while charges are isolated row by row).
+pub async fn set_local_statement_timeout(tx: &mut PgConnection, millis: u64) -> Result<(), sqlx::Error> {
+    sqlx::query_scalar!(
+        "select set_config('statement_timeout', $1, true)",
+        millis.to_string()
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// Queues a failed charge. A row already queued for that day is left as it is.
+pub async fn enqueue(
+    tx: &mut PgConnection,
+    loan_id: i64,
+    day: NaiveDate,
+    amount: i64,
+    error: &str,
+    retry_in_ms: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        r#"insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
+           values ($1, $2, $3, 1, $4, now() + $5 * interval '1 millisecond')
+           on conflict on constraint fine_pending_pkey do nothing"#,
+        loan_id,
+        day,
+        amount,
+        error,
+        retry_in_ms as f64,
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// A queued charge.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Pending {
+    pub loan_id: i64,
+    pub accrual_date: NaiveDate,
+    pub amount_cents: i64,
+    pub attempts: i32,
+    pub next_attempt_at: DateTime<Utc>,
+    pub last_error: Option<String>,
+    pub status: String,
+}
+
+/// Pending charges of `shard` due for a retry (or all PENDING ones with `due_only = false`), oldest first.
+pub async fn due_pending(
+    pool: &PgPool,
+    shard: Option<ShardSpec>,
+    due_only: bool,
+    limit: i64,
+) -> Result<Vec<Pending>, sqlx::Error> {
+    let (shards, index) = shard.map_or((1, 0), |s| (i64::from(s.shards()), i64::from(s.shard())));
+    sqlx::query_as!(
+        Pending,
+        r#"select loan_id, accrual_date, amount_cents, attempts, next_attempt_at, last_error, status
+           from fine_pending
+           where status = 'PENDING' and (not $1 or next_attempt_at <= now()) and loan_id % $2 = $3
+           order by next_attempt_at, loan_id, accrual_date
+           limit $4"#,
+        due_only,
+        shards,
+        index,
+        limit,
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// Locks one pending charge for a retry, unless another replica holds it or it is no longer PENDING.
+/// Returns its attempts so far.
+pub async fn lock_pending(
+    tx: &mut PgConnection,
+    loan_id: i64,
+    day: NaiveDate,
+) -> Result<Option<i32>, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select attempts from fine_pending
+           where loan_id = $1 and accrual_date = $2 and status = 'PENDING'
+           for update skip locked"#,
+        loan_id,
+        day,
+    )
+    .fetch_optional(&mut *tx)
+    .await
+}
+
+/// What the ledger holds for one loan, all days together.
+pub async fn accrued(tx: &mut PgConnection, loan_id: i64) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select coalesce(sum(amount_cents), 0)::bigint as "total!" from fine_ledger where loan_id = $1"#,
+        loan_id
+    )
+    .fetch_one(&mut *tx)
+    .await
+}
+
+/// Removes a pending charge (it was charged, or there is nothing left to charge).
+pub async fn resolve(tx: &mut PgConnection, loan_id: i64, day: NaiveDate) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        "delete from fine_pending where loan_id = $1 and accrual_date = $2",
+        loan_id,
+        day
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// Records another failed attempt: the error, the next attempt time, and DEAD once `dead` says so.
+pub async fn retry_failed(
+    tx: &mut PgConnection,
+    loan_id: i64,
+    day: NaiveDate,
+    error: &str,
+    retry_in_ms: i64,
+    dead: bool,
+) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        r#"update fine_pending set attempts = attempts + 1, last_error = $3,
+                  next_attempt_at = now() + $4 * interval '1 millisecond',
+                  status = case when $5 then 'DEAD' else 'PENDING' end, updated_at = now()
+           where loan_id = $1 and accrual_date = $2"#,
+        loan_id,
+        day,
+        error,
+        retry_in_ms as f64,
+        dead,
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// Gives DEAD charges (optionally of one loan) a fresh set of attempts, due now. Returns how many.
+pub async fn resurrect(pool: &PgPool) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query!(
+        r#"update fine_pending set status = 'PENDING', attempts = 0, next_attempt_at = now(), updated_at = now()
+           where status = 'DEAD'"#
+    )
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// (PENDING, DEAD) counts, for one shard or all.
+pub async fn counts(pool: &PgPool, shard: Option<ShardSpec>) -> Result<(i64, i64), sqlx::Error> {
+    let (shards, index) = shard.map_or((1, 0), |s| (i64::from(s.shards()), i64::from(s.shard())));
+    let row = sqlx::query!(
+        r#"select count(*) filter (where status = 'PENDING') as "pending!",
+                  count(*) filter (where status = 'DEAD') as "dead!"
+           from fine_pending where loan_id % $1 = $2"#,
+        shards,
+        index,
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok((row.pending, row.dead))
+}
+
+/// Every queued charge, DEAD first, for `pending list`.
+pub async fn list(pool: &PgPool) -> Result<Vec<Pending>, sqlx::Error> {
+    sqlx::query_as!(
+        Pending,
+        r#"select loan_id, accrual_date, amount_cents, attempts, next_attempt_at, last_error, status
+           from fine_pending
+           order by status, next_attempt_at, loan_id, accrual_date"#
+    )
+    .fetch_all(pool)
+    .await
+}
