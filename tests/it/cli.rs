@@ -269,3 +269,38 @@ async fn migrate_rebuilds_an_index_left_invalid_by_an_interrupted_build(pool: Pg
     );
     assert!(scan_index_is_valid(&pool).await);
 }
+
+#[sqlx::test]
+async fn accrue_refuses_a_day_that_is_not_over_and_pending_list_shows_the_queue(pool: PgPool) {
+    let url = database_url(&pool);
+    let today = fine_settler::calendar::local_date(chrono::Utc::now(), chrono_tz::Asia::Shanghai);
+    for date in [today, today + chrono::Duration::days(3)] {
+        let mut cmd = fine_settler(&url);
+        cmd.args(["accrue", "--date", &date.to_string()]);
+        let out = output(cmd);
+        let lines = stderr_lines(&out);
+        assert_eq!(out.status.code(), Some(2), "{lines:?}");
+        assert!(lines.len() == 1 && lines[0].contains("--date"), "{lines:?}");
+    }
+    nothing_written(&pool).await;
+
+    sqlx::query(
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at, status)
+         values (42, '2026-10-10', 100, 10, 'charge rejected for loan 42', now(), 'DEAD')",
+    )
+    .execute(&pool)
+    .await
+    .expect("pending row");
+    let mut cmd = fine_settler(&url);
+    cmd.args(["pending", "list"]);
+    let out = output(cmd);
+    assert_eq!(out.status.code(), Some(0));
+    let table = String::from_utf8_lossy(&out.stdout);
+    let row = table
+        .lines()
+        .find(|l| l.contains("42"))
+        .unwrap_or_else(|| panic!("{table}"));
+    for field in ["2026-10-10", "100", "10", "DEAD", "charge rejected for loan 42"] {
+        assert!(row.contains(field), "{field} missing from {row:?}");
+    }
+}

@@ -424,7 +424,8 @@ async fn an_idle_tick_is_one_statement() {
         .expect("extension");
     let once = || {
         let mut cmd = fine_settler(&url);
-        cmd.env("FINE_SETTLER__ACCRUAL__ENABLED", "true").args(["run", "--once"]);
+        cmd.env("FINE_SETTLER__ACCRUAL__ENABLED", "true")
+            .args(["run", "--once"]);
         let out = output(cmd);
         assert_eq!(
             out.status.code(),
@@ -448,5 +449,70 @@ async fn an_idle_tick_is_one_statement() {
     .await
     .expect("statements");
     let calls: i64 = statements.iter().map(|(_, c)| c).sum();
-    assert_eq!(calls, 1, "an idle tick of both jobs runs one statement: {statements:?}");
+    assert_eq!(
+        calls, 1,
+        "an idle tick of both jobs runs one statement: {statements:?}"
+    );
+}
+
+#[sqlx::test]
+async fn a_tick_compensates_first_then_accrues_the_last_seven_days(pool: PgPool) {
+    let now: DateTime<Utc> = sqlx::query_scalar("select now()")
+        .fetch_one(&pool)
+        .await
+        .expect("now");
+    let today = calendar::local_date(now, chrono_tz::Asia::Shanghai);
+    let long_ago = (today - chrono::Duration::days(40)).to_string();
+    insert(
+        &pool,
+        &(1..=20).map(|id| loan(id, &long_ago, None)).collect::<Vec<_>>(),
+    )
+    .await;
+    // A charge that failed 20 days ago and is due for a retry.
+    let old_day = today - chrono::Duration::days(20);
+    sqlx::query(
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
+         values (1, $1, 100, 1, 'lock timeout', now() - interval '1 second')",
+    )
+    .bind(old_day)
+    .execute(&pool)
+    .await
+    .expect("pending");
+
+    let url = database_url(&pool);
+    let mut cmd = fine_settler(&url);
+    cmd.env("FINE_SETTLER__ACCRUAL__ENABLED", "true")
+        .env("FINE_SETTLER__SETTLEMENT__ENABLED", "false")
+        .args(["run", "--once"]);
+    let out = output(cmd);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reports = String::from_utf8_lossy(&out.stdout).lines().count();
+    assert_eq!(reports, 7, "one run per due day");
+
+    let days = fine_settler::jobs::accrual::due_days(today, 7);
+    let per_day: Vec<(NaiveDate, i64)> =
+        sqlx::query_as("select accrual_date, count(*) from fine_ledger group by 1 order by 1")
+            .fetch_all(&pool)
+            .await
+            .expect("ledger");
+    let mut expected: Vec<(NaiveDate, i64)> = vec![(old_day, 1)];
+    expected.extend(days.iter().map(|d| (*d, 20)));
+    assert_eq!(per_day, expected);
+    let pending: i64 = sqlx::query_scalar("select count(*) from fine_pending")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(pending, 0);
+    let keys: i64 = sqlx::query_scalar(
+        "select count(*) from job_runs where job_name = 'overdue-accrual' and status = 'SUCCESS'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("keys");
+    assert_eq!(keys, 7);
 }

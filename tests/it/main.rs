@@ -1,6 +1,7 @@
 //! Integration tests against a real PostgreSQL: each `#[sqlx::test]` gets a fresh database with the migrations
 //! applied. `DATABASE_URL` names the server (scripts/test.sh starts a private one).
 
+mod accrual;
 mod claim;
 mod cli;
 mod daemon;

@@ -1,0 +1,486 @@
+//! Daily overdue accrual: one ledger row per loan and day however often it runs, a compensation queue for
+//! rejected charges, and reconciliation with the month-end settlement.
+
+use std::{process::Stdio, time::Duration};
+
+use chrono::NaiveDate;
+use fine_settler::{
+    fine::FinePolicy,
+    jobs::{
+        accrual::{compensate, Accrual},
+        settlement::Settlement,
+        JobName, Outcome, RunKey,
+    },
+    shard::ShardSpec,
+};
+use sqlx::PgPool;
+
+use crate::helpers::{d, database_url, fine_settler, insert, loan, output, report, runner, wait_until};
+
+fn accrual(policy: FinePolicy) -> Accrual {
+    Accrual {
+        policy,
+        backoff: Duration::from_millis(100),
+        backoff_max: Duration::from_millis(250),
+        row_timeout: Duration::from_millis(500),
+    }
+}
+
+fn day_key(day: NaiveDate, shard: i64, shards: i64) -> RunKey {
+    RunKey {
+        job: JobName::OverdueAccrual,
+        business_date: day,
+        shard: ShardSpec::new(shard, shards).expect("shard"),
+    }
+}
+
+/// A day safely in the past for the `accrue` command, which refuses today and later.
+fn past_day() -> NaiveDate {
+    fine_settler::calendar::local_date(chrono::Utc::now(), chrono_tz::Asia::Shanghai)
+        - chrono::Duration::days(5)
+}
+
+async fn ledger(pool: &PgPool) -> Vec<(i64, NaiveDate, i64)> {
+    sqlx::query_as("select loan_id, accrual_date, amount_cents from fine_ledger order by 1, 2")
+        .fetch_all(pool)
+        .await
+        .expect("ledger")
+}
+
+/// Oracle in plain SQL: the loans overdue on `day` under grace 0.
+async fn overdue_on(pool: &PgPool, day: NaiveDate) -> Vec<i64> {
+    sqlx::query_scalar(
+        "select id from loans where due_on < $1 and (returned_on is null or returned_on >= $1) order by id",
+    )
+    .bind(day)
+    .fetch_all(pool)
+    .await
+    .expect("oracle")
+}
+
+/// 300 loans around `day`: due from 20 days before to 10 days after, returned at varied times or not at all.
+async fn mixed_loans(pool: &PgPool, day: NaiveDate) {
+    let loans: Vec<_> = (1..=300i64)
+        .map(|id| {
+            let due = day + chrono::Duration::days(id % 31 - 20);
+            let returned = match id % 4 {
+                0 => None,
+                1 => Some(day - chrono::Duration::days(id % 7)),
+                2 => Some(day),
+                _ => Some(day + chrono::Duration::days(id % 5)),
+            };
+            loan(id, &due.to_string(), returned.map(|r| r.to_string()).as_deref())
+        })
+        .collect();
+    insert(pool, &loans).await;
+}
+
+async fn block_charges(pool: &PgPool, ids: &[i64]) {
+    sqlx::raw_sql(
+        "create table if not exists blocked (id bigint primary key);
+         create or replace function reject_blocked() returns trigger language plpgsql as $$
+         begin
+             if exists (select 1 from blocked where id = new.loan_id) then
+                 raise exception 'charge rejected for loan %', new.loan_id;
+             end if;
+             return new;
+         end $$;
+         drop trigger if exists reject_blocked on fine_ledger;
+         create trigger reject_blocked before insert on fine_ledger for each row execute function reject_blocked();",
+    )
+    .execute(pool)
+    .await
+    .expect("blocking trigger");
+    for id in ids {
+        sqlx::query("insert into blocked values ($1) on conflict do nothing")
+            .bind(id)
+            .execute(pool)
+            .await
+            .expect("block");
+    }
+}
+
+#[sqlx::test]
+async fn a_run_a_concurrent_duplicate_and_a_forced_rerun_leave_one_ledger(pool: PgPool) {
+    let day = past_day();
+    mixed_loans(&pool, day).await;
+    let expected = overdue_on(&pool, day).await;
+    assert!(expected.len() > 100);
+    let url = database_url(&pool);
+    let accrue = |extra: &'static [&'static str]| {
+        let mut cmd = fine_settler(&url);
+        cmd.env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "20")
+            .args(["accrue", "--date", &day.to_string()])
+            .args(extra);
+        cmd
+    };
+    let (a, b) = (accrue(&[]), accrue(&[]));
+    let (a, b) = tokio::join!(
+        tokio::task::spawn_blocking(move || output(a)),
+        tokio::task::spawn_blocking(move || output(b))
+    );
+    let reports = [report(&a.expect("join")), report(&b.expect("join"))];
+    let outcomes: Vec<&str> = reports.iter().filter_map(|r| r["outcome"].as_str()).collect();
+    assert!(
+        outcomes.contains(&"settled") && outcomes.contains(&"skipped"),
+        "{reports:?}"
+    );
+    let first = ledger(&pool).await;
+    assert_eq!(first.iter().map(|r| r.0).collect::<Vec<_>>(), expected);
+    assert!(first.iter().all(|r| r.1 == day && r.2 == 100));
+
+    let forced = output(accrue(&["--force"]));
+    let forced = report(&forced);
+    assert_eq!(
+        (forced["outcome"].as_str(), forced["scanned"].as_i64()),
+        (Some("settled"), Some(0))
+    );
+    assert_eq!(
+        (forced["pending"].as_i64(), forced["dead"].as_i64()),
+        (Some(0), Some(0))
+    );
+    assert_eq!(ledger(&pool).await, first, "the forced rerun changed nothing");
+}
+
+#[sqlx::test]
+async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool: PgPool) {
+    let day = d("2026-10-10");
+    mixed_loans(&pool, day).await;
+    let expected = overdue_on(&pool, day).await;
+    let blocked = [expected[3], expected[10], expected[11]];
+    block_charges(&pool, &blocked).await;
+
+    let job = accrual(FinePolicy::DEFAULT);
+    let run = runner(&pool, "a", 25).run(&job, day_key(day, 0, 1), false).await;
+    assert_eq!(
+        run.outcome,
+        Outcome::Settled,
+        "a run with pending charges still succeeds: {run:?}"
+    );
+    assert_eq!(run.updated, expected.len() as i64 - 3);
+    let pending: Vec<(i64, String, i32, String)> =
+        sqlx::query_as("select loan_id, status, attempts, last_error from fine_pending order by loan_id")
+            .fetch_all(&pool)
+            .await
+            .expect("pending");
+    assert_eq!(pending.iter().map(|p| p.0).collect::<Vec<_>>(), blocked.to_vec());
+    assert!(
+        pending
+            .iter()
+            .all(|p| p.1 == "PENDING" && p.2 == 1 && p.3.contains("charge rejected")),
+        "{pending:?}"
+    );
+    // A rerun does not charge them behind the queue's back.
+    let forced = runner(&pool, "b", 25).run(&job, day_key(day, 0, 1), true).await;
+    assert_eq!(forced.scanned, 0);
+
+    sqlx::query("delete from blocked")
+        .execute(&pool)
+        .await
+        .expect("lift");
+    // Not due yet: nothing happens.
+    assert_eq!(
+        compensate(&pool, &job, Some(ShardSpec::SINGLE), true, 10)
+            .await
+            .expect("pass")
+            .charged,
+        0
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let done = compensate(&pool, &job, Some(ShardSpec::SINGLE), true, 10)
+        .await
+        .expect("pass");
+    assert_eq!(done.charged, 3);
+    let again = compensate(&pool, &job, Some(ShardSpec::SINGLE), true, 10)
+        .await
+        .expect("pass");
+    assert_eq!(again.charged, 0);
+    let rows = ledger(&pool).await;
+    assert_eq!(
+        rows.iter().map(|r| r.0).collect::<Vec<_>>(),
+        expected,
+        "every overdue loan charged exactly once"
+    );
+    let left: i64 = sqlx::query_scalar("select count(*) from fine_pending")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(left, 0);
+}
+
+#[sqlx::test]
+async fn a_charge_that_keeps_failing_goes_dead_with_growing_capped_backoff(pool: PgPool) {
+    let day = d("2026-10-10");
+    insert(&pool, &[loan(1, "2026-10-01", None), loan(2, "2026-10-01", None)]).await;
+    block_charges(&pool, &[1]).await;
+    let job = accrual(FinePolicy::DEFAULT);
+    runner(&pool, "a", 10).run(&job, day_key(day, 0, 1), false).await;
+
+    let delay_ms = || async {
+        sqlx::query_scalar::<_, f64>(
+            "select extract(epoch from next_attempt_at - updated_at)::float8 * 1000 from fine_pending",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("delay")
+    };
+    let mut delays = vec![delay_ms().await];
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        sqlx::query("update fine_pending set next_attempt_at = now()")
+            .execute(&pool)
+            .await
+            .expect("make due");
+        compensate(&pool, &job, None, true, 4).await.expect("pass");
+        let (status, attempts): (String, i32) = sqlx::query_as("select status, attempts from fine_pending")
+            .fetch_one(&pool)
+            .await
+            .expect("row");
+        statuses.push((status, attempts));
+        delays.push(delay_ms().await);
+    }
+    let rounded: Vec<i64> = delays[..3]
+        .iter()
+        .map(|d| (d / 10.0).round() as i64 * 10)
+        .collect();
+    assert_eq!(
+        rounded,
+        vec![100, 200, 250],
+        "backoff doubles and is capped: {delays:?}"
+    );
+    assert_eq!(
+        statuses,
+        vec![("PENDING".into(), 2), ("PENDING".into(), 3), ("DEAD".into(), 4)],
+        "DEAD after max_attempts"
+    );
+    // DEAD rows are left alone by the daemon's passes...
+    assert_eq!(
+        compensate(&pool, &job, None, true, 4)
+            .await
+            .expect("pass")
+            .charged,
+        0
+    );
+    // ...until an operator fixes the cause and resurrects them.
+    sqlx::query("delete from blocked")
+        .execute(&pool)
+        .await
+        .expect("lift");
+    let url = database_url(&pool);
+    let mut retry = fine_settler(&url);
+    retry.args(["pending", "retry", "--dead"]);
+    let out = output(retry);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary = report(&out);
+    assert_eq!(
+        (summary["resurrected"].as_i64(), summary["charged"].as_i64()),
+        (Some(1), Some(1))
+    );
+    assert_eq!(ledger(&pool).await, vec![(1, day, 100), (2, day, 100)]);
+}
+
+#[sqlx::test]
+async fn a_killed_accrual_is_taken_over_and_charges_every_loan_once(pool: PgPool) {
+    let day = past_day();
+    let loans: Vec<_> = (1..=300)
+        .map(|id| loan(id, &(day - chrono::Duration::days(3)).to_string(), None))
+        .collect();
+    insert(&pool, &loans).await;
+    sqlx::raw_sql(
+        "create function slow_down() returns trigger language plpgsql as $$
+         begin perform pg_sleep(0.005); return new; end $$;
+         create trigger slow_down before insert on fine_ledger for each row execute function slow_down();",
+    )
+    .execute(&pool)
+    .await
+    .expect("slow trigger");
+    let url = database_url(&pool);
+    let accrue = || {
+        let mut cmd = fine_settler(&url);
+        cmd.env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "10")
+            .env("FINE_SETTLER__CLAIM__LEASE", "3s")
+            .env("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "1s")
+            .args(["accrue", "--date", &day.to_string()]);
+        cmd
+    };
+    let mut victim = accrue()
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    wait_until("a few batches", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from fine_ledger")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+            >= 50
+    })
+    .await;
+    victim.kill().expect("SIGKILL");
+    victim.wait().expect("reap");
+    sqlx::query("drop trigger slow_down on fine_ledger")
+        .execute(&pool)
+        .await
+        .expect("drop");
+    wait_until("the lease to expire", Duration::from_secs(10), || async {
+        sqlx::query_scalar::<_, bool>("select lease_until < now() from job_runs")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(false)
+    })
+    .await;
+    let out = output(accrue());
+    let r = report(&out);
+    assert_eq!(
+        (r["outcome"].as_str(), r["epoch"].as_i64()),
+        (Some("settled"), Some(2)),
+        "{r}"
+    );
+    let rows = ledger(&pool).await;
+    assert_eq!(rows.len(), 300);
+    assert_eq!(
+        rows.iter().map(|r| r.0).collect::<Vec<_>>(),
+        (1..=300).collect::<Vec<_>>()
+    );
+}
+
+#[sqlx::test]
+async fn accrual_edges_grace_and_cap(pool: PgPool) {
+    let day = d("2026-10-10");
+    insert(
+        &pool,
+        &[
+            loan(1, "2026-10-09", None),               // due the day before: overdue
+            loan(2, "2026-10-10", None),               // due on the day: not overdue yet
+            loan(3, "2026-10-01", Some("2026-10-10")), // returned on the day: charged
+            loan(4, "2026-10-01", Some("2026-10-09")), // returned the day before: not charged
+            loan(5, "2026-10-07", None),               // due 3 days before: with grace 2, overdue
+            loan(6, "2026-10-08", None),               // due 2 days before: with grace 2, still in grace
+        ],
+    )
+    .await;
+    let plain = accrual(FinePolicy::DEFAULT);
+    runner(&pool, "a", 10)
+        .run(&plain, day_key(day, 0, 1), false)
+        .await;
+    let charged: Vec<i64> = ledger(&pool).await.iter().map(|r| r.0).collect();
+    assert_eq!(charged, vec![1, 3, 5, 6]);
+
+    sqlx::query("delete from fine_ledger")
+        .execute(&pool)
+        .await
+        .expect("reset");
+    sqlx::query("delete from job_runs")
+        .execute(&pool)
+        .await
+        .expect("reset");
+    let graced = accrual(FinePolicy::new(100, 2, 0).expect("policy"));
+    runner(&pool, "a", 10)
+        .run(&graced, day_key(day, 0, 1), false)
+        .await;
+    let charged: Vec<i64> = ledger(&pool).await.iter().map(|r| r.0).collect();
+    assert_eq!(
+        charged,
+        vec![3, 5],
+        "loan 1 (due the day before) is still within its 2 days of grace"
+    );
+}
+
+#[sqlx::test]
+async fn the_cap_is_reached_mid_month_and_nothing_more_is_charged(pool: PgPool) {
+    insert(&pool, &[loan(1, "2026-10-01", None)]).await;
+    let capped = accrual(FinePolicy::new(100, 0, 250).expect("policy"));
+    let mut per_day = Vec::new();
+    for day in 2..=6 {
+        let r = runner(&pool, "a", 10)
+            .run(&capped, day_key(d(&format!("2026-10-0{day}")), 0, 1), false)
+            .await;
+        per_day.push((r.scanned, r.updated));
+    }
+    assert_eq!(per_day, vec![(1, 1), (1, 1), (1, 1), (0, 0), (0, 0)]);
+    assert_eq!(
+        ledger(&pool).await,
+        vec![
+            (1, d("2026-10-02"), 100),
+            (1, d("2026-10-03"), 100),
+            (1, d("2026-10-04"), 50)
+        ]
+    );
+}
+
+#[sqlx::test]
+async fn a_month_of_accrual_reconciles_with_its_settlement(pool: PgPool) {
+    let loans: Vec<_> = fine_settler::demo::loans(fine_settler::demo::DemoSpec {
+        loans: 400,
+        seed: 5,
+        month: d("2026-09-01"),
+        first_id: 1,
+    })
+    .collect();
+    insert(&pool, &loans).await;
+    let first_overdue = loans.iter().map(|l| l.due_on).min().expect("loans") + chrono::Duration::days(1);
+    let job = accrual(FinePolicy::DEFAULT);
+    let mut day = first_overdue;
+    while day <= d("2026-09-30") {
+        let r = runner(&pool, "a", 50).run(&job, day_key(day, 0, 1), false).await;
+        assert_eq!(r.outcome, Outcome::Settled);
+        day += chrono::Duration::days(1);
+    }
+    let s = runner(&pool, "a", 50)
+        .run(
+            &Settlement {
+                policy: FinePolicy::DEFAULT,
+            },
+            crate::helpers::key("2026-09-30", 0, 1),
+            false,
+        )
+        .await;
+    assert_eq!(s.outcome, Outcome::Settled);
+
+    let url = database_url(&pool);
+    let verify = || {
+        let mut cmd = fine_settler(&url);
+        cmd.args(["verify", "--business-date", "2026-09-30", "--json"]);
+        output(cmd)
+    };
+    let ok = verify();
+    assert_eq!(
+        ok.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&ok.stdout)
+    );
+    let audit = report(&ok);
+    let late: i64 = sqlx::query_scalar(
+        "select count(*) from loans where returned_on between '2026-09-01' and '2026-09-30' and returned_on > due_on",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("late loans");
+    assert!(late > 20);
+    assert_eq!(
+        audit["audit"]["ledger_checked"].as_i64(),
+        Some(late),
+        "every late loan reconciled: {audit}"
+    );
+    assert_eq!(audit["audit"]["ledger_mismatches"].as_i64(), Some(0));
+
+    // Tamper with one ledger row of a late loan returned in September.
+    sqlx::query(
+        "update fine_ledger set amount_cents = amount_cents + 1
+         where (loan_id, accrual_date) = (
+             select f.loan_id, f.accrual_date from fine_ledger f join loans l on l.id = f.loan_id
+             where l.returned_on between '2026-09-01' and '2026-09-30' order by 1, 2 limit 1)",
+    )
+    .execute(&pool)
+    .await
+    .expect("tamper");
+    let bad = verify();
+    assert_eq!(bad.status.code(), Some(3));
+    assert_eq!(report(&bad)["audit"]["ledger_mismatches"].as_i64(), Some(1));
+}
