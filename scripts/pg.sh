@@ -18,7 +18,7 @@ name=${2:?usage: pg.sh start|stop|url NAME}
 case "$name" in
   test)  port=${FINE_SETTLER_PG_PORT:-54329}; extra=(-c fsync=off -c synchronous_commit=off -c full_page_writes=off) ;;
   demo)  port=${FINE_SETTLER_PG_PORT:-54330}; extra=() ;;
-  bench) port=${FINE_SETTLER_PG_PORT:-54331}; extra=() ;;
+  bench) port=${FINE_SETTLER_PG_PORT:-54331}; extra=(-c shared_preload_libraries=pg_stat_statements -c shared_buffers=1GB -c max_wal_size=4GB) ;;
   *) echo "pg.sh: unknown cluster '$name' (test, demo or bench)" >&2; exit 2 ;;
 esac
 

@@ -75,14 +75,14 @@ fn rejected(e: &sqlx::Error) -> bool {
 }
 
 impl BatchJob for Accrual {
-    type Row = Overdue;
+    type Batch = Vec<Overdue>;
 
     fn name(&self) -> JobName {
         JobName::OverdueAccrual
     }
 
-    fn row_id(row: &Overdue) -> i64 {
-        row.id
+    fn extent(batch: &Vec<Overdue>) -> (i64, i64) {
+        (batch.last().map_or(i64::MAX, |r| r.id), batch.len() as i64)
     }
 
     async fn fetch(
@@ -91,9 +91,9 @@ impl BatchJob for Accrual {
         key: &RunKey,
         from_id: i64,
         limit: i64,
-    ) -> Result<Vec<Overdue>, JobError> {
+    ) -> Result<Option<Vec<Overdue>>, JobError> {
         let cap = self.policy.cap().map_or(0, |c| c.get());
-        Ok(ledger::overdue_batch(
+        let rows = ledger::overdue_batch(
             pool,
             key.business_date,
             key.shard,
@@ -102,10 +102,11 @@ impl BatchJob for Accrual {
             from_id,
             limit,
         )
-        .await?)
+        .await?;
+        Ok((!rows.is_empty()).then_some(rows))
     }
 
-    async fn write(&self, tx: &mut PgConnection, key: &RunKey, rows: &[Overdue]) -> Result<u64, JobError> {
+    async fn write(&self, tx: &mut PgConnection, key: &RunKey, rows: &Vec<Overdue>) -> Result<u64, JobError> {
         let day = key.business_date;
         let charges: Vec<(i64, i64)> = rows
             .iter()

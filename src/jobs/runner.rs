@@ -1,6 +1,6 @@
 //! The one mechanism every job runs on: claim a key, walk its rows in fenced keyset batches, finish.
 //!
-//! A job supplies how to fetch the next rows after a cursor and how to write a batch of them (conditionally:
+//! A job supplies how to find the next batch after a cursor and how to write it (conditionally:
 //! a row already done is never changed again). The runner supplies everything that makes a run safe to repeat:
 //! the claim, one transaction per batch whose last statement is the epoch fence, the cursor checkpoint, the
 //! lease renewal by progress, the finish, and the history. A batch whose fence matches no row rolls back, so a
@@ -20,30 +20,34 @@ use crate::{
     store::job_runs::{self, Claim, Ending, Progress},
 };
 
-/// A job the runner can drive.
+/// A job the runner can drive. Its work items are identified by unique, ascending `i64` ids (the keyset
+/// cursor).
 pub trait BatchJob: Send + Sync {
-    /// One unit of work, identified by a unique, ascending `i64` id (the keyset cursor).
-    type Row: Send + Sync;
+    /// One batch of work, as `fetch` found it.
+    type Batch: Send + Sync;
 
     fn name(&self) -> JobName;
 
-    fn row_id(row: &Self::Row) -> i64;
-
-    /// Up to `limit` rows of `key`'s work with `id >= from_id`, in ascending id order, that still need work.
+    /// The next batch: up to `limit` items of `key`'s work with `id >= from_id` that still need work, in
+    /// ascending id order; `None` when nothing is left.
     fn fetch(
         &self,
         pool: &PgPool,
         key: &RunKey,
         from_id: i64,
         limit: i64,
-    ) -> impl Future<Output = Result<Vec<Self::Row>, JobError>> + Send;
+    ) -> impl Future<Output = Result<Option<Self::Batch>, JobError>> + Send;
 
-    /// Writes `rows` inside the batch transaction, skipping rows already done; returns how many were written.
+    /// The batch's last id (the next cursor) and how many items it holds.
+    fn extent(batch: &Self::Batch) -> (i64, i64);
+
+    /// Writes the batch inside the batch transaction, skipping items already done; returns how many were
+    /// written.
     fn write(
         &self,
         tx: &mut PgConnection,
         key: &RunKey,
-        rows: &[Self::Row],
+        batch: &Self::Batch,
     ) -> impl Future<Output = Result<u64, JobError>> + Send;
 }
 
@@ -300,15 +304,15 @@ impl Runner {
         epoch: i64,
         from_id: i64,
     ) -> Result<BatchResult, JobError> {
-        let rows = job
+        let batch = job
             .fetch(&self.pool, key, from_id, i64::from(self.batch_size))
             .await?;
-        let Some(last_id) = rows.last().map(J::row_id) else {
+        let Some(batch) = batch else {
             return Ok(BatchResult::Empty);
         };
-        let scanned = rows.len() as i64;
+        let (last_id, scanned) = J::extent(&batch);
         let mut tx = self.pool.begin().await?;
-        let updated = i64::try_from(job.write(&mut tx, key, &rows).await?).unwrap_or(i64::MAX);
+        let updated = i64::try_from(job.write(&mut tx, key, &batch).await?).unwrap_or(i64::MAX);
         let progress = Progress {
             cursor: last_id,
             scanned,

@@ -10,7 +10,7 @@ use super::{
 use crate::{
     calendar,
     fine::FinePolicy,
-    store::loans::{self, Unsettled},
+    store::loans::{self, SettleBatch},
 };
 
 /// The settlement job under one fine policy.
@@ -20,14 +20,10 @@ pub struct Settlement {
 }
 
 impl BatchJob for Settlement {
-    type Row = Unsettled;
+    type Batch = SettleBatch;
 
     fn name(&self) -> JobName {
         JobName::FineSettlement
-    }
-
-    fn row_id(row: &Unsettled) -> i64 {
-        row.id
     }
 
     async fn fetch(
@@ -36,25 +32,24 @@ impl BatchJob for Settlement {
         key: &RunKey,
         from_id: i64,
         limit: i64,
-    ) -> Result<Vec<Unsettled>, JobError> {
+    ) -> Result<Option<SettleBatch>, JobError> {
         let month = calendar::settlement_month(key.business_date)?;
-        Ok(loans::unsettled_batch(pool, month, key.shard, from_id, limit).await?)
+        let batch = loans::next_batch(pool, month, key.shard, from_id, limit).await?;
+        if let Some(id) = batch.and_then(|b| b.bad_due) {
+            return Err(JobError::Data {
+                id,
+                problem: "due_on is not a finite date".into(),
+            });
+        }
+        Ok(batch)
     }
 
-    async fn write(&self, tx: &mut PgConnection, _key: &RunKey, rows: &[Unsettled]) -> Result<u64, JobError> {
-        let mut fines = Vec::with_capacity(rows.len());
-        for row in rows {
-            let days = row.days_late.ok_or(JobError::Data {
-                id: row.id,
-                problem: "due_on is not a finite date".into(),
-            })?;
-            let fine = self.policy.fine(days).map_err(|e| JobError::Data {
-                id: row.id,
-                problem: e.to_string(),
-            })?;
-            fines.push(fine.get());
-        }
-        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-        Ok(loans::settle(tx, &ids, &fines).await?)
+    fn extent(batch: &SettleBatch) -> (i64, i64) {
+        (batch.last_id, batch.count)
+    }
+
+    async fn write(&self, tx: &mut PgConnection, key: &RunKey, batch: &SettleBatch) -> Result<u64, JobError> {
+        let month = calendar::settlement_month(key.business_date)?;
+        Ok(loans::settle_range(tx, month, key.shard, batch, &self.policy).await?)
     }
 }

@@ -42,8 +42,10 @@ fn connect_options(db: &DatabaseSettings, application_name: &str) -> Result<PgCo
     Ok(options.application_name(application_name))
 }
 
-/// The options every job connection uses: the application name, and the batch timeout as both
-/// `statement_timeout` and `idle_in_transaction_session_timeout`.
+/// The options every job connection uses: the application name; the batch timeout as both
+/// `statement_timeout` and `idle_in_transaction_session_timeout`; and no parallel query. A batch reads a few
+/// thousand rows through an index: with parallel workers allowed, the planner would start workers (and often
+/// pick a parallel sequential scan) for every batch query, several times slower than the index walk.
 fn job_options(
     db: &DatabaseSettings,
     application_name: &str,

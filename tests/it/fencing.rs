@@ -9,7 +9,7 @@ use fine_settler::{
         settlement::Settlement,
         JobName, Outcome, RunKey,
     },
-    store::loans::Unsettled,
+    store::loans::SettleBatch,
 };
 use sqlx::{PgConnection, PgPool};
 
@@ -28,14 +28,14 @@ struct StallsBeforeBatch {
 }
 
 impl BatchJob for StallsBeforeBatch {
-    type Row = Unsettled;
+    type Batch = SettleBatch;
 
     fn name(&self) -> JobName {
         self.inner.name()
     }
 
-    fn row_id(row: &Unsettled) -> i64 {
-        Settlement::row_id(row)
+    fn extent(batch: &SettleBatch) -> (i64, i64) {
+        Settlement::extent(batch)
     }
 
     async fn fetch(
@@ -44,11 +44,11 @@ impl BatchJob for StallsBeforeBatch {
         key: &RunKey,
         from_id: i64,
         limit: i64,
-    ) -> Result<Vec<Unsettled>, JobError> {
+    ) -> Result<Option<SettleBatch>, JobError> {
         self.inner.fetch(pool, key, from_id, limit).await
     }
 
-    async fn write(&self, tx: &mut PgConnection, key: &RunKey, rows: &[Unsettled]) -> Result<u64, JobError> {
+    async fn write(&self, tx: &mut PgConnection, key: &RunKey, batch: &SettleBatch) -> Result<u64, JobError> {
         if self.batches.fetch_add(1, Ordering::SeqCst) == self.after {
             // The stall outlives the lease...
             sqlx::query("update job_runs set lease_until = now() - interval '1 second'")
@@ -59,7 +59,7 @@ impl BatchJob for StallsBeforeBatch {
             let report = peer.run(&self.inner, *key, false).await;
             *self.peer_report.lock().await = Some(report);
         }
-        self.inner.write(tx, key, rows).await
+        self.inner.write(tx, key, batch).await
     }
 }
 
@@ -137,8 +137,12 @@ async fn a_fenced_batch_rolls_back_its_business_writes(pool: PgPool) {
     let settlement = Settlement {
         policy: FinePolicy::default(),
     };
-    let rows = settlement.fetch(&pool, &k, i64::MIN, 1000).await.expect("fetch");
-    let written = settlement.write(&mut tx, &k, &rows).await.expect("write");
+    let batch = settlement
+        .fetch(&pool, &k, i64::MIN, 1000)
+        .await
+        .expect("fetch")
+        .expect("a batch");
+    let written = settlement.write(&mut tx, &k, &batch).await.expect("write");
     assert_eq!(written, 20);
     let progress = fine_settler::store::job_runs::Progress {
         cursor: 20,
@@ -165,25 +169,31 @@ async fn the_conditional_write_never_changes_a_settled_loan(pool: PgPool) {
         ],
     )
     .await;
-    let mut tx = pool.begin().await.expect("tx");
-    assert_eq!(
-        fine_settler::store::loans::settle(&mut tx, &[1], &[300])
-            .await
-            .expect("settle"),
-        1
-    );
-    tx.commit().await.expect("commit");
-    // A second writer that missed the first (a stale batch, another shard count) with a different fine.
-    let mut tx = pool.begin().await.expect("tx");
-    let written = fine_settler::store::loans::settle(&mut tx, &[1, 2], &[999_999, 100])
+    // Loan 1 was settled (with a fine that today's policy would not give) by an earlier run.
+    sqlx::query("update loans set fine_cents = 777, fine_settled_at = now() where id = 1")
+        .execute(&pool)
         .await
-        .expect("settle");
+        .expect("settle 1");
+    // A writer whose batch still covers loan 1 (a stale batch, another shard count).
+    let batch = SettleBatch {
+        from_id: 1,
+        last_id: 2,
+        count: 2,
+        bad_due: None,
+    };
+    let month = (crate::helpers::d("2026-10-01"), crate::helpers::d("2026-10-31"));
+    let mut tx = pool.begin().await.expect("tx");
+    let shard = fine_settler::shard::ShardSpec::SINGLE;
+    let written =
+        fine_settler::store::loans::settle_range(&mut tx, month, shard, &batch, &FinePolicy::DEFAULT)
+            .await
+            .expect("settle");
     tx.commit().await.expect("commit");
     assert_eq!(written, 1, "only the unsettled loan is written");
     let fines: Vec<(i64, i64)> = sqlx::query_as("select id, fine_cents from loans order by id")
         .fetch_all(&pool)
         .await
         .expect("loans");
-    assert_eq!(fines, vec![(1, 300), (2, 100)]);
+    assert_eq!(fines, vec![(1, 777), (2, 100)]);
     assert_eq!(max_updates_per_loan(&pool).await, 1);
 }

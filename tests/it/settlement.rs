@@ -437,3 +437,37 @@ async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(
     let events: Vec<(i64, &str)> = events.iter().map(|(e, ev)| (*e, ev.as_str())).collect();
     assert_eq!(events, vec![(1, "claimed"), (2, "takeover"), (2, "success")]);
 }
+
+#[sqlx::test]
+async fn the_sql_fine_formula_agrees_with_the_policy(pool: PgPool) {
+    let mut rng = demo::SplitMix64::new(99);
+    let mut checked = 0;
+    for round in 0..60 {
+        let rate = match round % 3 {
+            0 => rng.below(1000) as i64,
+            1 => fine_settler::fine::MAX_DAILY_RATE_CENTS - rng.below(1000) as i64,
+            _ => rng.below(100_000) as i64,
+        };
+        let grace = rng.below(60) as i64;
+        let cap = if round % 2 == 0 {
+            0
+        } else {
+            rng.below(1_000_000) as i64
+        };
+        let policy = FinePolicy::new(rate, grace, cap).expect("policy");
+        let mut days: Vec<i32> = (0..200).map(|_| rng.below(4000) as i32 - 1000).collect();
+        days.extend([i32::MIN / 2, -1, 0, 1, i32::MAX / 2, i32::MAX]);
+        let sql = fine_settler::store::loans::sql_fines(&pool, &policy, &days)
+            .await
+            .expect("sql fines");
+        for (d, fine) in days.iter().zip(sql) {
+            assert_eq!(
+                policy.fine(i64::from(*d)).map(|c| c.get()),
+                Ok(fine),
+                "{policy:?}, {d} days late"
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 60 * 206);
+}
