@@ -51,12 +51,11 @@ fn job_options(
     application_name: &str,
     batch_timeout: Duration,
 ) -> Result<PgConnectOptions, StoreError> {
+    let timeout = batch_timeout.as_millis().to_string();
     Ok(connect_options(db, application_name)?.options([
-        ("statement_timeout", batch_timeout.as_millis().to_string()),
-        (
-            "idle_in_transaction_session_timeout",
-            batch_timeout.as_millis().to_string(),
-        ),
+        ("statement_timeout", timeout.as_str()),
+        ("idle_in_transaction_session_timeout", timeout.as_str()),
+        ("max_parallel_workers_per_gather", "0"),
     ]))
 }
 
