@@ -709,7 +709,7 @@ mod tests {
 
         assert_eq!(settings.instance, ShardSpec::SINGLE);
         assert_eq!(settings.claim.lease, Duration::from_secs(120));
-        assert_eq!(settings.settlement.batch_size, 1000);
+        assert_eq!(settings.settlement.batch_size, 10000);
         assert_eq!(settings.zone, chrono_tz::Asia::Shanghai);
         assert_eq!(settings.fine, FinePolicy::default());
         assert!(settings.http_listen.is_none());

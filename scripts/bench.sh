@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The settlement benchmark, in one command. Builds the release binaries, starts the private bench cluster
+# (target/pg-bench, with pg_stat_statements; BENCH_DATABASE_URL names another server instead), and runs
+# fine-settler-bench, which writes bench/RESULTS.md.
+#   scripts/bench.sh           the full run: 1M loans, batch-size sweep, scaling (100k, 4M; 4 shards), drift
+#   scripts/bench.sh --quick   a smoke run (20k loans) that writes target/bench-smoke.md instead
+#   scripts/bench.sh ARGS...   any fine-settler-bench arguments (see --help)
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+cargo build --release --locked --quiet --bins
+DATABASE_URL=${BENCH_DATABASE_URL:-$(scripts/pg.sh start bench)}
+export DATABASE_URL
+if [ "${1:-}" = "--quick" ]; then
+  exec target/release/fine-settler-bench --loans 20000 --sweep 1000,5000 --out target/bench-smoke.md
+elif [ $# -eq 0 ]; then
+  exec target/release/fine-settler-bench --scaling --drift --out bench/RESULTS.md
+else
+  exec target/release/fine-settler-bench "$@"
+fi

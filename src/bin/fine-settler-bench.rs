@@ -1,0 +1,670 @@
+//! `fine-settler-bench`: the settlement benchmark. On a PostgreSQL server of its own choosing (`DATABASE_URL`,
+//! normally the private bench cluster started by `scripts/bench.sh`) it generates loans into a template
+//! database, then measures on fresh identical copies: what PostgreSQL itself reaches with one set-based update
+//! (and with two concurrent sessions), `fine-settler settle` with 1 and 2 shards, a plain and a forced rerun,
+//! the statements of an idle daemon tick, the process's peak RSS, a batch-size sweep and, optionally, scaling
+//! and scheduler drift. It prints a Markdown report and writes it to `--out`.
+
+use std::{
+    fmt::Write as _,
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use clap::Parser;
+use fine_settler::{
+    demo::{self, DemoSpec},
+    store::loans::insert_new,
+};
+use sqlx::{postgres::PgPoolOptions, PgPool};
+
+const MONTH_END: &str = "2026-10-31";
+
+#[derive(Debug, Parser)]
+#[command(name = "fine-settler-bench")]
+struct Args {
+    /// Loans to generate.
+    #[arg(long, default_value_t = 1_000_000)]
+    loans: u64,
+    /// Batch sizes to sweep (the first run of each on a fresh copy).
+    #[arg(long, value_delimiter = ',', default_value = "1000,2000,5000,10000,20000")]
+    sweep: Vec<u32>,
+    /// Batch size for the main settle measurements (the configuration default).
+    #[arg(long, default_value_t = 10000)]
+    batch_size: u32,
+    /// Also measure 100k and 4M loans, and 4 shards.
+    #[arg(long)]
+    scaling: bool,
+    /// Also run `drift` for 1,000 fixed-rate ticks (about 200 s).
+    #[arg(long)]
+    drift: bool,
+    /// Where to write the Markdown report (stdout always gets it).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+fn server_url() -> Result<String, Error> {
+    let url = std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL to the benchmark server")?;
+    let (base, _) = url.rsplit_once('/').ok_or("DATABASE_URL has no database path")?;
+    Ok(base.to_string())
+}
+
+fn binary() -> Result<PathBuf, Error> {
+    Ok(std::env::current_exe()?.with_file_name("fine-settler"))
+}
+
+struct Bench {
+    server: String,
+    admin: PgPool,
+}
+
+/// One `settle` process as measured.
+#[derive(Debug, Clone, Copy)]
+struct Settle {
+    scanned: i64,
+    updated: i64,
+    elapsed_ms: u64,
+    peak_rss_kib: u64,
+}
+
+impl Bench {
+    async fn exec(&self, sql: &str) -> Result<(), Error> {
+        sqlx::raw_sql(sql).execute(&self.admin).await?;
+        Ok(())
+    }
+
+    async fn pool(&self, db: &str, connections: u32) -> Result<PgPool, Error> {
+        Ok(PgPoolOptions::new()
+            .max_connections(connections)
+            .connect(&format!("{}/{db}", self.server))
+            .await?)
+    }
+
+    /// A template database with `n` loans, migrated, vacuumed and analysed.
+    async fn template(&self, n: u64) -> Result<String, Error> {
+        let name = format!("fsb_template_{n}");
+        self.exec(&format!("drop database if exists {name}")).await?;
+        self.exec(&format!("create database {name}")).await?;
+        let status = Command::new(binary()?)
+            .arg("migrate")
+            .env("DATABASE_URL", format!("{}/{name}", self.server))
+            .env("FINE_SETTLER__LOG__LEVEL", "warn")
+            .stdout(Stdio::null())
+            .status()?;
+        if !status.success() {
+            return Err("migrate failed".into());
+        }
+        let pool = self.pool(&name, 2).await?;
+        let spec = DemoSpec {
+            loans: n,
+            seed: 42,
+            month: "2026-10-01".parse()?,
+            first_id: 1,
+        };
+        let mut chunk = Vec::with_capacity(20_000);
+        for loan in demo::loans(spec) {
+            chunk.push(loan);
+            if chunk.len() == 20_000 {
+                insert_new(&pool, &chunk).await?;
+                chunk.clear();
+            }
+        }
+        insert_new(&pool, &chunk).await?;
+        sqlx::raw_sql("vacuum analyze loans").execute(&pool).await?;
+        pool.close().await;
+        Ok(name)
+    }
+
+    /// A fresh copy of `template` named `name`, after a checkpoint so that no earlier run's dirty pages are
+    /// written during the next measurement.
+    async fn copy(&self, template: &str, name: &str) -> Result<String, Error> {
+        self.exec(&format!("drop database if exists {name}")).await?;
+        self.exec(&format!("create database {name} template {template}"))
+            .await?;
+        self.exec("checkpoint").await?;
+        Ok(name.to_string())
+    }
+
+    async fn drop_db(&self, name: &str) -> Result<(), Error> {
+        self.exec(&format!("drop database if exists {name} with (force)"))
+            .await
+    }
+
+    /// The single set-based update of the month (the practical limit), split `sessions` ways by `id % sessions`,
+    /// all sessions at once. Returns (rows, seconds).
+    async fn limit(&self, db: &str, sessions: i64) -> Result<(u64, f64), Error> {
+        let pool = self.pool(db, sessions as u32).await?;
+        // Warm the connections so that connecting is not timed.
+        let mut conns = Vec::new();
+        for _ in 0..sessions {
+            conns.push(pool.acquire().await?);
+        }
+        drop(conns);
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for part in 0..sessions {
+            let pool = pool.clone();
+            tasks.push(tokio::spawn(async move {
+                sqlx::query(
+                    "update loans set fine_cents = greatest(0, returned_on - due_on)::bigint * 100,
+                                      fine_settled_at = now()
+                     where returned_on between date_trunc('month', $1::date) and $1::date
+                       and fine_settled_at is null and id % $2 = $3",
+                )
+                .bind(MONTH_END.parse::<chrono::NaiveDate>().ok())
+                .bind(sessions)
+                .bind(part)
+                .execute(&pool)
+                .await
+                .map(|r| r.rows_affected())
+            }));
+        }
+        let mut rows = 0;
+        for t in tasks {
+            rows += t.await??;
+        }
+        let secs = started.elapsed().as_secs_f64();
+        pool.close().await;
+        Ok((rows, secs))
+    }
+
+    /// `fine-settler settle` for every shard of `shards` at once on `db`; the slowest shard's time.
+    async fn settle(&self, db: &str, shards: i32, batch: u32, force: bool) -> Result<Settle, Error> {
+        let mut children = Vec::new();
+        for shard in 0..shards {
+            let mut cmd = Command::new(binary()?);
+            cmd.args([
+                "settle",
+                "--business-date",
+                MONTH_END,
+                "--shards",
+                &shards.to_string(),
+                "--shard",
+            ])
+            .arg(shard.to_string())
+            .env("DATABASE_URL", format!("{}/{db}", self.server))
+            .env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", batch.to_string())
+            .env("FINE_SETTLER__LOG__LEVEL", "warn")
+            .stdout(Stdio::piped());
+            if force {
+                cmd.arg("--force");
+            }
+            children.push(cmd.spawn()?);
+        }
+        let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
+        let watcher = std::thread::spawn(move || peak_rss(&pids));
+        let mut total = Settle {
+            scanned: 0,
+            updated: 0,
+            elapsed_ms: 0,
+            peak_rss_kib: 0,
+        };
+        for child in children {
+            let out = child.wait_with_output()?;
+            let line = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            let report: serde_json::Value = serde_json::from_str(&line)?;
+            if !matches!(report["outcome"].as_str(), Some("settled" | "skipped")) {
+                return Err(format!("settle failed: {line}").into());
+            }
+            total.scanned += report["scanned"].as_i64().unwrap_or(0);
+            total.updated += report["updated"].as_i64().unwrap_or(0);
+            total.elapsed_ms = total.elapsed_ms.max(report["elapsed_ms"].as_u64().unwrap_or(0));
+        }
+        total.peak_rss_kib = watcher.join().map_err(|_| "rss watcher panicked")?;
+        Ok(total)
+    }
+
+    /// Statements per idle tick, and the RSS of a daemon ticking every 200 ms for 3 s on a settled database.
+    async fn idle(&self, db: &str) -> Result<(f64, u64, u64), Error> {
+        let url = format!("{}/{db}", self.server);
+        let once = Command::new(binary()?)
+            .args(["run", "--once"])
+            .env("DATABASE_URL", &url)
+            .env("FINE_SETTLER__LOG__LEVEL", "warn")
+            .stdout(Stdio::null())
+            .status()?;
+        if !once.success() {
+            return Err("run --once failed".into());
+        }
+        let pool = self.pool(db, 1).await?;
+        sqlx::raw_sql("create extension if not exists pg_stat_statements")
+            .execute(&pool)
+            .await?;
+        sqlx::query("select pg_stat_statements_reset()")
+            .execute(&pool)
+            .await?;
+        let daemon = Command::new(binary()?)
+            .arg("run")
+            .env("DATABASE_URL", &url)
+            .env("FINE_SETTLER__SCHEDULE__PERIOD", "200ms")
+            .env("FINE_SETTLER__LOG__LEVEL", "fine_settler=debug")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let (rss, hwm) = rss_of(daemon.id());
+        Command::new("kill")
+            .args(["-TERM", &daemon.id().to_string()])
+            .status()?;
+        let out = daemon.wait_with_output()?;
+        let ticks = String::from_utf8_lossy(&out.stderr)
+            .matches("tick: nothing due")
+            .count();
+        let statements: i64 = sqlx::query_scalar(
+            "select coalesce(sum(calls), 0)::bigint from pg_stat_statements
+             where dbid = (select oid from pg_database where datname = current_database())
+               and query not like '%pg_stat_statements%'",
+        )
+        .fetch_one(&pool)
+        .await?;
+        pool.close().await;
+        if ticks == 0 {
+            return Err("the daemon logged no idle tick".into());
+        }
+        Ok((statements as f64 / ticks as f64, rss, hwm))
+    }
+}
+
+/// (VmRSS, VmHWM) of a process, in KiB.
+fn rss_of(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// The largest VmHWM seen for any of `pids` until they have all exited.
+fn peak_rss(pids: &[u32]) -> u64 {
+    let mut peak = 0;
+    loop {
+        let mut alive = false;
+        for pid in pids {
+            let (rss, hwm) = rss_of(*pid);
+            if rss > 0 {
+                alive = true;
+                peak = peak.max(hwm);
+            }
+        }
+        if !alive {
+            return peak;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn per_sec(rows: i64, ms: u64) -> f64 {
+    rows as f64 / (ms.max(1) as f64 / 1000.0)
+}
+
+fn sh(cmd: &str, args: &[&str]) -> String {
+    Command::new(cmd)
+        .args(args)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok {
+        "met"
+    } else {
+        "MISSED"
+    }
+}
+
+/// Everything measured for one loan count.
+struct Run {
+    loans: u64,
+    to_settle: u64,
+    limit1: (u64, f64),
+    limit2: (u64, f64),
+    one: Settle,
+    two: Settle,
+    rerun_ms: u64,
+    forced: Settle,
+    forced_after_vacuum: Settle,
+}
+
+async fn measure(bench: &Bench, loans: u64, batch: u32) -> Result<(Run, String), Error> {
+    eprintln!("== {loans} loans: generating the template");
+    let template = bench.template(loans).await?;
+    eprintln!("   limit: one set-based update");
+    let db = bench.copy(&template, "fsb_limit1").await?;
+    let limit1 = bench.limit(&db, 1).await?;
+    bench.drop_db(&db).await?;
+    eprintln!("   limit: two sessions");
+    let db = bench.copy(&template, "fsb_limit2").await?;
+    let limit2 = bench.limit(&db, 2).await?;
+    bench.drop_db(&db).await?;
+    eprintln!("   settle, 2 shards");
+    let db = bench.copy(&template, "fsb_two").await?;
+    let two = bench.settle(&db, 2, batch, false).await?;
+    bench.drop_db(&db).await?;
+    eprintln!("   settle, 1 shard; rerun; forced rerun");
+    let db = bench.copy(&template, "fsb_one").await?;
+    let one = bench.settle(&db, 1, batch, false).await?;
+    let rerun = bench.settle(&db, 1, batch, false).await?;
+    let forced = bench.settle(&db, 1, batch, true).await?;
+    // What autovacuum does soon after a run that changed this much of the table (its default threshold is 20 %):
+    // clear the dead index entries the run left behind, which an immediate forced rerun has to step over.
+    let pool = bench.pool(&db, 1).await?;
+    sqlx::raw_sql("vacuum loans").execute(&pool).await?;
+    pool.close().await;
+    let forced_after_vacuum = bench.settle(&db, 1, batch, true).await?;
+    Ok((
+        Run {
+            loans,
+            to_settle: limit1.0,
+            limit1,
+            limit2,
+            one,
+            two,
+            rerun_ms: rerun.elapsed_ms,
+            forced,
+            forced_after_vacuum,
+        },
+        db,
+    ))
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<(), Error> {
+    let args = Args::parse();
+    let server = server_url()?;
+    let admin = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&format!("{server}/postgres"))
+        .await?;
+    let bench = Bench { server, admin };
+
+    let (main, settled_db) = measure(&bench, args.loans, args.batch_size).await?;
+    eprintln!("   idle daemon");
+    let (statements_per_tick, idle_rss, idle_hwm) = bench.idle(&settled_db).await?;
+    bench.drop_db(&settled_db).await?;
+
+    eprintln!("   batch-size sweep");
+    let template = format!("fsb_template_{}", args.loans);
+    let mut sweep = Vec::new();
+    for size in &args.sweep {
+        let db = bench.copy(&template, "fsb_sweep").await?;
+        sweep.push((*size, bench.settle(&db, 1, *size, false).await?));
+        bench.drop_db(&db).await?;
+    }
+
+    let mut scaling = Vec::new();
+    let mut four_shards = None;
+    if args.scaling {
+        for n in [100_000, 4_000_000] {
+            let (run, db) = measure(&bench, n, args.batch_size).await?;
+            bench.drop_db(&db).await?;
+            bench.drop_db(&format!("fsb_template_{n}")).await?;
+            scaling.push(run);
+        }
+        let db = bench.copy(&template, "fsb_four").await?;
+        four_shards = Some(bench.settle(&db, 4, args.batch_size, false).await?);
+        bench.drop_db(&db).await?;
+    }
+    bench.drop_db(&template).await?;
+
+    let drift = if args.drift {
+        eprintln!("   drift: 1000 ticks of fixed-rate 200ms / 80ms work");
+        let out = Command::new(binary()?)
+            .args([
+                "drift",
+                "--mode",
+                "fixed-rate",
+                "--period",
+                "200ms",
+                "--work",
+                "80ms",
+                "--ticks",
+                "1000",
+                "--rows",
+                "0",
+            ])
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.lines()
+            .find(|l| l.starts_with("summary:"))
+            .map(str::to_string)
+    } else {
+        None
+    };
+
+    // ---- the report ----
+    let version: String = sqlx::query_scalar("select version()")
+        .fetch_one(&bench.admin)
+        .await?;
+    let settings: Vec<(String, String)> = sqlx::query_as(
+        "select name, setting || coalesce(unit, '') from pg_settings
+         where name in ('shared_buffers', 'max_wal_size', 'synchronous_commit', 'fsync') order by name",
+    )
+    .fetch_all(&bench.admin)
+    .await?;
+    let mut r = String::new();
+    let _ = writeln!(r, "# Settlement benchmark\n");
+    let _ = writeln!(
+        r,
+        "Produced by `scripts/bench.sh` (`fine-settler-bench`). Do not edit by hand.\n"
+    );
+    let _ = writeln!(r, "- date: {}", sh("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]));
+    let _ = writeln!(r, "- commit: {}", sh("git", &["rev-parse", "--short", "HEAD"]));
+    let _ = writeln!(
+        r,
+        "- machine: {} cores, {} ({})",
+        sh("nproc", &[]),
+        sh(
+            "sh",
+            &[
+                "-c",
+                "grep MemTotal /proc/meminfo | awk '{printf \"%.1f GiB RAM\", $2/1048576}'"
+            ]
+        ),
+        sh("uname", &["-srm"])
+    );
+    let _ = writeln!(r, "- PostgreSQL: {version}");
+    let _ = writeln!(
+        r,
+        "- server settings: {}",
+        settings
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let _ = writeln!(
+        r,
+        "- data: {} generated loans (seed 42), {} of them returned in October 2026 and settled by business date {MONTH_END}; batch size {}\n",
+        main.loans, main.to_settle, args.batch_size
+    );
+
+    let l1 = main.limit1.0 as f64 / main.limit1.1;
+    let l2 = main.limit2.0 as f64 / main.limit2.1;
+    let s1 = per_sec(main.one.updated, main.one.elapsed_ms);
+    let s2 = per_sec(main.two.updated, main.two.elapsed_ms);
+    let _ = writeln!(r, "## Throughput\n");
+    let _ = writeln!(
+        r,
+        "| measurement | rows | wall time | rows/s | vs. limit | peak RSS |"
+    );
+    let _ = writeln!(r, "| --- | ---: | ---: | ---: | ---: | ---: |");
+    let _ = writeln!(
+        r,
+        "| limit: one set-based `update` | {} | {:.0} ms | {:.0} | 1.00 | |",
+        main.limit1.0,
+        main.limit1.1 * 1e3,
+        l1
+    );
+    let _ = writeln!(
+        r,
+        "| limit: two sessions (`id % 2`) | {} | {:.0} ms | {:.0} | 1.00 | |",
+        main.limit2.0,
+        main.limit2.1 * 1e3,
+        l2
+    );
+    let _ = writeln!(
+        r,
+        "| `settle`, 1 shard | {} | {} ms | {:.0} | {:.2} of one update | {:.1} MiB |",
+        main.one.updated,
+        main.one.elapsed_ms,
+        s1,
+        s1 / l1,
+        main.one.peak_rss_kib as f64 / 1024.0
+    );
+    let _ = writeln!(
+        r,
+        "| `settle`, 2 shards at once | {} | {} ms | {:.0} | {:.2} of two sessions | {:.1} MiB each at most |",
+        main.two.updated, main.two.elapsed_ms, s2, s2 / l2, main.two.peak_rss_kib as f64 / 1024.0
+    );
+    let _ = writeln!(r, "| plain rerun (skipped) | 0 | {} ms | | | |", main.rerun_ms);
+    let _ = writeln!(
+        r,
+        "| forced rerun, right after the run | scanned {} | {} ms | | {:.2} % of the first run's time | |",
+        main.forced.scanned,
+        main.forced.elapsed_ms,
+        100.0 * main.forced.elapsed_ms as f64 / main.one.elapsed_ms.max(1) as f64
+    );
+    let _ = writeln!(
+        r,
+        "| forced rerun, after `vacuum loans` | scanned {} | {} ms | | {:.2} % of the first run's time | |\n",
+        main.forced_after_vacuum.scanned,
+        main.forced_after_vacuum.elapsed_ms,
+        100.0 * main.forced_after_vacuum.elapsed_ms as f64 / main.one.elapsed_ms.max(1) as f64
+    );
+    let _ = writeln!(r, "Two sessions of PostgreSQL itself reach {:.2}x one session on this machine; two shards of `settle` reach {:.2}x one shard.\n", l2 / l1, s2 / s1);
+
+    let _ = writeln!(r, "## Idle daemon\n");
+    let _ = writeln!(
+        r,
+        "A replica ticking every 200 ms for 3 s on a settled database (settlement enabled, accrual disabled): {statements_per_tick:.2} statements per idle tick (`pg_stat_statements` calls over the ticks the replica logged), RSS {:.1} MiB (peak {:.1} MiB).\n",
+        idle_rss as f64 / 1024.0,
+        idle_hwm as f64 / 1024.0
+    );
+
+    let _ = writeln!(r, "## Batch size\n");
+    let _ = writeln!(r, "| batch size | wall time | rows/s | vs. limit | peak RSS |");
+    let _ = writeln!(r, "| ---: | ---: | ---: | ---: | ---: |");
+    for (size, s) in &sweep {
+        let rate = per_sec(s.updated, s.elapsed_ms);
+        let _ = writeln!(
+            r,
+            "| {size} | {} ms | {rate:.0} | {:.2} | {:.1} MiB |",
+            s.elapsed_ms,
+            rate / l1,
+            s.peak_rss_kib as f64 / 1024.0
+        );
+    }
+    let _ = writeln!(r);
+
+    if !scaling.is_empty() {
+        let _ = writeln!(r, "## Scaling\n");
+        let _ = writeln!(r, "| loans | to settle | limit | settle, 1 shard | ratio | settle, 2 shards | time per settled row |");
+        let _ = writeln!(r, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        let mut all: Vec<&Run> = scaling.iter().collect();
+        all.push(&main);
+        all.sort_by_key(|run| run.loans);
+        for run in all {
+            let limit = run.limit1.0 as f64 / run.limit1.1;
+            let one = per_sec(run.one.updated, run.one.elapsed_ms);
+            let _ = writeln!(
+                r,
+                "| {} | {} | {:.0} ms | {} ms | {:.2} | {} ms | {:.2} µs |",
+                run.loans,
+                run.to_settle,
+                run.limit1.1 * 1e3,
+                run.one.elapsed_ms,
+                one / limit,
+                run.two.elapsed_ms,
+                run.one.elapsed_ms as f64 * 1000.0 / run.to_settle.max(1) as f64
+            );
+        }
+        if let Some(four) = four_shards {
+            let _ = writeln!(
+                r,
+                "\nShards at {} loans: 1 shard {} ms, 2 shards {} ms, 4 shards {} ms.",
+                main.loans, main.one.elapsed_ms, main.two.elapsed_ms, four.elapsed_ms
+            );
+        }
+        let _ = writeln!(r);
+    }
+
+    if let Some(line) = &drift {
+        let _ = writeln!(r, "## Scheduler drift\n");
+        let _ = writeln!(
+            r,
+            "`fine-settler drift --mode fixed-rate --period 200ms --work 80ms --ticks 1000`:\n"
+        );
+        let _ = writeln!(r, "```\n{line}\n```\n");
+    }
+
+    let _ = writeln!(r, "## Targets\n");
+    let _ = writeln!(r, "| target | measured | |");
+    let _ = writeln!(r, "| --- | --- | --- |");
+    let _ = writeln!(
+        r,
+        "| settle, 1 shard ≥ 0.8 × one update | {:.2} | {} |",
+        s1 / l1,
+        verdict(s1 / l1 >= 0.8)
+    );
+    let _ = writeln!(
+        r,
+        "| settle, 2 shards ≥ 0.8 × two sessions | {:.2} | {} |",
+        s2 / l2,
+        verdict(s2 / l2 >= 0.8)
+    );
+    let _ = writeln!(
+        r,
+        "| 2 shards faster than 1 | {} ms vs {} ms | {} |",
+        main.two.elapsed_ms,
+        main.one.elapsed_ms,
+        verdict(main.two.elapsed_ms < main.one.elapsed_ms)
+    );
+    let share = |s: &Settle| s.elapsed_ms as f64 / main.one.elapsed_ms.max(1) as f64;
+    let _ = writeln!(
+        r,
+        "| forced rerun scans 0 rows in < 1 % of the first run's time, right after the run | {} rows, {:.2} % | {} |",
+        main.forced.scanned,
+        share(&main.forced) * 100.0,
+        verdict(main.forced.scanned == 0 && share(&main.forced) < 0.01)
+    );
+    let _ = writeln!(
+        r,
+        "| ... once the run's dead tuples are vacuumed | {} rows, {:.2} % | {} |",
+        main.forced_after_vacuum.scanned,
+        share(&main.forced_after_vacuum) * 100.0,
+        verdict(main.forced_after_vacuum.scanned == 0 && share(&main.forced_after_vacuum) < 0.01)
+    );
+    let _ = writeln!(
+        r,
+        "| idle tick ≤ 2 round trips per job | {statements_per_tick:.2} statements | {} |",
+        verdict(statements_per_tick <= 2.0)
+    );
+    let _ = writeln!(
+        r,
+        "| idle RSS ≤ 20 MiB | {:.1} MiB | {} |",
+        idle_rss as f64 / 1024.0,
+        verdict(idle_rss <= 20 * 1024)
+    );
+    let _ = writeln!(
+        r,
+        "| RSS during the settle ≤ 64 MiB | {:.1} MiB | {} |",
+        main.one.peak_rss_kib as f64 / 1024.0,
+        verdict(main.one.peak_rss_kib <= 64 * 1024)
+    );
+
+    print!("{r}");
+    if let Some(path) = args.out {
+        std::fs::write(&path, &r)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
