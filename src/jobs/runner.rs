@@ -38,6 +38,16 @@ pub trait BatchJob: Send + Sync {
         limit: i64,
     ) -> impl Future<Output = Result<Option<Self::Batch>, JobError>> + Send;
 
+    /// The lowest id that may still need work (`None`: nothing left at all), asked once at the start of a run
+    /// so that a run with nothing to do ends at once. By default every id may.
+    fn first_id(
+        &self,
+        _pool: &PgPool,
+        _key: &RunKey,
+    ) -> impl Future<Output = Result<Option<i64>, JobError>> + Send {
+        async { Ok(Some(i64::MIN)) }
+    }
+
     /// The batch's last id (the next cursor) and how many items it holds.
     fn extent(batch: &Self::Batch) -> (i64, i64);
 
@@ -211,9 +221,18 @@ impl Runner {
             None => Some(i64::MIN),
             Some(c) => c.checked_add(1),
         };
+        let mut asked_first_id = false;
         let stop = loop {
             if self.cancel.is_cancelled() {
                 break Ok(Stop::Shutdown);
+            }
+            if !asked_first_id {
+                asked_first_id = true;
+                // Skip straight to the first id with work; nothing at all means the run is done.
+                match job.first_id(&self.pool, &key).await {
+                    Ok(first) => next = next.zip(first).map(|(n, f)| n.max(f)),
+                    Err(e) => break Err(e),
+                }
             }
             let Some(from_id) = next else { break Ok(Stop::Done) };
             let batch = tokio::time::timeout(self.batch_timeout, self.batch(job, &key, epoch, from_id)).await;

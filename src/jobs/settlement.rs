@@ -44,6 +44,11 @@ impl BatchJob for Settlement {
         Ok(batch)
     }
 
+    async fn first_id(&self, pool: &PgPool, key: &RunKey) -> Result<Option<i64>, JobError> {
+        let month = calendar::settlement_month(key.business_date)?;
+        Ok(loans::first_unsettled(pool, month, key.shard).await?)
+    }
+
     fn extent(batch: &SettleBatch) -> (i64, i64) {
         (batch.last_id, batch.count)
     }

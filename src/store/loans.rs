@@ -58,6 +58,28 @@ pub async fn next_batch(
     }))
 }
 
+/// The lowest id among the shard's unsettled loans returned in `[first, last]`, through the index ordered by
+/// return date (`loans_unsettled_by_return_idx`): it reads only that month's entries, so a settled month answers
+/// at once. (`min(id + 0)`: a plain `min(id)` lets the planner walk the id-ordered index for the first match,
+/// which reads every other month's entries when this month has none.)
+pub async fn first_unsettled(
+    pool: &PgPool,
+    (first, last): (NaiveDate, NaiveDate),
+    shard: ShardSpec,
+) -> Result<Option<i64>, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select min(id + 0) from loans
+           where fine_settled_at is null and returned_on is not null
+             and returned_on between $1 and $2 and id % $3 = $4"#,
+        first,
+        last,
+        i64::from(shard.shards()),
+        i64::from(shard.shard()),
+    )
+    .fetch_one(pool)
+    .await
+}
+
 /// Settles a batch as one range update: every unsettled loan of the shard returned in `[first, last]` with an id
 /// in the batch's range gets its fine and `fine_settled_at`; a loan settled meanwhile is not touched. The fine
 /// is the policy's, `least(cap, greatest(0, returned_on - due_on - grace_days) * daily_rate)`, evaluated by

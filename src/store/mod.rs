@@ -18,8 +18,12 @@ use crate::config::{redact_secrets_in, DatabaseSettings};
 /// The migrations in `migrations/`, embedded in the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
-/// Indexes built `CONCURRENTLY` by a migration; an interrupted build leaves them INVALID.
-const CONCURRENT_INDEXES: &[&str] = &["loans_unsettled_returned_idx"];
+/// Indexes built `CONCURRENTLY` by a migration, with that migration's description; an interrupted build leaves
+/// them INVALID.
+const CONCURRENT_INDEXES: &[(&str, &str)] = &[
+    ("loans_unsettled_returned_idx", "loans unsettled index"),
+    ("loans_unsettled_by_return_idx", "loans unsettled by return index"),
+];
 
 /// Why a database operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -156,7 +160,7 @@ pub async fn migrate(db: &DatabaseSettings) -> Result<(), StoreError> {
 /// A `create index concurrently` that was interrupted leaves an INVALID index, which `if not exists` would then
 /// accept as done. Drop such leftovers (concurrently, so libraryd keeps writing) so the migration rebuilds them.
 async fn drop_invalid_indexes(pool: &PgPool) -> Result<(), StoreError> {
-    for name in CONCURRENT_INDEXES {
+    for (name, migration) in CONCURRENT_INDEXES {
         let invalid = sqlx::query_scalar!(
             r#"select exists (
                    select 1 from pg_index i join pg_class c on c.oid = i.indexrelid
@@ -177,7 +181,8 @@ async fn drop_invalid_indexes(pool: &PgPool) -> Result<(), StoreError> {
                 .await?;
             // The migration that builds it is already recorded as applied; forget it so it runs again.
             // (`_sqlx_migrations` belongs to sqlx, not to our schema, hence an unchecked query.)
-            sqlx::query("delete from _sqlx_migrations where description = 'loans unsettled index'")
+            sqlx::query("delete from _sqlx_migrations where description = $1")
+                .bind(migration)
                 .execute(pool)
                 .await?;
         }
