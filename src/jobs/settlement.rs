@@ -46,7 +46,8 @@ impl BatchJob for Settlement {
 
     async fn first_id(&self, pool: &PgPool, key: &RunKey) -> Result<Option<i64>, JobError> {
         let month = calendar::settlement_month(key.business_date)?;
-        Ok(loans::first_unsettled(pool, month, key.shard).await?)
+        let any = loans::month_has_unsettled(pool, month, key.shard).await?;
+        Ok(any.then_some(i64::MIN))
     }
 
     fn extent(batch: &SettleBatch) -> (i64, i64) {

@@ -58,26 +58,29 @@ pub async fn next_batch(
     }))
 }
 
-/// The lowest id among the shard's unsettled loans returned in `[first, last]`, through the index ordered by
-/// return date (`loans_unsettled_by_return_idx`): it reads only that month's entries, so a settled month answers
-/// at once. (`min(id + 0)`: a plain `min(id)` lets the planner walk the id-ordered index for the first match,
-/// which reads every other month's entries when this month has none.)
-pub async fn first_unsettled(
+/// Whether the shard has any unsettled loan returned in `[first, last]`, through the index ordered by return
+/// date (`loans_unsettled_by_return_idx`): the ordered scan stops at the first entry of the month, and a settled
+/// month has none, so either answer takes a fraction of a millisecond — whereas the batch scan, walking ids,
+/// would read every other month's unsettled loans before concluding that this month has none.
+pub async fn month_has_unsettled(
     pool: &PgPool,
     (first, last): (NaiveDate, NaiveDate),
     shard: ShardSpec,
-) -> Result<Option<i64>, sqlx::Error> {
-    sqlx::query_scalar!(
-        r#"select min(id + 0) from loans
+) -> Result<bool, sqlx::Error> {
+    let any = sqlx::query_scalar!(
+        r#"select id from loans
            where fine_settled_at is null and returned_on is not null
-             and returned_on between $1 and $2 and id % $3 = $4"#,
+             and returned_on between $1 and $2 and id % $3 = $4
+           order by returned_on, id
+           limit 1"#,
         first,
         last,
         i64::from(shard.shards()),
         i64::from(shard.shard()),
     )
-    .fetch_one(pool)
-    .await
+    .fetch_optional(pool)
+    .await?;
+    Ok(any.is_some())
 }
 
 /// Settles a batch as one range update: every unsettled loan of the shard returned in `[first, last]` with an id
