@@ -47,9 +47,14 @@ fn connect_options(db: &DatabaseSettings, application_name: &str) -> Result<PgCo
 }
 
 /// The options every job connection uses: the application name; the batch timeout as both
-/// `statement_timeout` and `idle_in_transaction_session_timeout`; and no parallel query. A batch reads a few
-/// thousand rows through an index: with parallel workers allowed, the planner would start workers (and often
-/// pick a parallel sequential scan) for every batch query, several times slower than the index walk.
+/// `statement_timeout` and `idle_in_transaction_session_timeout`; no parallel query; and generic plans.
+///
+/// A batch reads a few thousand rows through an index. With parallel workers allowed, the planner started
+/// workers (and a parallel scan plus sort) for every batch query, several times slower than the index walk.
+/// With custom plans (PostgreSQL's default for a statement's first five executions), the literal month made the
+/// planner read the month's whole range from the index ordered by return date, or the whole table, and sort it
+/// for each batch, 80–150 ms each; the generic plan walks the id-ordered index, as a keyset batch should
+/// (measured with auto_explain; see bench/RESULTS.md).
 fn job_options(
     db: &DatabaseSettings,
     application_name: &str,
@@ -60,6 +65,7 @@ fn job_options(
         ("statement_timeout", timeout.as_str()),
         ("idle_in_transaction_session_timeout", timeout.as_str()),
         ("max_parallel_workers_per_gather", "0"),
+        ("plan_cache_mode", "force_generic_plan"),
     ]))
 }
 
