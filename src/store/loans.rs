@@ -89,7 +89,6 @@ pub async fn month_has_unsettled(
 /// PostgreSQL: a range update reads each row once instead of joining a list of ids back to the table, the
 /// difference between reaching the speed of a single set-based update or not. The formula is checked against
 /// `FinePolicy::fine` by a test; bigint arithmetic in PostgreSQL fails loudly on overflow.
-
 pub async fn settle_range(
     tx: &mut PgConnection,
     (first, last): (NaiveDate, NaiveDate),
