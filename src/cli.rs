@@ -245,6 +245,15 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// The shard of a one-shot command: `--shard`/`--shards`, defaulting to the instance's.
+fn shard_spec(settings: &Settings, shard: Option<i64>, shards: Option<i64>) -> Result<ShardSpec, CliError> {
+    ShardSpec::new(
+        shard.unwrap_or(i64::from(settings.instance.shard())),
+        shards.unwrap_or(i64::from(settings.instance.shards())),
+    )
+    .map_err(|e| CliError::Usage(format!("--shard/--shards: {e}")))
+}
+
 /// Loads and validates the configuration; nothing touches the database before this has passed.
 fn settings(cli: &Cli) -> Result<(RawSettings, Settings), CliError> {
     let env: HashMap<String, String> = std::env::vars().collect();
@@ -276,11 +285,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             shards,
             force,
         } => {
-            let spec = ShardSpec::new(
-                shard.unwrap_or(i64::from(settings.instance.shard())),
-                shards.unwrap_or(i64::from(settings.instance.shards())),
-            )
-            .map_err(|e| CliError::Usage(format!("--shard/--shards: {e}")))?;
+            let spec = shard_spec(&settings, shard, shards)?;
             calendar::settlement_month(business_date)
                 .map_err(|e| CliError::Usage(format!("--business-date: {e}")))?;
             telemetry::init(settings.log_format, &settings.log_level);
@@ -333,11 +338,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             shards,
             force,
         } => {
-            let spec = ShardSpec::new(
-                shard.unwrap_or(i64::from(settings.instance.shard())),
-                shards.unwrap_or(i64::from(settings.instance.shards())),
-            )
-            .map_err(|e| CliError::Usage(format!("--shard/--shards: {e}")))?;
+            let spec = shard_spec(&settings, shard, shards)?;
             let today = calendar::local_date(Utc::now(), settings.zone);
             if date >= today {
                 return Err(CliError::Usage(format!(

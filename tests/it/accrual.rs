@@ -15,7 +15,9 @@ use fine_settler::{
 };
 use sqlx::PgPool;
 
-use crate::helpers::{d, database_url, fine_settler, insert, loan, output, report, runner, wait_until};
+use crate::helpers::{
+    assert_success, d, database_url, fine_settler, insert, loan, output, report, runner, wait_until,
+};
 
 fn accrual(policy: FinePolicy) -> Accrual {
     Accrual {
@@ -270,12 +272,7 @@ async fn a_charge_that_keeps_failing_goes_dead_with_growing_capped_backoff(pool:
     let mut retry = fine_settler(&url);
     retry.args(["pending", "retry", "--dead"]);
     let out = output(retry);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let summary = report(&out);
     assert_eq!(
         (summary["resurrected"].as_i64(), summary["charged"].as_i64()),

@@ -2,7 +2,7 @@
 
 use sqlx::PgPool;
 
-use crate::helpers::{database_url, fine_settler, output, report};
+use crate::helpers::{database_url, fine_settler, migrate, output, report};
 
 async fn nothing_written(pool: &PgPool) {
     let runs: i64 = sqlx::query_scalar("select count(*) from job_runs")
@@ -14,18 +14,6 @@ async fn nothing_written(pool: &PgPool) {
         .await
         .expect("count");
     assert_eq!((runs, settled), (0, 0));
-}
-
-fn migrate(url: &str) {
-    let mut cmd = fine_settler(url);
-    cmd.arg("migrate");
-    let out = output(cmd);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 async fn scan_index_is_valid(pool: &PgPool) -> bool {
@@ -198,15 +186,7 @@ async fn check_config_prints_the_effective_values_with_the_password_redacted(_po
 async fn migrate_twice_is_a_no_op(pool: PgPool) {
     let url = database_url(&pool);
     for _ in 0..2 {
-        let mut cmd = fine_settler(&url);
-        cmd.arg("migrate");
-        let out = output(cmd);
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        migrate(&url);
     }
     assert!(scan_index_is_valid(&pool).await);
 }
@@ -225,15 +205,7 @@ async fn migrate_upgrades_an_existing_libraryd_database(pool: PgPool) {
     .await
     .expect("libraryd schema");
     let url = database_url(&pool);
-    let mut cmd = fine_settler(&url);
-    cmd.arg("migrate");
-    let out = output(cmd);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    migrate(&url);
     let unsettled: i64 = sqlx::query_scalar("select count(*) from loans where fine_settled_at is null")
         .fetch_one(&pool)
         .await
@@ -258,15 +230,7 @@ async fn migrate_rebuilds_an_index_left_invalid_by_an_interrupted_build(pool: Pg
     .execute(&pool)
     .await
     .expect("mark invalid");
-    let mut cmd = fine_settler(&url);
-    cmd.arg("migrate");
-    let out = output(cmd);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    migrate(&url);
     assert!(scan_index_is_valid(&pool).await);
 }
 

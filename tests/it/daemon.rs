@@ -12,8 +12,8 @@ use sqlx::{postgres::PgPoolOptions, PgPool};
 
 use crate::{
     helpers::{
-        database_url, fine_settler, insert, install_update_audit, loan, max_updates_per_loan, oracle, output,
-        settled, wait_until,
+        assert_success, database_url, fine_settler, insert, install_update_audit, loan, max_updates_per_loan,
+        migrate, oracle, output, settled, wait_until,
     },
     server::PrivateServer,
 };
@@ -196,12 +196,7 @@ async fn sigterm_mid_run_hands_the_key_back_and_a_restarted_replica_finishes_it(
     once.env("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1")
         .args(["run", "--once"]);
     let out = output(once);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let report = crate::helpers::report(&out);
     assert_eq!(
         (report["outcome"].as_str(), report["epoch"].as_i64()),
@@ -307,12 +302,7 @@ async fn the_shard_comes_from_the_statefulset_pod(pool: PgPool) {
         .env("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1")
         .args(["run", "--once"]);
     let out = output(cmd);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let key: (NaiveDate, i32, i32, String) =
         sqlx::query_as("select business_date, shards, shard, status from job_runs")
             .fetch_one(&pool)
@@ -335,9 +325,7 @@ async fn replicas_recover_from_a_postgres_restart_without_restarting_themselves(
         .expect("create database");
     admin.close().await;
     let url = server.url("libraryd");
-    let mut migrate = fine_settler(&url);
-    migrate.arg("migrate");
-    assert_eq!(output(migrate).status.code(), Some(0));
+    migrate(&url);
     let pool = PgPoolOptions::new()
         .max_connections(3)
         .connect(&url)
@@ -410,9 +398,7 @@ async fn replicas_recover_from_a_postgres_restart_without_restarting_themselves(
 async fn an_idle_tick_is_one_statement() {
     let server = PrivateServer::start(&["shared_preload_libraries=pg_stat_statements"]);
     let url = server.url("postgres");
-    let mut migrate = fine_settler(&url);
-    migrate.arg("migrate");
-    assert_eq!(output(migrate).status.code(), Some(0));
+    migrate(&url);
     let pool = PgPoolOptions::new()
         .max_connections(1)
         .connect(&url)
@@ -427,12 +413,7 @@ async fn an_idle_tick_is_one_statement() {
         cmd.env("FINE_SETTLER__ACCRUAL__ENABLED", "true")
             .args(["run", "--once"]);
         let out = output(cmd);
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_success(&out);
     };
     once(); // runs the (empty) catch-up windows: 3 month ends and 7 days, every key becomes SUCCESS
     assert_eq!(success_keys(&pool).await, 3 + 7);
@@ -485,12 +466,7 @@ async fn a_tick_compensates_first_then_accrues_the_last_seven_days(pool: PgPool)
         .env("FINE_SETTLER__SETTLEMENT__ENABLED", "false")
         .args(["run", "--once"]);
     let out = output(cmd);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let reports = String::from_utf8_lossy(&out.stdout).lines().count();
     assert_eq!(reports, 7, "one run per due day");
 

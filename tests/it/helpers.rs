@@ -153,6 +153,23 @@ pub fn output(mut cmd: Command) -> Output {
     cmd.output().expect("run fine-settler")
 }
 
+/// Fails the test, showing stderr, unless the process exited 0.
+pub fn assert_success(out: &Output) {
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `fine-settler migrate` against `url`, which must succeed.
+pub fn migrate(url: &str) {
+    let mut cmd = fine_settler(url);
+    cmd.arg("migrate");
+    assert_success(&output(cmd));
+}
+
 /// The JSON report a one-shot command printed on stdout.
 pub fn report(out: &Output) -> serde_json::Value {
     let stdout = String::from_utf8_lossy(&out.stdout);
