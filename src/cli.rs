@@ -409,7 +409,10 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 settings.claim.batch_timeout,
             )?;
             let status = session
-                .tick_status(settings.instance, daemon::window_days(&settings))
+                .tick_status(
+                    settings.instance,
+                    daemon::window_start(&settings, at.map_or_else(Utc::now, |at| at.with_timezone(&Utc))),
+                )
                 .await
                 .map_err(daemon::TickError::from)?;
             let now = match (at, settings.time_source) {

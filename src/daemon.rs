@@ -109,12 +109,16 @@ fn classify(settings: &Settings, job: JobName, date: NaiveDate, states: &[KeySta
     }
 }
 
-/// How many days back the tick status must look to cover every job's catch-up window (plus a margin for the
-/// zone offset).
-pub fn window_days(settings: &Settings) -> i32 {
-    let months = settings.settlement.catch_up_months as i32;
-    let days = settings.accrual.catch_up_days as i32;
-    months.saturating_mul(31).max(days).saturating_add(33)
+/// The earliest business date a tick at `at` can be due for: every job's catch-up window back from `at`, plus a
+/// margin (33 days) that covers the zone offset and any plausible difference between this host's clock and the
+/// database's.
+pub fn window_start(settings: &Settings, at: DateTime<Utc>) -> NaiveDate {
+    let months = i64::from(settings.settlement.catch_up_months);
+    let days = i64::from(settings.accrual.catch_up_days);
+    let back = months.saturating_mul(31).max(days).saturating_add(33);
+    at.date_naive()
+        .checked_sub_signed(chrono::Duration::days(back))
+        .unwrap_or(NaiveDate::MIN)
 }
 
 /// A replica.
@@ -237,7 +241,7 @@ impl Daemon {
         let before = self.wall.now();
         let status = self
             .session
-            .tick_status(shard, window_days(&self.settings))
+            .tick_status(shard, window_start(&self.settings, before))
             .await?;
         let after = self.wall.now();
         self.observe_skew(before + (after - before) / 2, status.now);

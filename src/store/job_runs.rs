@@ -341,12 +341,12 @@ pub struct TickStatus {
 }
 
 /// Everything a tick needs to know before it claims anything, in one statement: the database clock, this
-/// shard's `job_runs` rows for business dates in the last `window_days` days, and how many of its pending
+/// shard's `job_runs` rows for business dates from `since` on, and how many of its pending
 /// charges are due. An idle tick costs exactly this one round trip.
 pub async fn tick_status(
     conn: &mut PgConnection,
     shard: crate::shard::ShardSpec,
-    window_days: i32,
+    since: NaiveDate,
 ) -> Result<TickStatus, sqlx::Error> {
     let rows = sqlx::query!(
         r#"select t.now as "now!", t.due_pending as "due_pending!",
@@ -358,10 +358,10 @@ pub async fn tick_status(
                            and p.loan_id % $1::int = $2::int) as due_pending) t
            left join job_runs r
              on r.shards = $1::int and r.shard = $2::int
-            and r.business_date >= (t.now at time zone 'UTC')::date - $3::int"#,
+            and r.business_date >= $3"#,
         shard.shards(),
         shard.shard(),
-        window_days,
+        since,
     )
     .fetch_all(&mut *conn)
     .await?;

@@ -127,7 +127,7 @@ impl Session {
     pub async fn tick_status(
         &mut self,
         shard: crate::shard::ShardSpec,
-        window_days: i32,
+        since: chrono::NaiveDate,
     ) -> Result<job_runs::TickStatus, sqlx::Error> {
         if self.conn.is_none() {
             let connect = PgConnection::connect_with(&self.options);
@@ -139,7 +139,7 @@ impl Session {
         let Some(conn) = self.conn.as_mut() else {
             return Err(sqlx::Error::PoolClosed);
         };
-        let result = job_runs::tick_status(conn, shard, window_days).await;
+        let result = job_runs::tick_status(conn, shard, since).await;
         if result.is_err() {
             // Whatever went wrong, the next tick starts from a fresh connection.
             self.conn = None;

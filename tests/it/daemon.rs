@@ -492,3 +492,81 @@ async fn a_tick_compensates_first_then_accrues_the_last_seven_days(pool: PgPool)
     .expect("keys");
     assert_eq!(keys, 7);
 }
+
+#[sqlx::test]
+async fn plan_shows_what_a_tick_would_claim_and_writes_nothing(pool: PgPool) {
+    let url = database_url(&pool);
+    let plan = |at: &str| {
+        let mut cmd = fine_settler(&url);
+        cmd.env("FINE_SETTLER__ACCRUAL__ENABLED", "true")
+            .env("FINE_SETTLER__ACCRUAL__CATCH_UP_DAYS", "2")
+            .args(["plan", "--at", at]);
+        let out = output(cmd);
+        assert_success(&out);
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON line"))
+            .map(|v| {
+                format!(
+                    "{} {} {} {}",
+                    v["job"].as_str().unwrap_or(""),
+                    v["business_date"].as_str().unwrap_or(""),
+                    v["status"].as_str().unwrap_or(""),
+                    v["action"].as_str().unwrap_or("")
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    // 00:30 on January 1st in Shanghai: December is due, and the last two days of it for accrual.
+    let before = plan("2027-01-01T00:30:00+08:00");
+    assert_eq!(
+        before,
+        vec![
+            "fine-settlement 2026-10-31 none claim",
+            "fine-settlement 2026-11-30 none claim",
+            "fine-settlement 2026-12-31 none claim",
+            "overdue-accrual 2026-12-30 none claim",
+            "overdue-accrual 2026-12-31 none claim",
+        ]
+    );
+    let runs: i64 = sqlx::query_scalar("select count(*) from job_runs")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(runs, 0, "plan writes nothing");
+
+    let mut settle = fine_settler(&url);
+    settle.args(["settle", "--business-date", "2026-11-30"]);
+    assert_success(&output(settle));
+    sqlx::query(
+        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
+         values ('fine-settlement', '2026-12-31', 1, 0, 'RUNNING', 'crashed', 1, now() - interval '1 minute'),
+                ('overdue-accrual', '2026-12-30', 1, 0, 'FAILED', 'someone', 3, now())",
+    )
+    .execute(&pool)
+    .await
+    .expect("rows");
+    let after = plan("2027-01-01T00:30:00+08:00");
+    assert_eq!(
+        after,
+        vec![
+            "fine-settlement 2026-10-31 none claim",
+            "fine-settlement 2026-11-30 SUCCESS skip",
+            "fine-settlement 2026-12-31 RUNNING takeover",
+            "overdue-accrual 2026-12-30 FAILED takeover",
+            "overdue-accrual 2026-12-31 none claim",
+        ]
+    );
+    // A time long before today sees that time's keys too.
+    sqlx::query(
+        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
+         values ('fine-settlement', '2019-12-31', 1, 0, 'SUCCESS', 'someone', 1, now())",
+    )
+    .execute(&pool)
+    .await
+    .expect("old key");
+    assert_eq!(
+        plan("2020-01-01T00:30:00+08:00")[2],
+        "fine-settlement 2019-12-31 SUCCESS skip"
+    );
+}
