@@ -105,17 +105,38 @@ pub enum Command {
         #[command(subcommand)]
         action: PendingAction,
     },
-    /// Show job_runs rows as a table.
+    /// Show job_runs rows as a table (or the attempt history).
     Runs {
         /// Only this job (fine-settlement or overdue-accrual).
-        #[arg(long, value_name = "J")]
-        job: Option<String>,
+        #[arg(long, value_name = "J", value_parser = parse_job)]
+        job: Option<JobName>,
         /// Only this business date.
         #[arg(long, value_name = "D")]
         business_date: Option<NaiveDate>,
+        /// Show job_run_attempts instead: every claim, takeover, finish, failure, lost lease and release.
+        #[arg(long)]
+        history: bool,
         /// Print JSON lines instead of a table.
         #[arg(long)]
         json: bool,
+    },
+    /// End a stuck claim now: the key becomes FAILED with its lease ended, so the next run takes it over under a
+    /// new epoch (fencing out the old owner); recorded in the history with who and why.
+    Release {
+        #[arg(long, value_name = "J", value_parser = parse_job)]
+        job: JobName,
+        #[arg(long, value_name = "D")]
+        business_date: NaiveDate,
+        #[arg(long, value_name = "N", allow_negative_numbers = true)]
+        shards: i64,
+        #[arg(long, value_name = "S", allow_negative_numbers = true)]
+        shard: i64,
+        /// Why, for the history.
+        #[arg(long, default_value = "released by an operator")]
+        reason: String,
+        /// Who, for the history (default: $USER@host).
+        #[arg(long)]
+        by: Option<String>,
     },
     /// Audit a settled month; exit 3 on any violation.
     Verify {
@@ -174,6 +195,13 @@ fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
         Ok(_) => Err("must be longer than zero".into()),
         Err(e) => Err(format!("{s:?} is not a duration ({e})")),
     }
+}
+
+fn parse_job(s: &str) -> Result<JobName, String> {
+    [JobName::FineSettlement, JobName::OverdueAccrual]
+        .into_iter()
+        .find(|j| j.as_str() == s)
+        .ok_or_else(|| format!("{s:?} is not fine-settlement or overdue-accrual"))
 }
 
 fn parse_month(s: &str) -> Result<NaiveDate, String> {
@@ -439,18 +467,9 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Runs {
             job,
             business_date,
+            history,
             json,
         } => {
-            if let Some(j) = job.as_deref() {
-                if ![JobName::FineSettlement, JobName::OverdueAccrual]
-                    .iter()
-                    .any(|n| n.as_str() == j)
-                {
-                    return Err(CliError::Usage(format!(
-                        "--job: {j:?} is not fine-settlement or overdue-accrual"
-                    )));
-                }
-            }
             telemetry::init(settings.log_format, &settings.log_level);
             let pool = store::connect(
                 &settings.database,
@@ -458,15 +477,73 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 settings.claim.batch_timeout,
             )
             .await?;
-            let rows = store::job_runs::list(&pool, job.as_deref(), business_date).await?;
-            if json {
-                for row in &rows {
-                    println!("{}", serde_json::to_string(row).unwrap_or_default());
+            let job = job.map(JobName::as_str);
+            if history {
+                let rows = store::job_runs::history(&pool, job, business_date).await?;
+                if json {
+                    for row in &rows {
+                        println!("{}", serde_json::to_string(row).unwrap_or_default());
+                    }
+                } else {
+                    print!("{}", history_table(&rows));
                 }
             } else {
-                print!("{}", runs_table(&rows));
+                let rows = store::job_runs::list(&pool, job, business_date).await?;
+                if json {
+                    for row in &rows {
+                        println!("{}", serde_json::to_string(row).unwrap_or_default());
+                    }
+                } else {
+                    print!("{}", runs_table(&rows));
+                }
             }
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Release {
+            job,
+            business_date,
+            shards,
+            shard,
+            reason,
+            by,
+        } => {
+            let spec = ShardSpec::new(shard, shards)
+                .map_err(|e| CliError::Usage(format!("--shard/--shards: {e}")))?;
+            let by = by.unwrap_or_else(operator);
+            telemetry::init(settings.log_format, &settings.log_level);
+            let pool = store::connect(
+                &settings.database,
+                "fine-settler release",
+                settings.claim.batch_timeout,
+            )
+            .await?;
+            let key = RunKey {
+                job,
+                business_date,
+                shard: spec,
+            };
+            let released = store::job_runs::release(&pool, &key, &by, &reason).await?;
+            let report = serde_json::json!({
+                "job": job.as_str(), "business_date": business_date, "shard": spec.shard(), "shards": spec.shards(),
+                "found": released.is_some(),
+                "released": released.as_ref().is_some_and(|r| r.released),
+                "status": released.as_ref().map(|r| r.status.clone()),
+                "epoch": released.as_ref().map(|r| r.epoch),
+                "previous_owner": released.as_ref().map(|r| r.previous_owner.clone()),
+                "by": by,
+            });
+            println!("{report}");
+            if let Some(r) = &released {
+                if r.released {
+                    tracing::warn!(job = job.as_str(), %business_date, shard = spec.shard(), shards = spec.shards(),
+                        epoch = r.epoch, previous_owner = %r.previous_owner, by = %by, reason = %reason, "claim released");
+                }
+            }
+            Ok(if released.is_some() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
         }
         Command::Verify { business_date, json } => {
             let month = calendar::settlement_month(business_date)
@@ -678,6 +755,41 @@ fn pending_table(rows: &[store::ledger::Pending]) -> String {
                 .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
             r.status,
             r.last_error.as_deref().unwrap_or("")
+        ));
+    }
+    out
+}
+
+/// `$USER@host`, naming an operator in the history.
+fn operator() -> String {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| "operator".into());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default();
+    format!("{user}@{host}")
+}
+
+fn history_table(rows: &[store::job_runs::Attempt]) -> String {
+    let mut out = format!(
+        "{:>6} {:<16} {:<10} {:>6} {:>5} {:<11} {:>10} {:>10} {:<25} {:<30} {}\n",
+        "ID", "JOB", "DATE", "SHARD", "EPOCH", "EVENT", "SCANNED", "UPDATED", "AT", "OWNER", "ERROR"
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "{:>6} {:<16} {:<10} {:>6} {:>5} {:<11} {:>10} {:>10} {:<25} {:<30} {}\n",
+            r.id,
+            r.job_name,
+            r.business_date,
+            format!("{}/{}", r.shard, r.shards),
+            r.epoch,
+            r.event,
+            r.scanned.map_or("-".into(), |n| n.to_string()),
+            r.updated.map_or("-".into(), |n| n.to_string()),
+            r.at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            r.owner,
+            r.error.as_deref().unwrap_or("")
         ));
     }
     out

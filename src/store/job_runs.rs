@@ -387,3 +387,93 @@ pub async fn tick_status(
         due_pending,
     })
 }
+
+/// What `release` found and did.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Released {
+    /// The key's status before the release.
+    pub status: String,
+    pub epoch: i64,
+    /// The owner whose lease was ended (or the last owner, if nothing was released).
+    pub previous_owner: String,
+    /// Whether a RUNNING claim was ended.
+    pub released: bool,
+}
+
+/// Ends a RUNNING claim now (an operator's `release`): the key becomes FAILED with `lease_until = now()`, so the
+/// next run takes it over under a new epoch and the old owner, if it is still alive, is fenced out. The release
+/// is recorded in the history with who did it and why. `None` if the key does not exist.
+pub async fn release(
+    pool: &PgPool,
+    key: &RunKey,
+    by: &str,
+    reason: &str,
+) -> Result<Option<Released>, sqlx::Error> {
+    let row = sqlx::query!(
+        r#"with prior as (
+               select status, owner, epoch from job_runs
+               where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
+           ), ended as (
+               update job_runs set status = 'FAILED', lease_until = now(), finished_at = now(),
+                                   last_error = 'released by ' || $5 || ': ' || $6
+               where job_name = $1 and business_date = $2 and shards = $3 and shard = $4 and status = 'RUNNING'
+               returning job_name, business_date, shards, shard, epoch
+           ), history as (
+               insert into job_run_attempts (job_name, business_date, shards, shard, epoch, owner, event, error)
+               select job_name, business_date, shards, shard, epoch, $5, 'released', $6 from ended
+           )
+           select prior.status as "status!", prior.owner as "owner!", prior.epoch as "epoch!",
+                  exists (select 1 from ended) as "released!"
+           from prior"#,
+        key.job.as_str(),
+        key.business_date,
+        key.shard.shards(),
+        key.shard.shard(),
+        by,
+        reason,
+    )
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.map(|r| Released {
+        status: r.status,
+        epoch: r.epoch,
+        previous_owner: r.owner,
+        released: r.released,
+    }))
+}
+
+/// One `job_run_attempts` row, for `runs --history`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Attempt {
+    pub id: i64,
+    pub job_name: String,
+    pub business_date: NaiveDate,
+    pub shards: i32,
+    pub shard: i32,
+    pub epoch: i64,
+    pub owner: String,
+    pub event: String,
+    pub scanned: Option<i64>,
+    pub updated: Option<i64>,
+    pub error: Option<String>,
+    pub at: DateTime<Utc>,
+}
+
+/// The attempt history, optionally for one job and/or business date, oldest first.
+pub async fn history(
+    pool: &PgPool,
+    job: Option<&str>,
+    business_date: Option<NaiveDate>,
+) -> Result<Vec<Attempt>, sqlx::Error> {
+    sqlx::query_as!(
+        Attempt,
+        r#"select id, job_name, business_date, shards, shard, epoch, owner, event, scanned, updated, error, at
+           from job_run_attempts
+           where ($1::text is null or job_name = $1) and ($2::date is null or business_date = $2)
+           order by id"#,
+        job,
+        business_date,
+    )
+    .fetch_all(pool)
+    .await
+}

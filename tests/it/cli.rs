@@ -2,7 +2,7 @@
 
 use sqlx::PgPool;
 
-use crate::helpers::{database_url, fine_settler, migrate, output, report};
+use crate::helpers::{assert_success, database_url, fine_settler, migrate, output, report};
 
 async fn nothing_written(pool: &PgPool) {
     let runs: i64 = sqlx::query_scalar("select count(*) from job_runs")
@@ -267,4 +267,118 @@ async fn accrue_refuses_a_day_that_is_not_over_and_pending_list_shows_the_queue(
     for field in ["2026-10-10", "100", "10", "DEAD", "charge rejected for loan 42"] {
         assert!(row.contains(field), "{field} missing from {row:?}");
     }
+}
+
+#[sqlx::test]
+async fn release_ends_a_stuck_claim_and_the_next_run_fences_the_old_owner(pool: PgPool) {
+    sqlx::query("insert into loans values (1, 1, 1, '2026-09-01', '2026-10-01', '2026-10-04', 0, null)")
+        .execute(&pool)
+        .await
+        .expect("loan");
+    // A replica claimed the key and hung with an hour of lease left.
+    sqlx::query(
+        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
+         values ('fine-settlement', '2026-10-31', 1, 0, 'RUNNING', 'host-a:42:beef', 4, now() + interval '1 hour')",
+    )
+    .execute(&pool)
+    .await
+    .expect("stuck claim");
+    let url = database_url(&pool);
+    let release = || {
+        let mut cmd = fine_settler(&url);
+        cmd.args([
+            "release",
+            "--job",
+            "fine-settlement",
+            "--business-date",
+            "2026-10-31",
+            "--shards",
+            "1",
+            "--shard",
+            "0",
+            "--reason",
+            "host-a is wedged",
+            "--by",
+            "oncall",
+        ]);
+        output(cmd)
+    };
+    let out = release();
+    assert_success(&out);
+    let r = report(&out);
+    assert_eq!(
+        (
+            r["released"].as_bool(),
+            r["previous_owner"].as_str(),
+            r["epoch"].as_i64()
+        ),
+        (Some(true), Some("host-a:42:beef"), Some(4))
+    );
+    // Releasing again finds nothing running: harmless.
+    assert_eq!(report(&release())["released"].as_bool(), Some(false));
+
+    let mut settle = fine_settler(&url);
+    settle.args(["settle", "--business-date", "2026-10-31"]);
+    let settled = report(&output(settle));
+    assert_eq!(
+        (settled["outcome"].as_str(), settled["epoch"].as_i64()),
+        (Some("settled"), Some(5))
+    );
+
+    let mut history = fine_settler(&url);
+    history.args(["runs", "--history", "--json"]);
+    let out = output(history);
+    assert_success(&out);
+    let events: Vec<(String, String, Option<String>)> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON"))
+        .map(|v| {
+            (
+                v["event"].as_str().unwrap_or("").to_string(),
+                v["owner"].as_str().unwrap_or("").to_string(),
+                v["error"].as_str().map(str::to_string),
+            )
+        })
+        .collect();
+    assert_eq!(
+        events[0],
+        (
+            "released".into(),
+            "oncall".into(),
+            Some("host-a is wedged".into())
+        )
+    );
+    assert_eq!(
+        events.iter().map(|e| e.0.as_str()).collect::<Vec<_>>(),
+        vec!["released", "takeover", "success"]
+    );
+
+    let mut missing = fine_settler(&url);
+    missing.args([
+        "release",
+        "--job",
+        "overdue-accrual",
+        "--business-date",
+        "2026-10-30",
+        "--shards",
+        "1",
+        "--shard",
+        "0",
+    ]);
+    let out = output(missing);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(report(&out)["found"].as_bool(), Some(false));
+    let mut bad = fine_settler(&url);
+    bad.args([
+        "release",
+        "--job",
+        "nope",
+        "--business-date",
+        "2026-10-30",
+        "--shards",
+        "1",
+        "--shard",
+        "0",
+    ]);
+    assert_eq!(output(bad).status.code(), Some(2));
 }
