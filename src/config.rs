@@ -80,6 +80,7 @@ pub struct RawTime {
 pub struct RawClaim {
     pub lease: String,
     pub batch_timeout: String,
+    pub history_retention: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -242,6 +243,8 @@ pub struct ClaimSettings {
     pub lease: Duration,
     /// The statement timeout of every batch; always shorter than `lease`.
     pub batch_timeout: Duration,
+    /// How long `job_run_attempts` rows are kept.
+    pub history_retention: Duration,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -479,6 +482,10 @@ impl RawSettings {
 
         let lease = c.duration("claim.lease", &self.claim.lease);
         let batch_timeout = c.duration("claim.batch_timeout", &self.claim.batch_timeout);
+        let history_retention = c.duration("claim.history_retention", &self.claim.history_retention);
+        if history_retention.is_some_and(|r| r < Duration::from_secs(3600)) {
+            c.fail("claim.history_retention", "must be at least 1h");
+        }
         if let (Some(lease), Some(batch_timeout)) = (lease, batch_timeout) {
             // A batch renews the lease when it commits; a lease shorter than the longest batch would let a peer
             // take over a replica that is still working.
@@ -583,6 +590,7 @@ impl RawSettings {
                 claim: ClaimSettings {
                     lease: lease?,
                     batch_timeout: batch_timeout?,
+                    history_retention: history_retention?,
                 },
                 settlement: SettlementSettings {
                     enabled: self.settlement.enabled,

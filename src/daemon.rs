@@ -35,6 +35,14 @@ pub const FIRST_BACKOFF: Duration = Duration::from_millis(250);
 /// The longest wait between retries while the database is unreachable.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
+/// The first history pruning runs this long after start (so that restarts do not add load), then every
+/// [`PRUNE_EVERY`].
+pub const FIRST_PRUNE_AFTER: Duration = Duration::from_secs(600);
+pub const PRUNE_EVERY: Duration = Duration::from_secs(3600);
+/// Rows deleted per pruning statement, and statements per pruning pass at most.
+const PRUNE_BATCH: i64 = 1000;
+const PRUNE_BATCHES: u32 = 50;
+
 /// The capped exponential backoff before retry number `failures` (1-based).
 pub fn backoff(failures: u32) -> Duration {
     let factor = 2u32.saturating_pow(failures.saturating_sub(1));
@@ -191,8 +199,13 @@ impl Daemon {
         );
         let run_now = self.run_now.clone();
         let shutdown = self.shutdown.clone();
+        let mut next_prune = tokio::time::Instant::now() + FIRST_PRUNE_AFTER;
         while let Some(tick) = scheduler.next(&run_now, &shutdown).await {
             self.tick_through_outages(tick).await;
+            if tokio::time::Instant::now() >= next_prune && !shutdown.is_cancelled() {
+                self.prune_history().await;
+                next_prune = tokio::time::Instant::now() + PRUNE_EVERY;
+            }
             scheduler.finished();
         }
         self.pool.close().await;
@@ -304,6 +317,30 @@ impl Daemon {
             reports.push(report);
         }
         Ok(reports)
+    }
+
+    /// Deletes `job_run_attempts` rows older than `claim.history_retention`, in small batches so that no
+    /// statement holds locks for long. Failures are logged and retried at the next pass.
+    async fn prune_history(&self) {
+        let retention = self.settings.claim.history_retention;
+        let mut pruned = 0u64;
+        for _ in 0..PRUNE_BATCHES {
+            match store::job_runs::prune_history(&self.pool, retention, PRUNE_BATCH).await {
+                Ok(n) => {
+                    pruned += n;
+                    if n < PRUNE_BATCH as u64 {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %StoreError::from(e), "pruning the attempt history failed; retrying later");
+                    break;
+                }
+            }
+        }
+        if pruned > 0 {
+            tracing::info!(pruned, retention = %humantime::format_duration(retention), "pruned old attempt history");
+        }
     }
 
     /// Logs the host−database clock skew: debug every tick, a warning when it first exceeds `time.max_skew`,

@@ -477,3 +477,20 @@ pub async fn history(
     .fetch_all(pool)
     .await
 }
+
+/// Deletes up to `limit` `job_run_attempts` rows older than `older_than`, oldest first; returns how many.
+/// `job_runs` rows are never pruned: deduplication depends on them.
+pub async fn prune_history(pool: &PgPool, older_than: Duration, limit: i64) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query!(
+        r#"delete from job_run_attempts
+           where id in (select id from job_run_attempts
+                        where at < now() - $1 * interval '1 millisecond'
+                        order by id
+                        limit $2)"#,
+        millis(older_than) as f64,
+        limit,
+    )
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}

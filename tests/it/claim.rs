@@ -208,3 +208,36 @@ async fn every_transition_appends_history(pool: PgPool) {
         ]
     );
 }
+
+#[sqlx::test]
+async fn old_attempt_history_is_pruned_in_batches_and_job_runs_are_kept(pool: PgPool) {
+    won(&pool, "a", false).await;
+    sqlx::query(
+        "insert into job_run_attempts (job_name, business_date, shards, shard, epoch, owner, event, at)
+         select 'fine-settlement', '2026-10-31', 1, 0, 1, 'old', 'claimed', now() - interval '100 days'
+         from generate_series(1, 2500)",
+    )
+    .execute(&pool)
+    .await
+    .expect("old history");
+    let ninety_days = Duration::from_secs(90 * 86_400);
+    let batches: Vec<u64> = {
+        let mut v = Vec::new();
+        loop {
+            let n = fine_settler::store::job_runs::prune_history(&pool, ninety_days, 1000)
+                .await
+                .expect("prune");
+            v.push(n);
+            if n < 1000 {
+                break v;
+            }
+        }
+    };
+    assert_eq!(batches, vec![1000, 1000, 500]);
+    let left: Vec<String> = sqlx::query_scalar("select owner from job_run_attempts")
+        .fetch_all(&pool)
+        .await
+        .expect("history");
+    assert_eq!(left, vec!["a".to_string()], "recent history stays");
+    assert_eq!(status(&pool).await.0, "RUNNING", "job_runs rows are never pruned");
+}

@@ -382,3 +382,111 @@ async fn release_ends_a_stuck_claim_and_the_next_run_fences_the_old_owner(pool: 
     ]);
     assert_eq!(output(bad).status.code(), Some(2));
 }
+
+#[sqlx::test]
+async fn replicas_run_under_the_least_privilege_role(pool: PgPool) {
+    let owner_url = database_url(&pool);
+    let db = owner_url
+        .rsplit_once('/')
+        .map(|(_, db)| db.to_string())
+        .expect("db");
+    // Roles are cluster-wide: name this one after the test's database, short and lower case.
+    let tail: String = db
+        .to_lowercase()
+        .chars()
+        .rev()
+        .take(24)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    let role = format!("fs_{tail}");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/sql/least-privilege.sql");
+    for _ in 0..2 {
+        let out = std::process::Command::new("psql")
+            .args([
+                &owner_url,
+                "-qX",
+                "-v",
+                &format!("role={role}"),
+                "-v",
+                "password=s3cret",
+                "-f",
+                script,
+            ])
+            .output()
+            .expect("psql");
+        assert_success(&out);
+    }
+    let (base, _) = owner_url.rsplit_once('/').expect("url");
+    let (scheme, host) = base.split_once("://").expect("scheme");
+    let host = host.rsplit_once('@').map_or(host, |(_, h)| h);
+    let role_url = format!("{scheme}://{role}:s3cret@{host}/{db}");
+
+    let today = fine_settler::calendar::local_date(chrono::Utc::now(), chrono_tz::Asia::Shanghai);
+    let due = (today - chrono::Duration::days(40)).to_string();
+    let returned = (today - chrono::Duration::days(2)).to_string();
+    sqlx::query("insert into loans values (1, 1, 1, $1::date - 30, $1::date, null, 0, null), (2, 1, 1, $1::date - 30, $1::date, $2::date, 0, null)")
+        .bind(&due)
+        .bind(&returned)
+        .execute(&pool)
+        .await
+        .expect("loans");
+
+    // The daemon's whole tick (settlement and accrual, with a compensation pass), a forced settle, an accrual,
+    // a release and the history, all as the restricted role.
+    sqlx::query(
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
+         values (1, $1::date, 100, 1, 'lock timeout', now() - interval '1 second')",
+    )
+    .bind(&due)
+    .execute(&pool)
+    .await
+    .expect("pending");
+    let mut tick = fine_settler(&role_url);
+    tick.env("FINE_SETTLER__ACCRUAL__ENABLED", "true")
+        .args(["run", "--once"]);
+    assert_success(&output(tick));
+    for args in [
+        &[
+            "accrue",
+            "--date",
+            &(today - chrono::Duration::days(1)).to_string(),
+            "--force",
+        ][..],
+        &["runs", "--history"][..],
+        &["pending", "list"][..],
+    ] {
+        let mut cmd = fine_settler(&role_url);
+        cmd.args(args);
+        assert_success(&output(cmd));
+    }
+    let ledger: i64 = sqlx::query_scalar("select count(*) from fine_ledger")
+        .fetch_one(&pool)
+        .await
+        .expect("ledger");
+    assert!(
+        ledger >= 8,
+        "seven days for two loans plus the compensated charge: {ledger}"
+    );
+
+    // And nothing else: libraryd's other columns and rows are out of reach.
+    let restricted = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&role_url)
+        .await
+        .expect("connect");
+    for sql in [
+        "update loans set member_id = 2 where id = 1",
+        "delete from loans where id = 1",
+        "delete from job_runs",
+    ] {
+        let err = sqlx::query(sql).execute(&restricted).await.expect_err(sql);
+        assert!(err.to_string().contains("permission denied"), "{sql}: {err}");
+    }
+    restricted.close().await;
+    sqlx::raw_sql(&format!(r#"drop owned by "{role}"; drop role "{role}";"#))
+        .execute(&pool)
+        .await
+        .expect("cleanup");
+}

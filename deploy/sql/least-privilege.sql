@@ -1,0 +1,29 @@
+-- A login role for fine-settler replicas that can do their work and nothing else. Run it with psql as the owner
+-- of libraryd's tables (or a superuser), after `fine-settler migrate` has created fine-settler's tables:
+--
+--   psql "$OWNER_URL" -v role=fine_settler -v password='…' -f deploy/sql/least-privilege.sql
+--
+-- Running it again is harmless: it creates the role only if it is missing and re-grants the same privileges.
+-- Migrations themselves need the owner's rights (they create tables and indexes): run `fine-settler migrate`
+-- with the owner's URL, e.g. as the Kubernetes migration Job, and the replicas with this role.
+\set ON_ERROR_STOP on
+
+select format('create role %I login password %L', :'role', :'password')
+where not exists (select 1 from pg_roles where rolname = :'role')
+\gexec
+
+select format('grant connect on database %I to %I', current_database(), :'role') \gexec
+select format('grant usage on schema %I to %I', current_schema(), :'role') \gexec
+
+-- libraryd's loans: read every column the jobs filter on; write only the two fine columns.
+select format('grant select on loans to %I', :'role') \gexec
+select format('grant update (fine_cents, fine_settled_at) on loans to %I', :'role') \gexec
+
+-- The claim table: claims, takeovers, progress and finishes are inserts and updates; rows are never deleted.
+select format('grant select, insert, update on job_runs to %I', :'role') \gexec
+-- The history is append-only, except that the daemon prunes rows older than claim.history_retention.
+select format('grant select, insert, delete on job_run_attempts to %I', :'role') \gexec
+
+-- The ledger is append-only; the compensation queue is worked through (rows updated, then deleted).
+select format('grant select, insert on fine_ledger to %I', :'role') \gexec
+select format('grant select, insert, update, delete on fine_pending to %I', :'role') \gexec
