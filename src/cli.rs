@@ -330,6 +330,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             telemetry::init(settings.log_format, &settings.log_level);
             let signals = Signals::install()?;
             let drain_timeout = settings.schedule.drain_timeout;
+            let http_listen = settings.http_listen;
+            let health_window = daemon::health_window(&settings);
             let mut daemon = Daemon::new(
                 settings,
                 Arc::new(SystemWall),
@@ -343,6 +345,19 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 }
                 let worst = reports.iter().map(|r| r.outcome.exit_code()).max().unwrap_or(0);
                 return Ok(ExitCode::from(worst));
+            }
+            if let Some(addr) = http_listen {
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| CliError::Usage(format!("http.listen: cannot listen on {addr}: {e}")))?;
+                tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
+                let probes = crate::http::Probes {
+                    metrics: daemon.metrics(),
+                    pool: daemon.pool(),
+                    window: health_window,
+                    started_ms: crate::metrics::unix_now_ms(),
+                };
+                tokio::spawn(crate::http::serve(listener, probes, signals.shutdown.clone()));
             }
             let drain_expired = async {
                 signals.shutdown.cancelled().await;
@@ -661,6 +676,7 @@ async fn one_shot_runner(settings: &Settings, key: RunKey, batch_size: u32) -> R
         batch_timeout: settings.claim.batch_timeout,
         batch_size,
         cancel,
+        metrics: None,
     })
 }
 

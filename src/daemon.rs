@@ -23,6 +23,7 @@ use crate::{
         settlement::Settlement,
         JobName, RunKey, RunReport,
     },
+    metrics::Metrics,
     schedule::{
         scheduler::{Scheduler, Tick},
         Schedule, WallClock,
@@ -129,6 +130,23 @@ pub fn window_start(settings: &Settings, at: DateTime<Utc>) -> NaiveDate {
         .unwrap_or(NaiveDate::MIN)
 }
 
+/// How long the replica may go without progress before `/healthz` fails: two periods of its schedule (for cron,
+/// two intervals between its next occurrences), plus the batch timeout, and at least a minute.
+pub fn health_window(settings: &Settings) -> Duration {
+    let period = match &settings.schedule.mode {
+        crate::config::ScheduleMode::FixedRate(p) | crate::config::ScheduleMode::FixedDelay(p) => *p,
+        crate::config::ScheduleMode::Cron(cron) => {
+            let now = Utc::now().with_timezone(&settings.zone);
+            let mut next = cron.iter_after(now);
+            match (next.next(), next.next()) {
+                (Some(a), Some(b)) => (b - a).to_std().unwrap_or(Duration::from_secs(86_400)),
+                _ => Duration::from_secs(86_400),
+            }
+        }
+    };
+    (period * 2 + settings.claim.batch_timeout).max(Duration::from_secs(60))
+}
+
 /// A replica.
 #[derive(Debug)]
 pub struct Daemon {
@@ -140,6 +158,7 @@ pub struct Daemon {
     shutdown: CancellationToken,
     run_now: Arc<Notify>,
     skew_warned: bool,
+    metrics: Arc<Metrics>,
 }
 
 impl Daemon {
@@ -158,6 +177,7 @@ impl Daemon {
             &format!("{app} tick"),
             settings.claim.batch_timeout,
         )?;
+        let metrics = Arc::new(Metrics::new(settings.instance.to_string()));
         Ok(Daemon {
             settings,
             pool,
@@ -167,7 +187,18 @@ impl Daemon {
             shutdown,
             run_now,
             skew_warned: false,
+            metrics,
         })
+    }
+
+    /// The replica's metrics (for the HTTP listener).
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    /// The pool the jobs use (for the readiness probe).
+    pub fn pool(&self) -> PgPool {
+        self.pool.clone()
     }
 
     fn runner(&self, batch_size: u32) -> Runner {
@@ -178,6 +209,7 @@ impl Daemon {
             batch_timeout: self.settings.claim.batch_timeout,
             batch_size,
             cancel: self.shutdown.clone(),
+            metrics: Some(self.metrics.clone()),
         }
     }
 
@@ -201,6 +233,13 @@ impl Daemon {
         let shutdown = self.shutdown.clone();
         let mut next_prune = tokio::time::Instant::now() + FIRST_PRUNE_AFTER;
         while let Some(tick) = scheduler.next(&run_now, &shutdown).await {
+            let stats = scheduler.stats();
+            self.metrics
+                .set("fine_settler_slots_dropped_total", None, stats.dropped as f64);
+            self.metrics
+                .set("fine_settler_slots_merged_total", None, stats.merged as f64);
+            self.metrics
+                .set("fine_settler_slot_rebases_total", None, stats.rebased as f64);
             self.tick_through_outages(tick).await;
             if tokio::time::Instant::now() >= next_prune && !shutdown.is_cancelled() {
                 self.prune_history().await;
@@ -218,8 +257,11 @@ impl Daemon {
         let mut failures = 0u32;
         let mut outage_started: Option<tokio::time::Instant> = None;
         loop {
-            match self.tick().await {
+            let result = self.tick().await;
+            self.metrics.progress_now();
+            match result {
                 Ok(reports) => {
+                    self.metrics.add("fine_settler_ticks_total", None, None, 1.0);
                     if let Some(started) = outage_started {
                         tracing::info!(
                             down_ms = started.elapsed().as_millis() as u64,
@@ -230,6 +272,8 @@ impl Daemon {
                     return reports;
                 }
                 Err(e) => {
+                    self.metrics
+                        .add("fine_settler_tick_errors_total", None, None, 1.0);
                     failures += 1;
                     if outage_started.is_none() {
                         outage_started = Some(tokio::time::Instant::now());
@@ -262,6 +306,10 @@ impl Daemon {
             TimeSource::Database => status.now,
             TimeSource::System => after,
         };
+        self.metrics
+            .set("fine_settler_pending", None, status.pending as f64);
+        self.metrics
+            .set("fine_settler_pending_dead", None, status.dead as f64);
         let accrual = Accrual::from_settings(&self.settings);
         if self.settings.accrual.enabled && status.due_pending > 0 {
             let max_attempts = self.settings.accrual.max_attempts;
@@ -347,6 +395,8 @@ impl Daemon {
     /// and an info line when it is back within bounds.
     fn observe_skew(&mut self, host: DateTime<Utc>, db: DateTime<Utc>) {
         let skew_ms = (host - db).num_milliseconds();
+        self.metrics
+            .set("fine_settler_clock_skew_seconds", None, skew_ms as f64 / 1000.0);
         let limit = self.settings.max_skew.as_millis() as i64;
         tracing::debug!(clock_skew_ms = skew_ms, "host clock minus database clock");
         if skew_ms.abs() > limit && !self.skew_warned {

@@ -27,9 +27,13 @@ pub fn init(format: LogFormat, level: &str) {
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(format!("{level},{quiet}")))
         .unwrap_or_else(|_| EnvFilter::new("info"));
+    // A log line that cannot be written (stderr closed: a pipe whose reader went away) is dropped. Reporting that
+    // failure would itself write to stderr — with `eprintln!`, which panics — and a panic in the signal task
+    // would leave the replica deaf to SIGTERM.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .log_internal_errors(false);
     let _ = match format {
         LogFormat::Json => builder
             .fmt_fields(JsonFields::new())

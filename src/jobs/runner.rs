@@ -6,7 +6,7 @@
 //! lease renewal by progress, the finish, and the history. A batch whose fence matches no row rolls back, so a
 //! replica that lost its claim commits nothing more.
 
-use std::{future::Future, hash::BuildHasher, time::Duration};
+use std::{future::Future, hash::BuildHasher, sync::Arc, time::Duration};
 
 use sqlx::{PgConnection, PgPool};
 use tokio::time::Instant;
@@ -17,6 +17,7 @@ use super::{JobName, Outcome, RunKey, RunReport};
 use crate::{
     calendar::CalendarError,
     config::redact_secrets_in,
+    metrics::Metrics,
     store::job_runs::{self, Claim, Ending, Progress},
 };
 
@@ -105,6 +106,8 @@ pub struct Runner {
     pub batch_size: u32,
     /// Cancelled on shutdown: the run stops between batches and hands its key back.
     pub cancel: CancellationToken,
+    /// Where the replica's metrics go (the daemon's), if anywhere.
+    pub metrics: Option<Arc<Metrics>>,
 }
 
 enum BatchResult {
@@ -151,6 +154,24 @@ impl Runner {
             elapsed_ms: started.elapsed().as_millis() as u64,
             ..report
         };
+        if let Some(m) = &self.metrics {
+            let job = Some(report.job);
+            m.add("fine_settler_runs_total", job, Some(report.outcome.as_str()), 1.0);
+            if report.outcome == Outcome::LeaseLost {
+                m.add("fine_settler_lease_lost_total", job, None, 1.0);
+            }
+            if report.outcome != Outcome::Skipped && report.epoch.is_some() {
+                m.observe(
+                    "fine_settler_run_duration_seconds",
+                    job,
+                    report.elapsed_ms as f64 / 1000.0,
+                );
+            }
+            if report.outcome == Outcome::Settled {
+                let now = crate::metrics::unix_now_ms() as f64 / 1000.0;
+                m.set("fine_settler_last_success_timestamp_seconds", job, now);
+            }
+        }
         span.in_scope(|| match report.outcome {
             Outcome::Skipped => tracing::debug!(
                 outcome = "skipped",
@@ -192,11 +213,18 @@ impl Runner {
 
         let (epoch, cursor) = match job_runs::claim(&self.pool, &key, &self.owner, self.lease, force).await {
             Ok(Claim::Won { epoch, cursor, kind }) => {
+                let result = if kind == job_runs::ClaimKind::Inserted {
+                    "won"
+                } else {
+                    "takeover"
+                };
+                self.count_claim(key, result);
                 span.record("epoch", epoch);
                 tracing::info!(claim = ?kind, cursor, "claimed");
                 (epoch, cursor)
             }
             Ok(Claim::Skipped(holder)) => {
+                self.count_claim(key, "skipped");
                 let detail = if holder.status == "RUNNING" {
                     format!(
                         "held by {} until {}",
@@ -249,6 +277,21 @@ impl Runner {
                     scanned += s;
                     updated += u;
                     next = last_id.checked_add(1);
+                    if let Some(m) = &self.metrics {
+                        m.add(
+                            "fine_settler_rows_scanned_total",
+                            Some(key.job.as_str()),
+                            None,
+                            s as f64,
+                        );
+                        m.add(
+                            "fine_settler_rows_updated_total",
+                            Some(key.job.as_str()),
+                            None,
+                            u as f64,
+                        );
+                        m.progress_now();
+                    }
                     tracing::debug!(
                         cursor = last_id,
                         batch_scanned = s,
@@ -312,6 +355,17 @@ impl Runner {
                 Some(SHUTDOWN_ERROR.into()),
             ),
             _ => report(Outcome::Failed, Some(epoch), scanned, updated, error_text),
+        }
+    }
+
+    fn count_claim(&self, key: RunKey, result: &str) {
+        if let Some(m) = &self.metrics {
+            m.add(
+                "fine_settler_claims_total",
+                Some(key.job.as_str()),
+                Some(result),
+                1.0,
+            );
         }
     }
 

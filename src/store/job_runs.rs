@@ -338,6 +338,9 @@ pub struct TickStatus {
     pub keys: Vec<KeyState>,
     /// This shard's pending charges due for a retry.
     pub due_pending: i64,
+    /// This shard's PENDING and DEAD charges.
+    pub pending: i64,
+    pub dead: i64,
 }
 
 /// Everything a tick needs to know before it claims anything, in one statement: the database clock, this
@@ -349,13 +352,17 @@ pub async fn tick_status(
     since: NaiveDate,
 ) -> Result<TickStatus, sqlx::Error> {
     let rows = sqlx::query!(
-        r#"select t.now as "now!", t.due_pending as "due_pending!",
+        r#"select t.now as "now!", t.due_pending as "due_pending!", t.pending as "pending!", t.dead as "dead!",
                   r.job_name as "job_name?", r.business_date as "business_date?",
                   r.status as "status?", r.owner as "owner?", (r.lease_until < t.now) as "expired?"
            from (select now() as now,
                         (select count(*) from fine_pending p
                          where p.status = 'PENDING' and p.next_attempt_at <= now()
-                           and p.loan_id % $1::int = $2::int) as due_pending) t
+                           and p.loan_id % $1::int = $2::int) as due_pending,
+                        (select count(*) filter (where p.status = 'PENDING') from fine_pending p
+                         where p.loan_id % $1::int = $2::int) as pending,
+                        (select count(*) filter (where p.status = 'DEAD') from fine_pending p
+                         where p.loan_id % $1::int = $2::int) as dead) t
            left join job_runs r
              on r.shards = $1::int and r.shard = $2::int
             and r.business_date >= $3"#,
@@ -365,9 +372,9 @@ pub async fn tick_status(
     )
     .fetch_all(&mut *conn)
     .await?;
-    let (now, due_pending) = rows
+    let (now, due_pending, pending, dead) = rows
         .first()
-        .map(|r| (r.now, r.due_pending))
+        .map(|r| (r.now, r.due_pending, r.pending, r.dead))
         .ok_or(sqlx::Error::RowNotFound)?;
     let keys = rows
         .into_iter()
@@ -385,6 +392,8 @@ pub async fn tick_status(
         now,
         keys,
         due_pending,
+        pending,
+        dead,
     })
 }
 

@@ -570,3 +570,132 @@ async fn plan_shows_what_a_tick_would_claim_and_writes_nothing(pool: PgPool) {
         "fine-settlement 2019-12-31 SUCCESS skip"
     );
 }
+
+/// GET `path` from a local listener; (status, body). Retries while the listener is not up yet.
+async fn http_get(port: u16, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            let _ = write!(stream, "GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n");
+            let mut response = String::new();
+            let _ = stream.read_to_string(&mut response);
+            let status = response
+                .split_whitespace()
+                .nth(1)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            let body = response
+                .split_once("\r\n\r\n")
+                .map(|(_, b)| b.to_string())
+                .unwrap_or_default();
+            return (status, body);
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "nothing listens on {port}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+#[sqlx::test]
+async fn probes_and_metrics_are_served_by_a_running_replica(pool: PgPool) {
+    let months = due_now(&pool, 1).await;
+    load_months(&pool, &months, 500).await;
+    let url = database_url(&pool);
+    let port = free_port();
+    let replica = daemon(
+        &url,
+        0,
+        1,
+        &[
+            ("FINE_SETTLER__HTTP__LISTEN", &format!("127.0.0.1:{port}")),
+            ("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1"),
+        ],
+    );
+    wait_until("the month settled", Duration::from_secs(30), || async {
+        success_keys(&pool).await == 1
+    })
+    .await;
+    assert_eq!(http_get(port, "/healthz").await.0, 200);
+    assert_eq!(http_get(port, "/readyz").await, (200, "ready\n".to_string()));
+    assert_eq!(http_get(port, "/nope").await.0, 404);
+    let (status, metrics) = http_get(port, "/metrics").await;
+    assert_eq!(status, 200);
+    for line in [
+        "fine_settler_claims_total{job=\"fine-settlement\",shard=\"0/1\",result=\"won\"} 1",
+        "fine_settler_runs_total{job=\"fine-settlement\",shard=\"0/1\",result=\"settled\"} 1",
+        "fine_settler_pending{shard=\"0/1\"} 0",
+    ] {
+        assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
+    }
+    let updated: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("fine_settler_rows_updated_total{job=\"fine-settlement\""))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(-1.0);
+    let expected: i64 = sqlx::query_scalar("select count(*) from loans where fine_settled_at is not null")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(updated as i64, expected);
+    assert!(
+        metrics
+            .lines()
+            .all(|l| !l.contains("business_date") && !l.contains("loan")),
+        "no unbounded labels"
+    );
+    signal(&replica, "TERM");
+    assert_eq!(exit_of(replica, Duration::from_secs(10)).await.0, Some(0));
+}
+
+#[sqlx::test(migrations = false)]
+async fn readiness_fails_until_the_database_is_migrated(pool: PgPool) {
+    let url = database_url(&pool);
+    let port = free_port();
+    let replica = daemon(
+        &url,
+        0,
+        1,
+        &[("FINE_SETTLER__HTTP__LISTEN", &format!("127.0.0.1:{port}"))],
+    );
+    let (status, body) = http_get(port, "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    migrate(&url);
+    wait_until("ready after migrate", Duration::from_secs(10), || async {
+        http_get(port, "/readyz").await.0 == 200
+    })
+    .await;
+    assert_eq!(
+        http_get(port, "/healthz").await.0,
+        200,
+        "an outage is not a stall: the replica keeps retrying"
+    );
+    signal(&replica, "TERM");
+    assert_eq!(exit_of(replica, Duration::from_secs(10)).await.0, Some(0));
+}
+
+#[sqlx::test]
+async fn a_replica_whose_log_reader_went_away_still_stops_on_sigterm(pool: PgPool) {
+    let url = database_url(&pool);
+    let mut replica = daemon(&url, 0, 1, &[("FINE_SETTLER__LOG__LEVEL", "debug")]);
+    // The log shipper reading stderr dies: every further log line fails to write.
+    drop(replica.stderr.take());
+    wait_until("a few ticks", Duration::from_secs(10), || async {
+        success_keys(&pool).await >= 3
+    })
+    .await;
+    signal(&replica, "TERM");
+    let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
+    assert_eq!(code, Some(0));
+}

@@ -119,6 +119,7 @@ pub fn runner(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
         batch_timeout: Duration::from_secs(10),
         batch_size,
         cancel: CancellationToken::new(),
+        metrics: None,
     }
 }
 
