@@ -46,12 +46,8 @@ pub enum Command {
         /// The business date: the last day of the month to settle, e.g. 2026-10-31.
         #[arg(long, value_name = "D")]
         business_date: NaiveDate,
-        /// The shard to settle (default: instance.shard).
-        #[arg(long, value_name = "S", allow_negative_numbers = true)]
-        shard: Option<i64>,
-        /// The shard count (default: instance.shards).
-        #[arg(long, value_name = "N", allow_negative_numbers = true)]
-        shards: Option<i64>,
+        #[command(flatten)]
+        shard: ShardArgs,
         /// Re-run a key that already succeeded, from the beginning (rows already settled are not touched).
         #[arg(long)]
         force: bool,
@@ -90,12 +86,8 @@ pub enum Command {
         /// The accrual day, before today in time.zone.
         #[arg(long, value_name = "D")]
         date: NaiveDate,
-        /// The shard (default: instance.shard).
-        #[arg(long, value_name = "S", allow_negative_numbers = true)]
-        shard: Option<i64>,
-        /// The shard count (default: instance.shards).
-        #[arg(long, value_name = "N", allow_negative_numbers = true)]
-        shards: Option<i64>,
+        #[command(flatten)]
+        shard: ShardArgs,
         /// Re-run a day that already succeeded (days already charged are not charged again).
         #[arg(long)]
         force: bool,
@@ -164,6 +156,17 @@ pub enum Command {
         #[arg(long, default_value_t = 1)]
         first_id: i64,
     },
+}
+
+/// `--shard S --shards N` of the one-shot commands; each defaults to the instance's.
+#[derive(Debug, clap::Args)]
+pub struct ShardArgs {
+    /// The shard (default: instance.shard).
+    #[arg(long, value_name = "S", allow_negative_numbers = true)]
+    shard: Option<i64>,
+    /// The shard count (default: instance.shards).
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    shards: Option<i64>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -274,10 +277,10 @@ pub fn main() -> ExitCode {
 }
 
 /// The shard of a one-shot command: `--shard`/`--shards`, defaulting to the instance's.
-fn shard_spec(settings: &Settings, shard: Option<i64>, shards: Option<i64>) -> Result<ShardSpec, CliError> {
+fn shard_spec(settings: &Settings, args: &ShardArgs) -> Result<ShardSpec, CliError> {
     ShardSpec::new(
-        shard.unwrap_or(i64::from(settings.instance.shard())),
-        shards.unwrap_or(i64::from(settings.instance.shards())),
+        args.shard.unwrap_or(i64::from(settings.instance.shard())),
+        args.shards.unwrap_or(i64::from(settings.instance.shards())),
     )
     .map_err(|e| CliError::Usage(format!("--shard/--shards: {e}")))
 }
@@ -310,10 +313,9 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Settle {
             business_date,
             shard,
-            shards,
             force,
         } => {
-            let spec = shard_spec(&settings, shard, shards)?;
+            let spec = shard_spec(&settings, &shard)?;
             calendar::settlement_month(business_date)
                 .map_err(|e| CliError::Usage(format!("--business-date: {e}")))?;
             telemetry::init(settings.log_format, &settings.log_level);
@@ -375,13 +377,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 }
             }
         }
-        Command::Accrue {
-            date,
-            shard,
-            shards,
-            force,
-        } => {
-            let spec = shard_spec(&settings, shard, shards)?;
+        Command::Accrue { date, shard, force } => {
+            let spec = shard_spec(&settings, &shard)?;
             let today = calendar::local_date(Utc::now(), settings.zone);
             if date >= today {
                 return Err(CliError::Usage(format!(
