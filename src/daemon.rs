@@ -21,7 +21,7 @@ use crate::{
         accrual::{self, Accrual},
         runner::{process_owner, Runner},
         settlement::Settlement,
-        JobName, RunKey, RunReport,
+        JobName, Outcome, RunKey, RunReport,
     },
     metrics::Metrics,
     schedule::{
@@ -332,11 +332,15 @@ impl Daemon {
             .filter(|d| !done.contains(&(d.job, d.business_date)))
             .collect();
         if todo.is_empty() {
+            for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
+                self.metrics
+                    .set("fine_settler_due_unsettled", Some(job.as_str()), 0.0);
+            }
             tracing::debug!(%now, "tick: nothing due");
             return Ok(Vec::new());
         }
         let mut reports = Vec::with_capacity(todo.len());
-        for due in todo {
+        for due in &todo {
             if self.shutdown.is_cancelled() {
                 break;
             }
@@ -363,6 +367,20 @@ impl Daemon {
                     .await
             };
             reports.push(report);
+        }
+        for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
+            // Keys this tick did not see through to the end (failed, lost, held by another replica, or not reached
+            // before shutdown) stay due.
+            let settled = reports
+                .iter()
+                .filter(|r| r.job == job.as_str() && r.outcome == Outcome::Settled)
+                .count();
+            let due = todo.iter().filter(|d| d.job == job.as_str()).count();
+            self.metrics.set(
+                "fine_settler_due_unsettled",
+                Some(job.as_str()),
+                due.saturating_sub(settled) as f64,
+            );
         }
         Ok(reports)
     }

@@ -64,6 +64,11 @@ pub const DEFINITIONS: &[(&str, &str, &str)] = &[
         "Ticks that fell more than max_catch_up slots behind and re-based.",
     ),
     (
+        "fine_settler_due_unsettled",
+        "gauge",
+        "Due business dates not SUCCESS for this shard after the last tick.",
+    ),
+    (
         "fine_settler_pending",
         "gauge",
         "Charges waiting in the compensation queue for this shard.",

@@ -490,3 +490,58 @@ async fn replicas_run_under_the_least_privilege_role(pool: PgPool) {
         .await
         .expect("cleanup");
 }
+
+/// Every `fine_settler_*` name in a file, with summary suffixes folded into their metric.
+fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("fine_settler_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+            .unwrap_or(tail.len());
+        let name = &tail[..end];
+        let name = name
+            .strip_suffix("_sum")
+            .or_else(|| name.strip_suffix("_count"))
+            .unwrap_or(name);
+        names.insert(name.to_string());
+        rest = &tail[end..];
+    }
+    names
+}
+
+#[test]
+fn alert_rules_and_the_dashboard_use_only_exported_metrics() {
+    let exported: std::collections::BTreeSet<String> = fine_settler::metrics::DEFINITIONS
+        .iter()
+        .map(|(name, _, _)| name.to_string())
+        .collect();
+    let root = env!("CARGO_MANIFEST_DIR");
+    let rules =
+        std::fs::read_to_string(format!("{root}/deploy/prometheus/fine-settler.rules.yml")).expect("rules");
+    let dashboard =
+        std::fs::read_to_string(format!("{root}/deploy/grafana/fine-settler.json")).expect("dashboard");
+    let parsed: serde_json::Value = serde_json::from_str(&dashboard).expect("the dashboard is JSON");
+    assert!(parsed["panels"].as_array().is_some_and(|p| !p.is_empty()));
+    for (file, text) in [("rules", &rules), ("dashboard", &dashboard)] {
+        let used = metric_names(text);
+        assert!(used.len() >= 6, "{file} uses {used:?}");
+        let unknown: Vec<_> = used.difference(&exported).collect();
+        assert!(
+            unknown.is_empty(),
+            "{file} uses metrics the binary does not export: {unknown:?}"
+        );
+    }
+    assert!(rules.matches("- alert:").count() >= 6);
+    // The rules cover what an operator must hear about.
+    for needed in [
+        "fine_settler_due_unsettled",
+        "fine_settler_pending_dead",
+        "fine_settler_clock_skew_seconds",
+        "fine_settler_last_progress_timestamp_seconds",
+        "fine_settler_lease_lost_total",
+    ] {
+        assert!(metric_names(&rules).contains(needed), "no alert on {needed}");
+    }
+}

@@ -635,6 +635,7 @@ async fn probes_and_metrics_are_served_by_a_running_replica(pool: PgPool) {
         "fine_settler_claims_total{job=\"fine-settlement\",shard=\"0/1\",result=\"won\"} 1",
         "fine_settler_runs_total{job=\"fine-settlement\",shard=\"0/1\",result=\"settled\"} 1",
         "fine_settler_pending{shard=\"0/1\"} 0",
+        "fine_settler_due_unsettled{job=\"fine-settlement\",shard=\"0/1\"} 0",
     ] {
         assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
     }
