@@ -16,7 +16,8 @@ use fine_settler::{
 use sqlx::PgPool;
 
 use crate::helpers::{
-    assert_success, d, database_url, fine_settler, insert, loan, output, report, runner, wait_until,
+    assert_success, d, database_url, fine_settler, insert, loan, output, report, runner, slow_down,
+    wait_until,
 };
 
 fn accrual(policy: FinePolicy) -> Accrual {
@@ -288,14 +289,7 @@ async fn a_killed_accrual_is_taken_over_and_charges_every_loan_once(pool: PgPool
         .map(|id| loan(id, &(day - chrono::Duration::days(3)).to_string(), None))
         .collect();
     insert(&pool, &loans).await;
-    sqlx::raw_sql(
-        "create function slow_down() returns trigger language plpgsql as $$
-         begin perform pg_sleep(0.005); return new; end $$;
-         create trigger slow_down before insert on fine_ledger for each row execute function slow_down();",
-    )
-    .execute(&pool)
-    .await
-    .expect("slow trigger");
+    slow_down(&pool, "insert on fine_ledger", 0.005).await;
     let url = database_url(&pool);
     let accrue = || {
         let mut cmd = fine_settler(&url);

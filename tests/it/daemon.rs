@@ -13,7 +13,7 @@ use sqlx::{postgres::PgPoolOptions, PgPool};
 use crate::{
     helpers::{
         assert_success, database_url, fine_settler, insert, install_update_audit, loan, max_updates_per_loan,
-        migrate, oracle, output, settled, wait_until,
+        migrate, oracle, output, settled, slow_down, wait_until,
     },
     server::PrivateServer,
 };
@@ -94,17 +94,6 @@ async fn success_keys(pool: &PgPool) -> i64 {
         .unwrap_or(0)
 }
 
-async fn slow_down_updates(pool: &PgPool, seconds_per_row: f64) {
-    sqlx::raw_sql(&format!(
-        "create or replace function slow_down() returns trigger language plpgsql as $$
-         begin perform pg_sleep({seconds_per_row}); return new; end $$;
-         create trigger slow_down before update on loans for each row execute function slow_down();"
-    ))
-    .execute(pool)
-    .await
-    .expect("slow trigger");
-}
-
 async fn assert_every_month_settled_once(pool: &PgPool, months: &[NaiveDate]) {
     for m in months {
         let m = m.to_string();
@@ -156,7 +145,7 @@ async fn sigterm_mid_run_hands_the_key_back_and_a_restarted_replica_finishes_it(
         })
         .collect();
     insert(&pool, &loans).await;
-    slow_down_updates(&pool, 0.004).await;
+    slow_down(&pool, "update on loans", 0.004).await;
     let url = database_url(&pool);
     let extra = [
         ("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1"),
@@ -222,7 +211,7 @@ async fn a_second_signal_exits_at_once(pool: PgPool) {
     )
     .await;
     // One batch takes about 4 s: long enough to signal twice while it is in flight.
-    slow_down_updates(&pool, 0.4).await;
+    slow_down(&pool, "update on loans", 0.4).await;
     let url = database_url(&pool);
     let extra = [
         ("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1"),
@@ -335,7 +324,7 @@ async fn replicas_recover_from_a_postgres_restart_without_restarting_themselves(
     let months = due_now(&pool, 3).await;
     load_months(&pool, &months, 1500).await;
     // About 15 s of work in all: the restart lands while batches are in flight.
-    slow_down_updates(&pool, 0.005).await;
+    slow_down(&pool, "update on loans", 0.005).await;
     pool.close().await;
 
     let replicas: Vec<Child> = (0..3).map(|s| daemon(&url, s, 3, &[])).collect();

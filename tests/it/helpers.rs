@@ -61,6 +61,19 @@ pub async fn install_update_audit(pool: &PgPool) {
     .expect("install audit trigger");
 }
 
+/// Makes every row of `event` (e.g. "update on loans") sleep `seconds_per_row`, so that a process under test is
+/// reliably mid-run when the test acts on it.
+pub async fn slow_down(pool: &PgPool, event: &str, seconds_per_row: f64) {
+    sqlx::raw_sql(&format!(
+        "create or replace function slow_down() returns trigger language plpgsql as $$
+         begin perform pg_sleep({seconds_per_row}); return new; end $$;
+         create trigger slow_down before {event} for each row execute function slow_down();"
+    ))
+    .execute(pool)
+    .await
+    .expect("slow trigger");
+}
+
 /// The largest number of committed updates any loan received.
 pub async fn max_updates_per_loan(pool: &PgPool) -> i32 {
     sqlx::query_scalar::<_, Option<i32>>("select max(n) from loan_updates")

@@ -12,7 +12,7 @@ use sqlx::PgPool;
 
 use crate::helpers::{
     d, database_url, fine_settler, insert, install_update_audit, key, loan, max_updates_per_loan, oracle,
-    output, report, runner, settled, settled_outside, wait_until,
+    output, report, runner, settled, settled_outside, slow_down, wait_until,
 };
 
 const POLICY: Settlement = Settlement {
@@ -349,14 +349,7 @@ async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(
         .collect();
     insert(&pool, &loans).await;
     // Slow every row down so that the process is reliably mid-run when it is killed.
-    sqlx::raw_sql(
-        "create function slow_down() returns trigger language plpgsql as $$
-         begin perform pg_sleep(0.005); return new; end $$;
-         create trigger slow_down before update on loans for each row execute function slow_down();",
-    )
-    .execute(&pool)
-    .await
-    .expect("slow trigger");
+    slow_down(&pool, "update on loans", 0.005).await;
 
     let url = database_url(&pool);
     let settle = |url: &str| {
