@@ -20,6 +20,7 @@ use crate::{
         JobName, Outcome, RunKey, RunReport,
     },
     schedule::{drift, SystemWall},
+    sdnotify::{Notifier, Watchdog},
     shard::ShardSpec,
     signals::Signals,
     store::{self, StoreError},
@@ -293,6 +294,36 @@ fn settings(cli: &Cli) -> Result<(RawSettings, Settings), CliError> {
     Ok((raw, settings))
 }
 
+/// The service manager's notification socket and watchdog, each present only when the environment names it.
+type ServiceManager = (Option<Arc<Notifier>>, Option<Arc<Watchdog>>);
+
+/// The systemd notification socket and watchdog, when the environment names them. A watchdog timeout shorter
+/// than two batch timeouts is refused (exit 2): a batch may legitimately go that long without progress, and
+/// systemd would kill a healthy replica mid-batch.
+fn service_manager(settings: &Settings) -> Result<ServiceManager, CliError> {
+    let env: HashMap<String, String> = std::env::vars().collect();
+    let usage = |e: std::io::Error| CliError::Usage(format!("NOTIFY_SOCKET: {e}"));
+    let Some(notifier) = Notifier::from_env(&env).map_err(usage)? else {
+        return Ok((None, None));
+    };
+    let dog = match Notifier::from_env(&env).map_err(usage)? {
+        Some(n) => Watchdog::from_env(&env, n).map_err(CliError::Usage)?,
+        None => None,
+    };
+    if let Some(dog) = &dog {
+        let min = settings.claim.batch_timeout * 2;
+        if dog.timeout < min {
+            return Err(CliError::Usage(format!(
+                "WatchdogSec ({}) must be at least twice claim.batch_timeout ({}): a batch may take that long \
+                 without progress",
+                humantime::format_duration(dog.timeout),
+                humantime::format_duration(settings.claim.batch_timeout)
+            )));
+        }
+    }
+    Ok((Some(Arc::new(notifier)), dog.map(Arc::new)))
+}
+
 /// Runs one command.
 pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
     let (raw, settings) = settings(&cli)?;
@@ -330,7 +361,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Command::Run { once } => {
             telemetry::init(settings.log_format, &settings.log_level);
-            let signals = Signals::install()?;
+            let (notifier, watchdog) = service_manager(&settings)?;
+            let signals = Signals::install_notifying(notifier.clone())?;
             let drain_timeout = settings.schedule.drain_timeout;
             let http_listen = settings.http_listen;
             let health_window = daemon::health_window(&settings);
@@ -339,7 +371,11 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 Arc::new(SystemWall),
                 signals.shutdown.clone(),
                 signals.run_now.clone(),
-            )?;
+            )?
+            .with_notifier(notifier);
+            if let Some(dog) = watchdog {
+                daemon.metrics().attach_watchdog(dog);
+            }
             if once {
                 let reports = daemon.tick().await?;
                 for r in &reports {

@@ -28,6 +28,7 @@ use crate::{
         scheduler::{Scheduler, Tick},
         Schedule, WallClock,
     },
+    sdnotify::Notifier,
     store::{self, job_runs::KeyState, Session, StoreError},
 };
 
@@ -159,6 +160,8 @@ pub struct Daemon {
     run_now: Arc<Notify>,
     skew_warned: bool,
     metrics: Arc<Metrics>,
+    /// The service manager (systemd), told READY=1 and STATUS=… when `NOTIFY_SOCKET` is set.
+    notifier: Option<Arc<Notifier>>,
 }
 
 impl Daemon {
@@ -188,7 +191,65 @@ impl Daemon {
             run_now,
             skew_warned: false,
             metrics,
+            notifier: None,
         })
+    }
+
+    /// Tells the service manager about readiness and status through `notifier`.
+    pub fn with_notifier(mut self, notifier: Option<Arc<Notifier>>) -> Self {
+        self.notifier = notifier;
+        self
+    }
+
+    fn status(&self, state: &str) {
+        if let Some(n) = &self.notifier {
+            n.send(state);
+        }
+    }
+
+    /// Sleeps `wait` in naps of at most a second, telling the watchdog the loop is alive (an outage is handled
+    /// here; restarting the process would not help). Returns early on shutdown or run-now.
+    async fn nap(&self, wait: Duration) {
+        let until = tokio::time::Instant::now() + wait;
+        loop {
+            self.metrics.alive();
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            tokio::select! {
+                _ = self.shutdown.cancelled() => return,
+                _ = self.run_now.notified() => return,
+                _ = tokio::time::sleep(left.min(Duration::from_secs(1))) => {}
+            }
+        }
+    }
+
+    /// Waits until the pool connects and every migration is applied (retrying with backoff, logged once), so
+    /// that READY=1 means the replica can work. `false` if shut down first.
+    pub async fn await_ready(&self) -> bool {
+        let mut failures = 0u32;
+        loop {
+            match store::readiness(&self.pool).await {
+                Ok(()) => {
+                    if failures > 0 {
+                        tracing::info!(attempts = failures, "database ready");
+                    }
+                    return true;
+                }
+                Err(reason) => {
+                    failures += 1;
+                    if failures == 1 {
+                        tracing::error!(reason = %reason, "not ready: waiting for the database and migrations");
+                        self.status(&format!("STATUS=not ready: {reason}"));
+                    }
+                    self.nap(backoff(failures)).await;
+                    if self.shutdown.is_cancelled() {
+                        return false;
+                    }
+                }
+            }
+        }
     }
 
     /// The replica's metrics (for the HTTP listener).
@@ -223,12 +284,23 @@ impl Daemon {
             schedule = %schedule.describe(),
             "replica started"
         );
+        if !self.await_ready().await {
+            self.pool.close().await;
+            tracing::info!("replica stopped before it was ready");
+            return;
+        }
+        self.status(&format!(
+            "READY=1\nSTATUS=shard {}: ticking {}",
+            self.settings.instance,
+            schedule.describe()
+        ));
         let mut scheduler = Scheduler::new(
             schedule,
             self.settings.schedule.max_catch_up,
             self.wall.clone(),
             true,
-        );
+        )
+        .with_heartbeat(self.metrics.clone());
         let run_now = self.run_now.clone();
         let shutdown = self.shutdown.clone();
         let mut next_prune = tokio::time::Instant::now() + FIRST_PRUNE_AFTER;
@@ -263,6 +335,7 @@ impl Daemon {
                 Ok(reports) => {
                     self.metrics.add("fine_settler_ticks_total", None, None, 1.0);
                     if let Some(started) = outage_started {
+                        self.status("STATUS=database reachable again");
                         tracing::info!(
                             down_ms = started.elapsed().as_millis() as u64,
                             attempts = failures,
@@ -278,13 +351,13 @@ impl Daemon {
                     if outage_started.is_none() {
                         outage_started = Some(tokio::time::Instant::now());
                         tracing::error!(error = %e, slot = tick.slot, "database unreachable; retrying with backoff");
+                        self.status("STATUS=database unreachable; retrying with backoff");
                     }
                     let wait = backoff(failures);
                     tracing::debug!(error = %e, attempt = failures, backoff_ms = wait.as_millis() as u64, "tick failed");
-                    tokio::select! {
-                        _ = self.shutdown.cancelled() => return Vec::new(),
-                        _ = self.run_now.notified() => {}
-                        _ = tokio::time::sleep(wait) => {}
+                    self.nap(wait).await;
+                    if self.shutdown.is_cancelled() {
+                        return Vec::new();
                     }
                 }
             }

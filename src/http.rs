@@ -16,10 +16,7 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::{
-    metrics::{unix_now_ms, Metrics},
-    store::MIGRATOR,
-};
+use crate::metrics::{unix_now_ms, Metrics};
 
 /// What the routes look at.
 #[derive(Debug, Clone)]
@@ -117,32 +114,8 @@ fn health(probes: &Probes) -> (u16, &'static str, String) {
 }
 
 async fn ready(probes: &Probes) -> (u16, &'static str, String) {
-    let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
-    // `_sqlx_migrations` is sqlx's own table, not part of the checked schema: an unchecked query.
-    let applied = tokio::time::timeout(
-        Duration::from_secs(2),
-        sqlx::query_scalar::<_, Option<i64>>("select max(version) from _sqlx_migrations where success")
-            .fetch_one(&probes.pool),
-    )
-    .await;
-    match applied {
-        Err(_) => (503, "text/plain", "database did not answer within 2 s\n".into()),
-        Ok(Err(e)) => (
-            503,
-            "text/plain",
-            format!(
-                "database unavailable: {}\n",
-                crate::config::redact_secrets_in(&e.to_string())
-            ),
-        ),
-        Ok(Ok(v)) if v.unwrap_or(0) < latest => (
-            503,
-            "text/plain",
-            format!(
-                "migrations missing: database at {}, binary needs {latest}; run `fine-settler migrate`\n",
-                v.unwrap_or(0)
-            ),
-        ),
-        Ok(Ok(_)) => (200, "text/plain", "ready\n".into()),
+    match crate::store::readiness(&probes.pool).await {
+        Ok(()) => (200, "text/plain", "ready\n".into()),
+        Err(reason) => (503, "text/plain", format!("{reason}\n")),
     }
 }

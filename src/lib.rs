@@ -22,6 +22,7 @@ pub mod http;
 pub mod jobs;
 pub mod metrics;
 pub mod schedule;
+pub mod sdnotify;
 pub mod shard;
 pub mod signals;
 pub mod store;

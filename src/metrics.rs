@@ -6,9 +6,11 @@ use std::{
     fmt::Write as _,
     sync::{
         atomic::{AtomicI64, Ordering},
-        Mutex,
+        Arc, Mutex, OnceLock,
     },
 };
+
+use crate::sdnotify::Watchdog;
 
 /// Every metric the binary exports: name, type, help. Alert rules and dashboards are checked against this list.
 pub const DEFINITIONS: &[(&str, &str, &str)] = &[
@@ -101,6 +103,8 @@ pub struct Metrics {
     shard: String,
     series: Mutex<BTreeMap<(&'static str, String), f64>>,
     last_progress_ms: AtomicI64,
+    /// The systemd watchdog, fed by [`Metrics::progress`] and [`Metrics::alive`].
+    watchdog: OnceLock<Arc<Watchdog>>,
 }
 
 impl Metrics {
@@ -110,6 +114,7 @@ impl Metrics {
             shard,
             series: Mutex::new(BTreeMap::new()),
             last_progress_ms: AtomicI64::new(0),
+            watchdog: OnceLock::new(),
         }
     }
 
@@ -151,6 +156,20 @@ impl Metrics {
     /// Notes that the replica made progress at `unix_ms` (a tick, a batch, a retry).
     pub fn progress(&self, unix_ms: i64) {
         self.last_progress_ms.fetch_max(unix_ms, Ordering::Relaxed);
+        self.alive();
+    }
+
+    /// Notes that the replica's loop is alive (a wake of the scheduler loop, or progress): pets the systemd
+    /// watchdog, if one is attached. Not progress for `/healthz`.
+    pub fn alive(&self) {
+        if let Some(dog) = self.watchdog.get() {
+            dog.pet();
+        }
+    }
+
+    /// Routes liveness to the systemd watchdog from now on.
+    pub fn attach_watchdog(&self, dog: Arc<Watchdog>) {
+        let _ = self.watchdog.set(dog);
     }
 
     /// Notes progress now (by the host clock: this is observability, not business time).

@@ -9,6 +9,8 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
+use crate::sdnotify::Notifier;
+
 /// What the signals mean to the rest of the program.
 #[derive(Debug, Clone)]
 pub struct Signals {
@@ -23,6 +25,12 @@ pub struct Signals {
 impl Signals {
     /// Installs the handlers (on the current tokio runtime).
     pub fn install() -> std::io::Result<Self> {
+        Self::install_notifying(None)
+    }
+
+    /// Installs the handlers; the first shutdown signal also tells the service manager `STOPPING=1` (before
+    /// anything starts draining).
+    pub fn install_notifying(notifier: Option<Arc<Notifier>>) -> std::io::Result<Self> {
         let signals = Signals {
             shutdown: CancellationToken::new(),
             hard_stop: CancellationToken::new(),
@@ -51,6 +59,9 @@ impl Signals {
                         signal = name,
                         "shutdown requested: finishing the current batch, then releasing"
                     );
+                    if let Some(n) = &notifier {
+                        n.send("STOPPING=1\nSTATUS=draining: finishing the current batch, then releasing");
+                    }
                     s.shutdown.cancel();
                 }
             }

@@ -185,14 +185,16 @@ pub enum Wake {
 }
 
 /// Waits until the wall clock reaches `due`, in naps of at most [`MAX_NAP`] that re-read it; returns early on a
-/// run-now notification or cancellation.
+/// run-now notification or cancellation. `beat` is called at every wake (the loop is alive).
 pub async fn wait_until(
     wall: &Arc<dyn WallClock>,
     due: DateTime<Utc>,
     run_now: &Notify,
     cancel: &CancellationToken,
+    beat: impl Fn(),
 ) -> Wake {
     loop {
+        beat();
         let now = wall.now();
         if now >= due {
             return Wake::Due;
@@ -327,18 +329,18 @@ mod tests {
         let wall: Arc<dyn WallClock> = Arc::new(TokioWall::new(utc("2026-11-30T10:00:00Z")));
         let (notify, cancel) = (Notify::new(), CancellationToken::new());
         assert_eq!(
-            wait_until(&wall, utc("2026-11-30T10:00:05Z"), &notify, &cancel).await,
+            wait_until(&wall, utc("2026-11-30T10:00:05Z"), &notify, &cancel, || {}).await,
             Wake::Due
         );
         assert_eq!(wall.now(), utc("2026-11-30T10:00:05Z"));
         notify.notify_one();
         assert_eq!(
-            wait_until(&wall, utc("2026-11-30T11:00:00Z"), &notify, &cancel).await,
+            wait_until(&wall, utc("2026-11-30T11:00:00Z"), &notify, &cancel, || {}).await,
             Wake::RunNow
         );
         cancel.cancel();
         assert_eq!(
-            wait_until(&wall, utc("2026-11-30T11:00:00Z"), &notify, &cancel).await,
+            wait_until(&wall, utc("2026-11-30T11:00:00Z"), &notify, &cancel, || {}).await,
             Wake::Cancelled
         );
     }

@@ -7,6 +7,8 @@ use chrono::{DateTime, Utc};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::metrics::Metrics;
+
 use super::{
     guard::{Decision, SlotGuard},
     wait_until, Schedule, Wake, WallClock,
@@ -53,6 +55,8 @@ pub struct Scheduler {
     started: bool,
     last_end: DateTime<Utc>,
     stats: SlotStats,
+    /// Told at every wake of the loop (at most [`super::MAX_NAP`] apart while idle): the watchdog's feed.
+    heartbeat: Option<Arc<Metrics>>,
 }
 
 impl Scheduler {
@@ -67,7 +71,14 @@ impl Scheduler {
             started: false,
             last_end: now,
             stats: SlotStats::default(),
+            heartbeat: None,
         }
+    }
+
+    /// Reports every wake of the loop to `metrics` (see [`Metrics::alive`]).
+    pub fn with_heartbeat(mut self, metrics: Arc<Metrics>) -> Self {
+        self.heartbeat = Some(metrics);
+        self
     }
 
     pub fn stats(&self) -> SlotStats {
@@ -88,7 +99,13 @@ impl Scheduler {
                 self.started = true;
                 let now = self.wall.now();
                 let due = self.schedule.next_due(self.guard.last(), self.last_end, now);
-                match wait_until(&self.wall, due, run_now, cancel).await {
+                let heartbeat = self.heartbeat.clone();
+                let beat = move || {
+                    if let Some(h) = &heartbeat {
+                        h.alive();
+                    }
+                };
+                match wait_until(&self.wall, due, run_now, cancel, beat).await {
                     Wake::Cancelled => return None,
                     Wake::RunNow => Trigger::RunNow,
                     Wake::Due => Trigger::Timer,

@@ -148,6 +148,34 @@ impl Session {
     }
 }
 
+/// Whether the replica can work: the database answers within 2 s and every migration this binary knows is
+/// applied. `Err` carries the reason, for `/readyz` and the startup log.
+pub async fn readiness(pool: &PgPool) -> Result<(), String> {
+    let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
+    // `_sqlx_migrations` is sqlx's own table, not part of the checked schema: an unchecked query.
+    let applied = tokio::time::timeout(
+        Duration::from_secs(2),
+        sqlx::query_scalar::<_, Option<i64>>("select max(version) from _sqlx_migrations where success")
+            .fetch_one(pool),
+    )
+    .await;
+    match applied {
+        Err(_) => Err("database did not answer within 2 s".into()),
+        Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("42P01") => Err(format!(
+            "migrations missing: none applied, binary needs {latest}; run `fine-settler migrate`"
+        )),
+        Ok(Err(e)) => Err(format!(
+            "database unavailable: {}",
+            redact_secrets_in(&e.to_string())
+        )),
+        Ok(Ok(v)) if v.unwrap_or(0) < latest => Err(format!(
+            "migrations missing: database at {}, binary needs {latest}; run `fine-settler migrate`",
+            v.unwrap_or(0)
+        )),
+        Ok(Ok(_)) => Ok(()),
+    }
+}
+
 /// Applies the migrations; applying them twice is a no-op. Uses one connection without a statement timeout,
 /// because building an index concurrently on millions of loans takes longer than any batch.
 pub async fn migrate(db: &DatabaseSettings) -> Result<(), StoreError> {

@@ -20,7 +20,7 @@ use crate::{
 
 /// The settlement business dates a daemon in Asia/Shanghai is due for right now, oldest first (computed from
 /// the database clock, as the daemon does).
-async fn due_now(pool: &PgPool, months: u32) -> Vec<NaiveDate> {
+pub(crate) async fn due_now(pool: &PgPool, months: u32) -> Vec<NaiveDate> {
     let now: DateTime<Utc> = sqlx::query_scalar("select now()")
         .fetch_one(pool)
         .await
@@ -41,7 +41,7 @@ async fn load_months(pool: &PgPool, months: &[NaiveDate], per_month: u64) {
     }
 }
 
-fn daemon(url: &str, shard: i32, shards: i32, extra: &[(&str, &str)]) -> Child {
+pub(crate) fn daemon(url: &str, shard: i32, shards: i32, extra: &[(&str, &str)]) -> Child {
     let mut cmd = fine_settler(url);
     cmd.env("FINE_SETTLER__INSTANCE__SHARD", shard.to_string())
         .env("FINE_SETTLER__INSTANCE__SHARDS", shards.to_string())
@@ -59,7 +59,7 @@ fn daemon(url: &str, shard: i32, shards: i32, extra: &[(&str, &str)]) -> Child {
         .expect("spawn daemon")
 }
 
-fn signal(child: &Child, name: &str) {
+pub(crate) fn signal(child: &Child, name: &str) {
     let status = Command::new("kill")
         .args([&format!("-{name}"), &child.id().to_string()])
         .status()
@@ -68,7 +68,7 @@ fn signal(child: &Child, name: &str) {
 }
 
 /// Waits for the process to exit (at most `limit`); returns its exit code and stderr.
-async fn exit_of(mut child: Child, limit: Duration) -> (Option<i32>, String) {
+pub(crate) async fn exit_of(mut child: Child, limit: Duration) -> (Option<i32>, String) {
     let deadline = tokio::time::Instant::now() + limit;
     loop {
         if let Some(status) = child.try_wait().expect("try_wait") {
