@@ -13,7 +13,6 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/target/release/fine-settler /usr/local/bin/fine-settler
-COPY config/default.toml /etc/fine-settler/default.toml
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/fine-settler"]
 CMD ["check-config"]

@@ -6,6 +6,14 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
+# The unit-file test runs `systemd-analyze verify`: install it if this machine lacks it.
+if ! command -v systemd-analyze >/dev/null; then
+  echo "installing systemd (for systemd-analyze)" >&2
+  if [ "$(id -u)" = 0 ]; then apt_get=(apt-get); else apt_get=(sudo apt-get); fi
+  DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" update -qq
+  DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" install -y -qq --no-install-recommends systemd >/dev/null
+fi
+
 if [ -z "${DATABASE_URL:-}" ]; then
   DATABASE_URL=$(scripts/pg.sh start test)
 fi

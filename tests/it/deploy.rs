@@ -1,0 +1,411 @@
+//! The files in deploy/ as an operator would ship them: the systemd units pass `systemd-analyze verify` (and a
+//! hardening score), the Kubernetes manifests parse and agree with the binary (env names, args, ports, probe
+//! paths, grace period vs drain timeout, shard range), and the alert rules are valid PromQL.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    process::{Command, Output, Stdio},
+    time::Duration,
+};
+
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(root().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+/// Every document of a YAML file, as JSON values.
+fn yaml_docs(rel: &str) -> Vec<Value> {
+    let text = read(rel);
+    serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|doc| serde::Deserialize::deserialize(doc).unwrap_or_else(|e| panic!("{rel} is not YAML: {e}")))
+        .collect()
+}
+
+fn the<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
+    let mut found = docs.iter().filter(|d| d["kind"] == kind);
+    let doc = found.next().unwrap_or_else(|| panic!("no {kind}"));
+    assert!(found.next().is_none(), "more than one {kind}");
+    doc
+}
+
+fn duration(s: &str) -> Duration {
+    humantime::parse_duration(s).unwrap_or_else(|e| panic!("{s:?}: {e}"))
+}
+
+/// `fine-settler --config FILE check-config` with exactly `env` (plus a dummy database URL).
+fn check_config(config: &Path, env: &[(&str, String)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fine-settler"));
+    cmd.env_clear()
+        .env(
+            "DATABASE_URL",
+            "postgres://fine_settler:hunter2@db.invalid/libraryd",
+        )
+        .arg("--config")
+        .arg(config)
+        .arg("check-config")
+        .stdin(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run fine-settler")
+}
+
+fn assert_exit(out: &Output, code: i32, what: &str) {
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The container's env as name -> the whole entry.
+fn env_of(container: &Value) -> BTreeMap<String, Value> {
+    container["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .map(|e| (e["name"].as_str().expect("env name").to_string(), e.clone()))
+        .collect()
+}
+
+fn labels_match(selector: &Value, labels: &Value) -> bool {
+    selector
+        .as_object()
+        .expect("selector")
+        .iter()
+        .all(|(k, v)| &labels[k] == v)
+}
+
+#[test]
+fn kubernetes_manifests_agree_with_the_binary() {
+    let kustomization = &yaml_docs("deploy/k8s/kustomization.yaml")[0];
+    let mut docs = Vec::new();
+    for r in kustomization["resources"].as_array().expect("resources") {
+        docs.extend(yaml_docs(&format!("deploy/k8s/{}", r.as_str().expect("path"))));
+    }
+    let secrets = yaml_docs("deploy/k8s/secret.example.yaml");
+    let secret_keys = |name: &str| -> Vec<String> {
+        let s = secrets
+            .iter()
+            .find(|s| s["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("secret.example.yaml has no Secret {name}"));
+        s["stringData"]
+            .as_object()
+            .expect("stringData")
+            .keys()
+            .cloned()
+            .collect()
+    };
+
+    let sts = the(&docs, "StatefulSet");
+    let replicas = sts["spec"]["replicas"].as_i64().expect("replicas");
+    let pod = &sts["spec"]["template"];
+    let pod_labels = &pod["metadata"]["labels"];
+    assert!(labels_match(&sts["spec"]["selector"]["matchLabels"], pod_labels));
+    let c = &pod["spec"]["containers"][0];
+    let env = env_of(c);
+
+    // Shards = replicas; the shard is the pod index label.
+    assert_eq!(
+        env["FINE_SETTLER__INSTANCE__SHARDS"]["value"].as_str(),
+        Some(replicas.to_string().as_str()),
+        "FINE_SETTLER__INSTANCE__SHARDS must equal spec.replicas"
+    );
+    assert_eq!(
+        env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    );
+    let url = &env["DATABASE_URL"]["valueFrom"]["secretKeyRef"];
+    assert!(secret_keys(url["name"].as_str().expect("secret"))
+        .contains(&url["key"].as_str().expect("key").into()));
+
+    // The config file: args name it, the volume mounts the ConfigMap that holds it.
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().expect("arg"))
+        .collect();
+    assert_eq!(args.len(), 3);
+    assert_eq!((args[0], args[2]), ("--config", "run"));
+    let config_path = Path::new(args[1]);
+    let mount = c["volumeMounts"]
+        .as_array()
+        .expect("mounts")
+        .iter()
+        .find(|m| config_path.parent() == Some(Path::new(m["mountPath"].as_str().expect("path"))))
+        .expect("the config file's directory is mounted");
+    let volume = pod["spec"]["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .expect("volume");
+    let cm = the(&docs, "ConfigMap");
+    assert_eq!(volume["configMap"]["name"], cm["metadata"]["name"]);
+    let file_name = config_path.file_name().expect("file").to_str().expect("utf-8");
+    let toml_text = cm["data"][file_name]
+        .as_str()
+        .expect("the ConfigMap holds the config file");
+    let toml: toml::Value = toml::from_str(toml_text).expect("the ConfigMap's TOML parses");
+    assert_eq!(toml["instance"]["shard_from"].as_str(), Some("pod-index"));
+    let index_env = toml["instance"]["pod_index_env"].as_str().unwrap_or("POD_INDEX");
+    assert!(env.contains_key(index_env));
+
+    // Every pod index is a valid shard with this config and env; the next one is refused (exit 2).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join(file_name);
+    std::fs::write(&config, toml_text).expect("write config");
+    let shards = ("FINE_SETTLER__INSTANCE__SHARDS", replicas.to_string());
+    for index in 0..replicas {
+        let out = check_config(&config, &[shards.clone(), (index_env, index.to_string())]);
+        assert_exit(&out, 0, &format!("pod index {index}"));
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("hunter2"));
+    }
+    let out = check_config(&config, &[shards.clone(), (index_env, replicas.to_string())]);
+    assert_exit(&out, 2, "a pod index past the shard count");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("instance.shard"));
+
+    // Ports and probes: the container port is the one http.listen binds; probe paths are the binary's.
+    let listen = toml["http"]["listen"].as_str().expect("http.listen");
+    let port: i64 = listen
+        .rsplit_once(':')
+        .expect("host:port")
+        .1
+        .parse()
+        .expect("port");
+    let ports = c["ports"].as_array().expect("ports");
+    let metrics = ports
+        .iter()
+        .find(|p| p["name"] == "metrics")
+        .expect("metrics port");
+    assert_eq!(metrics["containerPort"].as_i64(), Some(port));
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(c[probe]["httpGet"]["port"], "metrics", "{probe}");
+    }
+    assert_eq!(
+        pod["metadata"]["annotations"]["prometheus.io/port"].as_str(),
+        Some(port.to_string().as_str())
+    );
+
+    // SIGTERM drains within schedule.drain_timeout: the grace period must be longer.
+    let drain = duration(toml["schedule"]["drain_timeout"].as_str().unwrap_or("30s"));
+    let grace = pod["spec"]["terminationGracePeriodSeconds"]
+        .as_u64()
+        .expect("grace period");
+    assert!(
+        Duration::from_secs(grace) > drain,
+        "grace {grace}s <= drain {drain:?}"
+    );
+    // The liveness probe gives up later than /healthz's own window (two periods + batch timeout, >= 1 min).
+    let live = &c["livenessProbe"];
+    let give_up =
+        live["periodSeconds"].as_u64().unwrap_or(10) * live["failureThreshold"].as_u64().unwrap_or(3);
+    assert!(give_up >= 60, "liveness gives up after {give_up}s");
+
+    // Non-root, read-only, no privileges; the image's user is the one the pod runs as.
+    let psc = &pod["spec"]["securityContext"];
+    assert_eq!(psc["runAsNonRoot"], true);
+    let uid = psc["runAsUser"].as_i64().expect("runAsUser");
+    assert!(read("Dockerfile").contains(&format!("USER {uid}:{uid}")));
+    let csc = &c["securityContext"];
+    assert_eq!(csc["allowPrivilegeEscalation"], false);
+    assert_eq!(csc["readOnlyRootFilesystem"], true);
+    assert_eq!(csc["capabilities"]["drop"][0], "ALL");
+    assert!(c["resources"]["requests"]["memory"].is_string());
+    assert!(c["resources"]["limits"]["memory"].is_string());
+
+    // The Service and the PodDisruptionBudget select the replicas.
+    let svc = the(&docs, "Service");
+    assert_eq!(svc["spec"]["clusterIP"], "None");
+    assert_eq!(sts["spec"]["serviceName"], svc["metadata"]["name"]);
+    assert!(labels_match(&svc["spec"]["selector"], pod_labels));
+    assert_eq!(svc["spec"]["ports"][0]["targetPort"], "metrics");
+    let pdb = the(&docs, "PodDisruptionBudget");
+    assert!(labels_match(&pdb["spec"]["selector"]["matchLabels"], pod_labels));
+    assert!(pdb["spec"]["maxUnavailable"]
+        .as_i64()
+        .is_some_and(|m| m >= 1 && m < replicas.max(2)));
+
+    // The migration Job: same config file, its own (owner) secret, a config that validates without a pod index.
+    let job = the(&docs, "Job");
+    let jc = &job["spec"]["template"]["spec"]["containers"][0];
+    let jargs: Vec<&str> = jc["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().expect("arg"))
+        .collect();
+    assert_eq!(jargs, ["--config", args[1], "migrate"]);
+    let jenv = env_of(jc);
+    let jurl = &jenv["DATABASE_URL"]["valueFrom"]["secretKeyRef"];
+    assert!(secret_keys(jurl["name"].as_str().expect("secret"))
+        .contains(&jurl["key"].as_str().expect("key").into()));
+    let job_env: Vec<(&str, String)> = jenv
+        .iter()
+        .filter_map(|(k, v)| v["value"].as_str().map(|v| (k.as_str(), v.to_string())))
+        .collect();
+    assert_exit(&check_config(&config, &job_env), 0, "the migration Job's config");
+    assert_eq!(
+        job["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"],
+        true
+    );
+}
+
+/// A throwaway root for `systemd-analyze --root`: the distribution's units, ours, and the binary where
+/// ExecStart expects it.
+fn systemd_root() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let r = dir.path();
+    for sub in ["usr/local/bin", "etc/systemd/system", "usr/lib/systemd"] {
+        std::fs::create_dir_all(r.join(sub)).expect("mkdir");
+    }
+    std::fs::copy(
+        env!("CARGO_BIN_EXE_fine-settler"),
+        r.join("usr/local/bin/fine-settler"),
+    )
+    .expect("binary");
+    let copied = Command::new("cp")
+        .args(["-r", "/usr/lib/systemd/system"])
+        .arg(r.join("usr/lib/systemd/"))
+        .status()
+        .expect("cp");
+    assert!(copied.success());
+    for unit in [
+        "fine-settler@.service",
+        "fine-settler-migrate.service",
+        "fine-settler.target",
+    ] {
+        std::fs::copy(
+            root().join("deploy/systemd").join(unit),
+            r.join("etc/systemd/system").join(unit),
+        )
+        .expect("unit");
+    }
+    dir
+}
+
+fn systemd_analyze(root: &Path, args: &[&str]) -> Output {
+    Command::new("systemd-analyze")
+        .arg(format!("--root={}", root.display()))
+        .args(args)
+        .output()
+        .expect("systemd-analyze is not installed (scripts/test.sh installs the systemd package)")
+}
+
+/// `Key=value` lines of a unit's `[Service]` section.
+fn unit_values(text: &str, key: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix(&format!("{key}=")))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn systemd_units_verify_and_agree_with_the_binary() {
+    let r = systemd_root();
+    let out = systemd_analyze(
+        r.path(),
+        &[
+            "verify",
+            "fine-settler@0.service",
+            "fine-settler-migrate.service",
+            "fine-settler.target",
+        ],
+    );
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "systemd-analyze verify: {said}"
+    );
+    // Hardening: exposure 1.2 ("OK") when written; fail if it regresses past 2.0.
+    let out = systemd_analyze(
+        r.path(),
+        &[
+            "security",
+            "--offline=true",
+            "--threshold=20",
+            "fine-settler@0.service",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "systemd-analyze security: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
+    let unit = read("deploy/systemd/fine-settler@.service");
+    assert_eq!(unit_values(&unit, "Type"), ["notify"]);
+    assert_eq!(unit_values(&unit, "RestartPreventExitStatus"), ["2"]);
+    assert_eq!(
+        unit_values(&unit, "Environment"),
+        ["FINE_SETTLER__INSTANCE__SHARD=%i"]
+    );
+    let exec = unit_values(&unit, "ExecStart").remove(0);
+    let config_path = exec
+        .split_whitespace()
+        .skip_while(|w| *w != "--config")
+        .nth(1)
+        .expect("ExecStart names --config");
+    assert!(exec.ends_with(" run"), "{exec}");
+    assert_eq!(config_path, "/etc/fine-settler/fine-settler.toml");
+
+    // The shipped shared config validates for every instance 0..shards and refuses the next one.
+    let config = root().join("deploy/systemd/fine-settler.toml");
+    let toml: toml::Value = toml::from_str(&read("deploy/systemd/fine-settler.toml")).expect("toml");
+    let shards = toml["instance"]["shards"].as_integer().expect("shards");
+    for shard in 0..shards {
+        let out = check_config(&config, &[("FINE_SETTLER__INSTANCE__SHARD", shard.to_string())]);
+        assert_exit(&out, 0, &format!("instance {shard}"));
+    }
+    let out = check_config(&config, &[("FINE_SETTLER__INSTANCE__SHARD", shards.to_string())]);
+    assert_exit(&out, 2, "an instance past the shard count");
+
+    // The watchdog allows two batch timeouts (the binary refuses less); stopping allows the drain.
+    let watchdog = duration(&unit_values(&unit, "WatchdogSec")[0]);
+    let batch = duration(toml["claim"]["batch_timeout"].as_str().unwrap_or("30s"));
+    assert!(watchdog >= batch * 2, "WatchdogSec {watchdog:?} < 2 x {batch:?}");
+    let stop = duration(&unit_values(&unit, "TimeoutStopSec")[0]);
+    let drain = duration(toml["schedule"]["drain_timeout"].as_str().unwrap_or("30s"));
+    assert!(stop > drain, "TimeoutStopSec {stop:?} <= drain_timeout {drain:?}");
+}
+
+#[test]
+fn alert_rules_are_valid_prometheus_rules() {
+    let docs = yaml_docs("deploy/prometheus/fine-settler.rules.yml");
+    let groups = docs[0]["groups"].as_array().expect("groups");
+    let mut alerts = 0;
+    for group in groups {
+        assert!(group["name"].is_string());
+        for rule in group["rules"].as_array().expect("rules") {
+            let name = rule["alert"].as_str().expect("every rule is an alert");
+            let expr = rule["expr"].as_str().expect("expr");
+            if let Err(e) = promql_parser::parser::parse(expr) {
+                panic!("{name}: invalid PromQL {expr:?}: {e}");
+            }
+            if let Some(f) = rule["for"].as_str() {
+                duration(f);
+            }
+            assert!(
+                ["page", "ticket"].contains(&rule["labels"]["severity"].as_str().unwrap_or("")),
+                "{name}: severity"
+            );
+            assert!(rule["annotations"]["summary"].is_string(), "{name}: summary");
+            alerts += 1;
+        }
+    }
+    assert!(alerts >= 6);
+}
