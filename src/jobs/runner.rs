@@ -79,6 +79,53 @@ pub enum JobError {
     BatchTimeout(Duration),
 }
 
+/// Waits before each retry of a statement that ends a run, when the connection (not the statement) failed.
+const END_RETRIES: [Duration; 5] = [
+    Duration::from_millis(100),
+    Duration::from_millis(250),
+    Duration::from_millis(500),
+    Duration::from_secs(1),
+    Duration::from_secs(2),
+];
+
+/// Whether `e` is about the connection rather than the statement — the server restarting or shutting down, a
+/// broken socket, no connection to be had — so the same statement may succeed on a new connection.
+pub fn transient(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolTimedOut => {
+            true
+        }
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
+        _ => false,
+    }
+}
+
+/// Runs `statement` (one idempotent, fenced statement that ends a run), retrying it for a few seconds while the
+/// failure is [`transient`]. Without this, a run cut off by a server restart would leave its key RUNNING until
+/// the lease expires (delaying the takeover), and a replica thawed after a takeover could not record that it
+/// lost its lease.
+async fn retrying<T, F, Fut>(what: &str, mut statement: F) -> Result<T, sqlx::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let mut waits = END_RETRIES.iter();
+    loop {
+        match statement().await {
+            Err(e) if transient(&e) => match waits.next() {
+                Some(wait) => {
+                    tracing::debug!(error = %JobError::from(e), what, wait_ms = wait.as_millis() as u64, "retrying");
+                    tokio::time::sleep(*wait).await;
+                }
+                None => return Err(e),
+            },
+            result => return result,
+        }
+    }
+}
+
 /// A process-unique owner name: host, pid and a random part, so two processes on one host (or a restarted
 /// process reusing a pid) never share an identity.
 pub fn process_owner() -> String {
@@ -315,7 +362,12 @@ impl Runner {
         let ending = ending.or(error_text.as_deref().map(Ending::Failed));
 
         let finished = match ending {
-            Some(ending) => job_runs::finish(&self.pool, &key, epoch, ending, scanned, updated).await,
+            Some(ending) => {
+                retrying("finish", || {
+                    job_runs::finish(&self.pool, &key, epoch, ending, scanned, updated)
+                })
+                .await
+            }
             None => Ok(false),
         };
         let lease_lost = match (&stop, &finished) {
@@ -326,9 +378,11 @@ impl Runner {
         };
         if lease_lost {
             tracing::warn!(scanned, updated, "lease lost: another replica took the key over");
-            if let Err(e) =
-                job_runs::record_lease_lost(&self.pool, &key, epoch, &self.owner, scanned, updated).await
-            {
+            let recorded = retrying("record the lost lease", || {
+                job_runs::record_lease_lost(&self.pool, &key, epoch, &self.owner, scanned, updated)
+            })
+            .await;
+            if let Err(e) = recorded {
                 tracing::warn!(error = %JobError::from(e), "could not record the lost lease in the history");
             }
             return report(Outcome::LeaseLost, Some(epoch), scanned, updated, None);

@@ -196,7 +196,7 @@ pub async fn advance(
 }
 
 /// How a run ended, as written to `job_runs` and `job_run_attempts`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ending<'a> {
     Success,
     /// FAILED with this `last_error`; the lease ends now, so a peer may take over at its next tick.
