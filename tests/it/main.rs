@@ -2,6 +2,8 @@
 //! applied. `DATABASE_URL` names the server (scripts/test.sh starts a private one).
 
 mod accrual;
+mod bad_input;
+mod chaos;
 mod claim;
 mod cli;
 mod daemon;

@@ -36,6 +36,15 @@ fn free_port() -> u16 {
 impl PrivateServer {
     /// Initialises and starts a server; `extra` are `-c name=value` settings.
     pub fn start(extra: &[&str]) -> Self {
+        Self::start_with(extra, None)
+    }
+
+    /// Starts a server whose TCP connections need `postgres`'s password (scram-sha-256).
+    pub fn start_with_password(password: &str) -> Self {
+        Self::start_with(&[], Some(password))
+    }
+
+    fn start_with(extra: &[&str], password: Option<&str>) -> Self {
         let as_postgres = Command::new("id")
             .arg("-u")
             .output()
@@ -54,14 +63,21 @@ impl PrivateServer {
             as_postgres,
         };
         let mut initdb = server.tool("initdb");
-        initdb.args([
-            "-D",
-            &server.data(),
-            "-U",
-            "postgres",
-            "--auth=trust",
-            "--no-sync",
-        ]);
+        initdb.args(["-D", &server.data(), "-U", "postgres", "--no-sync"]);
+        match password {
+            None => {
+                initdb.arg("--auth=trust");
+            }
+            Some(password) => {
+                let file = format!("{}/pwfile", server.dir);
+                std::fs::write(&file, password).expect("password file");
+                initdb.args([
+                    "--auth-local=trust",
+                    "--auth-host=scram-sha-256",
+                    &format!("--pwfile={file}"),
+                ]);
+            }
+        }
         server.check(initdb, "initdb");
         let mut options = format!(
             "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories= -c fsync=off -c max_connections=100",
@@ -113,6 +129,10 @@ impl PrivateServer {
 
     fn data(&self) -> String {
         format!("{}/data", self.dir)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     pub fn url(&self, database: &str) -> String {
