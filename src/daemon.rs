@@ -230,7 +230,10 @@ impl Daemon {
     pub async fn await_ready(&self) -> bool {
         let mut failures = 0u32;
         loop {
-            match store::readiness(&self.pool).await {
+            let ready = store::readiness(&self.pool).await;
+            // Waiting for the database is not a stall: each attempt counts as progress for /healthz.
+            self.metrics.progress_now();
+            match ready {
                 Ok(()) => {
                     if failures > 0 {
                         tracing::info!(attempts = failures, "database ready");

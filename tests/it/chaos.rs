@@ -57,7 +57,7 @@ impl Mode {
                 name: "long",
                 loans_per_month: 12_000,
                 accrual_days: 20,
-                seconds_per_row: 0.004,
+                seconds_per_row: 0.006,
                 kills: 24,
                 zombies: 3,
                 restarts: 4,
@@ -87,8 +87,8 @@ impl Mode {
 
 const ZONE: &str = "Asia/Shanghai";
 const RATE: i64 = 100;
-const LEASE: &str = "5s";
-const BATCH_TIMEOUT: &str = "2s";
+const LEASE: &str = "6s";
+const BATCH_TIMEOUT: &str = "3s";
 /// Loans whose ledger inserts a trigger rejects: their charges must end in fine_pending (DEAD), nowhere else.
 const POISONED: usize = 4;
 
@@ -184,6 +184,15 @@ impl Replica {
 
     fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
+    }
+}
+
+/// Restarts the killed replicas whose pause is over.
+fn restart_due(replicas: &mut [Replica], mode: &Mode) {
+    for r in replicas.iter_mut() {
+        if r.restart_at.is_some_and(|t| Instant::now() >= t) {
+            r.spawn(mode);
+        }
     }
 }
 
@@ -392,12 +401,7 @@ async fn chaos() {
 
     while next < schedule.len() || !resharded {
         let now = started.elapsed();
-        // Restart killed replicas whose pause is over.
-        for r in replicas.iter_mut() {
-            if r.restart_at.is_some_and(|t| Instant::now() >= t) {
-                r.spawn(&mode);
-            }
-        }
+        restart_due(&mut replicas, &mode);
         if !resharded && now >= mode.reshard_at {
             // 3 -> 4 shards: stop every replica of the old count (SIGTERM: they hand their keys back and exit
             // 0), then start 4 x 3 of the new one.
@@ -448,7 +452,7 @@ async fn chaos() {
                 *injected.entry("SIGKILL").or_default() += 1;
             }
             Fault::Zombie => {
-                if let Some(z) = zombie(&pool, &mut replicas).await {
+                if let Some(z) = zombie(&pool, &mut replicas, &mode).await {
                     zombies.push(z);
                     *injected
                         .entry("zombie (SIGSTOP past the lease, SIGCONT)")
@@ -513,11 +517,7 @@ async fn chaos() {
     // Let the replicas finish (restarting any still paused), then stop them all.
     let deadline = Instant::now() + mode.settle_limit;
     loop {
-        for r in replicas.iter_mut() {
-            if r.restart_at.is_some_and(|t| Instant::now() >= t) {
-                r.spawn(&mode);
-            }
-        }
+        restart_due(&mut replicas, &mode);
         if finished(&pool, &months, &days).await.unwrap_or(false)
             && replicas.iter().all(|r| r.child.is_some())
         {
@@ -766,7 +766,7 @@ async fn chaos() {
 
 /// Freezes a replica that holds a claim until a peer has taken its key over, then thaws it. Returns the
 /// zombie's owner and key.
-async fn zombie(pool: &PgPool, replicas: &mut [Replica]) -> Option<(String, NaiveDate, String)> {
+async fn zombie(pool: &PgPool, replicas: &mut [Replica], mode: &Mode) -> Option<(String, NaiveDate, String)> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         let running: Vec<(String, NaiveDate, i32, i32, String, i64)> = sqlx::query_as(
@@ -778,14 +778,24 @@ async fn zombie(pool: &PgPool, replicas: &mut [Replica]) -> Option<(String, Naiv
         .unwrap_or_default();
         for (job, date, shards, shard, owner, epoch) in running {
             let pid: u32 = owner.split(':').nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
-            let Some(r) = replicas.iter().find(|r| r.pid() == Some(pid)) else {
+            let Some(z) = replicas.iter().position(|r| r.pid() == Some(pid)) else {
                 continue;
             };
+            // Only with a live peer of the same shard, which can take the key over.
+            if !replicas
+                .iter()
+                .any(|r| r.shard == shard && r.shards == shards && r.child.is_some() && r.pid() != Some(pid))
+            {
+                continue;
+            }
             kill(pid, "STOP");
-            // A peer of the same shard takes the key over once the lease has expired.
-            let taken = Instant::now() + Duration::from_secs(60);
+            // A peer of the same shard takes the key over once the lease has expired and the peer's tick comes
+            // back to the key (a tick works through every due key of the shard in turn, so that can take a while
+            // when the peers are catching up on other keys).
+            let taken = Instant::now() + mode.settle_limit / 3;
             let mut overtaken = false;
             while Instant::now() < taken {
+                restart_due(replicas, mode);
                 let now_epoch: Option<i64> = sqlx::query_scalar(
                     "select epoch from job_runs where job_name = $1 and business_date = $2 and shards = $3
                      and shard = $4",
@@ -805,6 +815,7 @@ async fn zombie(pool: &PgPool, replicas: &mut [Replica]) -> Option<(String, Naiv
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             kill(pid, "CONT");
+            let r = &replicas[z];
             assert!(
                 overtaken,
                 "no peer took over {job} {date} {shard}/{shards} from the frozen {owner}: {}",
@@ -813,6 +824,7 @@ async fn zombie(pool: &PgPool, replicas: &mut [Replica]) -> Option<(String, Naiv
             // Thawed, its next batch (or its finish) meets the new epoch: it must commit nothing and say so.
             let reported = Instant::now() + Duration::from_secs(30);
             loop {
+                restart_due(replicas, mode);
                 let lost: i64 = sqlx::query_scalar(
                     "select count(*) from job_run_attempts where owner = $1 and event = 'lease_lost'",
                 )
@@ -826,7 +838,7 @@ async fn zombie(pool: &PgPool, replicas: &mut [Replica]) -> Option<(String, Naiv
                 assert!(
                     Instant::now() < reported,
                     "the thawed {owner} never reported its lost lease: {}",
-                    log_tail(&r.log)
+                    log_tail(&replicas[z].log)
                 );
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }

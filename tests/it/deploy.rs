@@ -352,7 +352,7 @@ fn systemd_units_verify_and_agree_with_the_binary() {
     assert_eq!(unit_values(&unit, "RestartPreventExitStatus"), ["2"]);
     assert_eq!(
         unit_values(&unit, "Environment"),
-        ["FINE_SETTLER__INSTANCE__SHARD=%i"]
+        ["FINE_SETTLER__INSTANCE__SHARD=%i", "HOSTNAME=%H"]
     );
     let exec = unit_values(&unit, "ExecStart").remove(0);
     let config_path = exec
