@@ -695,13 +695,7 @@ pub fn redact_secrets_in(message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use crate::testing::env;
 
     fn problems(pairs: &[(&str, &str)]) -> Vec<String> {
         let env = env(pairs);

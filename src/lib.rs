@@ -27,3 +27,17 @@ pub mod shard;
 pub mod signals;
 pub mod store;
 pub mod telemetry;
+
+/// Helpers shared by the unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::collections::HashMap;
+
+    /// An environment made of `pairs`.
+    pub fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+}

@@ -25,7 +25,7 @@ use sqlx::{postgres::PgPoolOptions, PgPool};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::{
-    helpers::{fine_settler, insert, install_update_audit, migrate, slow_down},
+    helpers::{fine_settler, insert, install_update_audit, slow_down},
     server::PrivateServer,
 };
 
@@ -57,7 +57,7 @@ impl Mode {
                 name: "long",
                 loans_per_month: 12_000,
                 accrual_days: 20,
-                seconds_per_row: 0.006,
+                seconds_per_row: 0.015,
                 kills: 24,
                 zombies: 3,
                 restarts: 4,
@@ -71,7 +71,7 @@ impl Mode {
                 name: "short",
                 loans_per_month: 2_500,
                 accrual_days: 10,
-                seconds_per_row: 0.004,
+                seconds_per_row: 0.015,
                 kills: 6,
                 zombies: 1,
                 restarts: 2,
@@ -163,9 +163,9 @@ impl Replica {
             .env("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", BATCH_TIMEOUT)
             .env("FINE_SETTLER__DATABASE__MAX_CONNECTIONS", "2")
             .env("FINE_SETTLER__DATABASE__CONNECT_TIMEOUT", "2s")
-            .env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "100")
+            .env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "50")
             .env("FINE_SETTLER__ACCRUAL__ENABLED", "true")
-            .env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "100")
+            .env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "50")
             .env(
                 "FINE_SETTLER__ACCRUAL__CATCH_UP_DAYS",
                 mode.accrual_days.to_string(),
@@ -184,6 +184,24 @@ impl Replica {
 
     fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
+    }
+}
+
+/// One line of progress: keys by status (final count), live claims, pending charges.
+async fn progress(pool: &PgPool, started: Instant) {
+    let row: Result<(i64, i64, i64, i64), _> = sqlx::query_as(
+        "select (select count(*) from job_runs where shards = 4 and status = 'SUCCESS'),
+                (select count(*) from job_runs where status = 'RUNNING' and lease_until > now()),
+                (select count(*) from fine_pending where status = 'PENDING'),
+                (select count(*) from fine_ledger)",
+    )
+    .fetch_one(pool)
+    .await;
+    if let Ok((success, running, pending, ledger)) = row {
+        eprintln!(
+            "chaos: {:>6.1}s  keys SUCCESS (4 shards) {success}, live claims {running}, pending {pending}, ledger rows {ledger}",
+            started.elapsed().as_secs_f64()
+        );
     }
 }
 
@@ -276,18 +294,7 @@ async fn chaos() {
     eprintln!("chaos: mode {} seed {seed}", mode.name);
 
     let server = PrivateServer::start(&["max_connections=150"]);
-    let admin = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&server.url("postgres"))
-        .await
-        .expect("connect");
-    sqlx::query("create database chaos")
-        .execute(&admin)
-        .await
-        .expect("create database");
-    admin.close().await;
-    let url = server.url("chaos");
-    migrate(&url);
+    let url = server.migrated_database("chaos").await;
     let pool = PgPoolOptions::new()
         .max_connections(4)
         .acquire_timeout(Duration::from_secs(30))
@@ -383,24 +390,36 @@ async fn chaos() {
         (Fault::Manual, mode.manual),
     ] {
         for _ in 0..n {
-            // Zombies and restarts land early, while work is certainly in flight.
-            let range = if matches!(fault, Fault::Zombie | Fault::Restart) {
-                span / 2
+            // Zombies and restarts land in the first half, while work is certainly in flight; zombies after the
+            // shard-count change, so that their peers keep running.
+            let at = if matches!(fault, Fault::Zombie | Fault::Restart) {
+                let start = if fault == Fault::Zombie {
+                    mode.reshard_at + Duration::from_secs(1)
+                } else {
+                    from
+                };
+                start + Duration::from_millis(rng.below(span / 2))
             } else {
-                span
+                from + Duration::from_millis(rng.below(span))
             };
-            schedule.push((from + Duration::from_millis(rng.below(range.max(1))), fault));
+            schedule.push((at, fault));
         }
     }
     schedule.sort();
     let mut injected: BTreeMap<&str, u64> = BTreeMap::new();
     let mut manual: Vec<(String, Child)> = Vec::new();
-    let mut zombies: Vec<(String, NaiveDate, String)> = Vec::new();
+    let mut zombie_tasks = Vec::new();
+    let frozen: Arc<std::sync::Mutex<Option<u32>>> = Arc::default();
     let mut resharded = false;
     let mut next = 0;
 
+    let mut reported = Instant::now();
     while next < schedule.len() || !resharded {
         let now = started.elapsed();
+        if reported.elapsed() >= Duration::from_secs(10) {
+            reported = Instant::now();
+            progress(&pool, started).await;
+        }
         restart_due(&mut replicas, &mode);
         if !resharded && now >= mode.reshard_at {
             // 3 -> 4 shards: stop every replica of the old count (SIGTERM: they hand their keys back and exit
@@ -438,8 +457,11 @@ async fn chaos() {
         next += 1;
         match fault {
             Fault::Kill => {
+                // Holding the lock: a zombie act cannot pick this replica while it is being killed.
+                let guard = frozen.lock().expect("lock");
+                let frozen_pid = *guard;
                 let live: Vec<usize> = (0..replicas.len())
-                    .filter(|&i| replicas[i].child.is_some())
+                    .filter(|&i| replicas[i].child.is_some() && replicas[i].pid() != frozen_pid)
                     .collect();
                 if live.is_empty() {
                     continue;
@@ -449,26 +471,48 @@ async fn chaos() {
                 let _ = child.kill();
                 let _ = child.wait();
                 r.restart_at = Some(Instant::now() + Duration::from_millis(200 + rng.below(1800)));
+                drop(guard);
                 *injected.entry("SIGKILL").or_default() += 1;
             }
             Fault::Zombie => {
-                if let Some(z) = zombie(&pool, &mut replicas, &mode).await {
-                    zombies.push(z);
-                    *injected
-                        .entry("zombie (SIGSTOP past the lease, SIGCONT)")
-                        .or_default() += 1;
-                }
+                let candidates: Vec<Candidate> = replicas
+                    .iter()
+                    .filter_map(|r| r.pid().map(|pid| (pid, r.shard, r.shards, r.log.clone())))
+                    .collect();
+                zombie_tasks.push(tokio::spawn(zombie(
+                    pool.clone(),
+                    candidates,
+                    frozen.clone(),
+                    mode.settle_limit / 3,
+                )));
             }
             Fault::Restart => {
-                let running = scalar(&pool, "select count(*) from job_runs where status = 'RUNNING'").await;
+                // While a batch is in flight: wait (restarting replicas meanwhile) for a live claim.
+                let running = live_claims(&pool, &mut replicas, &mode, None).await;
                 server.restart();
                 eprintln!("chaos: PostgreSQL restarted with {running} keys RUNNING");
                 *injected.entry("PostgreSQL restart").or_default() += 1;
+                if running > 0 {
+                    *injected
+                        .entry("PostgreSQL restart with batches in flight")
+                        .or_default() += 1;
+                }
             }
             Fault::Cut => {
+                // Mid-transaction: wait for the proxied replica to hold a live claim.
+                let proxied = replicas
+                    .iter()
+                    .position(|r| r.url.contains(&format!(":{}/", proxy.port)));
+                let pid = proxied.and_then(|i| replicas[i].pid());
+                let running = live_claims(&pool, &mut replicas, &mode, pid).await;
                 let n = proxy.cut_all();
                 *injected.entry("connection cut (proxy)").or_default() += 1;
                 *injected.entry("connections cut").or_default() += n;
+                if running > 0 {
+                    *injected
+                        .entry("connection cut while its replica held a claim")
+                        .or_default() += 1;
+                }
             }
             Fault::Manual => {
                 let shards = if resharded { 4 } else { 3 };
@@ -481,17 +525,17 @@ async fn chaos() {
                     format!("settle {m}")
                 } else {
                     let d = days[rng.below(days.len() as u64) as usize];
-                    cmd.env("FINE_SETTLER__ACCRUAL__MAX_ATTEMPTS", "3").args([
-                        "accrue",
-                        "--date",
-                        &d.to_string(),
-                    ]);
+                    // The deployment's accrual settings, as the replicas have them.
+                    cmd.env("FINE_SETTLER__ACCRUAL__MAX_ATTEMPTS", "3")
+                        .env("FINE_SETTLER__ACCRUAL__RETRY_BACKOFF", "200ms")
+                        .env("FINE_SETTLER__ACCRUAL__RETRY_BACKOFF_MAX", "1s")
+                        .args(["accrue", "--date", &d.to_string()]);
                     format!("accrue {d}")
                 };
                 cmd.env("FINE_SETTLER__CLAIM__LEASE", LEASE)
                     .env("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", BATCH_TIMEOUT)
-                    .env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "100")
-                    .env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "100")
+                    .env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "50")
+                    .env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "50")
                     .env("FINE_SETTLER__TIME__ZONE", ZONE)
                     .args(["--shard", &shard.to_string(), "--shards", &shards.to_string()]);
                 if force {
@@ -514,10 +558,32 @@ async fn chaos() {
         }
     }
 
+    // The zombies finish their act (replicas keep being restarted meanwhile).
+    while !zombie_tasks
+        .iter()
+        .all(|t: &tokio::task::JoinHandle<_>| t.is_finished())
+    {
+        restart_due(&mut replicas, &mode);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut zombies: Vec<(String, NaiveDate, String)> = Vec::new();
+    for task in zombie_tasks {
+        if let Some(z) = task.await.expect("the zombie act panicked") {
+            zombies.push(z);
+            *injected
+                .entry("zombie (SIGSTOP past the lease, SIGCONT)")
+                .or_default() += 1;
+        }
+    }
+
     // Let the replicas finish (restarting any still paused), then stop them all.
     let deadline = Instant::now() + mode.settle_limit;
     loop {
         restart_due(&mut replicas, &mode);
+        if reported.elapsed() >= Duration::from_secs(10) {
+            reported = Instant::now();
+            progress(&pool, started).await;
+        }
         if finished(&pool, &months, &days).await.unwrap_or(false)
             && replicas.iter().all(|r| r.child.is_some())
         {
@@ -754,6 +820,22 @@ async fn chaos() {
     assert!(broken.is_empty(), "invariants violated: {broken:?}");
     assert!(injected.get("SIGKILL").copied().unwrap_or(0) >= mode.kills as u64);
     assert!(injected.get("PostgreSQL restart").copied().unwrap_or(0) >= mode.restarts as u64);
+    assert!(
+        injected
+            .get("PostgreSQL restart with batches in flight")
+            .copied()
+            .unwrap_or(0)
+            >= 2,
+        "restarts must hit work in flight: {injected:?}"
+    );
+    assert!(
+        injected
+            .get("connection cut while its replica held a claim")
+            .copied()
+            .unwrap_or(0)
+            >= 1,
+        "a cut must hit a replica mid-run: {injected:?}"
+    );
     assert_eq!(
         injected
             .get("zombie (SIGSTOP past the lease, SIGCONT)")
@@ -764,38 +846,76 @@ async fn chaos() {
     );
 }
 
-/// Freezes a replica that holds a claim until a peer has taken its key over, then thaws it. Returns the
-/// zombie's owner and key.
-async fn zombie(pool: &PgPool, replicas: &mut [Replica], mode: &Mode) -> Option<(String, NaiveDate, String)> {
+/// The number of live claims (of the replica `pid`, or of anyone), waiting up to 20 s for one to appear while
+/// restarting killed replicas.
+async fn live_claims(pool: &PgPool, replicas: &mut [Replica], mode: &Mode, pid: Option<u32>) -> i64 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        restart_due(replicas, mode);
+        let owner = pid.map(|p| format!("%:{p}:%")).unwrap_or_else(|| "%".into());
+        let n: i64 = sqlx::query_scalar(
+            "select count(*) from job_runs where status = 'RUNNING' and lease_until > now() and owner like $1",
+        )
+        .bind(owner)
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0);
+        if n > 0 || Instant::now() > deadline {
+            return n;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A live replica as a zombie candidate: pid, shard, shard count, log.
+type Candidate = (u32, i32, i32, PathBuf);
+
+/// Freezes a replica that holds a claim (one of `candidates`, with a live peer of its shard) until a peer has
+/// taken its key over, then thaws it and waits for it to record the lost lease. Runs beside the fault loop, which
+/// leaves the frozen pid (in `frozen`) alone. Returns the zombie's owner and key.
+async fn zombie(
+    pool: PgPool,
+    candidates: Vec<Candidate>,
+    frozen: Arc<std::sync::Mutex<Option<u32>>>,
+    limit: Duration,
+) -> Option<(String, NaiveDate, String)> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         let running: Vec<(String, NaiveDate, i32, i32, String, i64)> = sqlx::query_as(
             "select job_name, business_date, shards, shard, owner, epoch from job_runs
              where status = 'RUNNING' and lease_until > now()",
         )
-        .fetch_all(pool)
+        .fetch_all(&pool)
         .await
         .unwrap_or_default();
         for (job, date, shards, shard, owner, epoch) in running {
             let pid: u32 = owner.split(':').nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
-            let Some(z) = replicas.iter().position(|r| r.pid() == Some(pid)) else {
+            let Some((_, _, _, log)) = candidates.iter().find(|c| c.0 == pid) else {
                 continue;
             };
-            // Only with a live peer of the same shard, which can take the key over.
-            if !replicas
+            if !candidates
                 .iter()
-                .any(|r| r.shard == shard && r.shards == shards && r.child.is_some() && r.pid() != Some(pid))
+                .any(|c| c.1 == shard && c.2 == shards && c.0 != pid)
             {
                 continue;
             }
-            kill(pid, "STOP");
+            {
+                // Under the lock the fault loop kills under: the pid is alive now and nobody kills it while frozen.
+                let mut frozen = frozen.lock().expect("lock");
+                let alive = std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains("fine-settler"));
+                if !alive {
+                    continue;
+                }
+                *frozen = Some(pid);
+                kill(pid, "STOP");
+            }
             // A peer of the same shard takes the key over once the lease has expired and the peer's tick comes
             // back to the key (a tick works through every due key of the shard in turn, so that can take a while
-            // when the peers are catching up on other keys).
-            let taken = Instant::now() + mode.settle_limit / 3;
+            // when the peers are busy with other keys).
+            let taken = Instant::now() + limit;
             let mut overtaken = false;
             while Instant::now() < taken {
-                restart_due(replicas, mode);
                 let now_epoch: Option<i64> = sqlx::query_scalar(
                     "select epoch from job_runs where job_name = $1 and business_date = $2 and shards = $3
                      and shard = $4",
@@ -804,7 +924,7 @@ async fn zombie(pool: &PgPool, replicas: &mut [Replica], mode: &Mode) -> Option<
                 .bind(date)
                 .bind(shards)
                 .bind(shard)
-                .fetch_optional(pool)
+                .fetch_optional(&pool)
                 .await
                 .ok()
                 .flatten();
@@ -815,21 +935,20 @@ async fn zombie(pool: &PgPool, replicas: &mut [Replica], mode: &Mode) -> Option<
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             kill(pid, "CONT");
-            let r = &replicas[z];
+            *frozen.lock().expect("lock") = None;
             assert!(
                 overtaken,
                 "no peer took over {job} {date} {shard}/{shards} from the frozen {owner}: {}",
-                log_tail(&r.log)
+                log_tail(log)
             );
             // Thawed, its next batch (or its finish) meets the new epoch: it must commit nothing and say so.
             let reported = Instant::now() + Duration::from_secs(30);
             loop {
-                restart_due(replicas, mode);
                 let lost: i64 = sqlx::query_scalar(
                     "select count(*) from job_run_attempts where owner = $1 and event = 'lease_lost'",
                 )
                 .bind(&owner)
-                .fetch_one(pool)
+                .fetch_one(&pool)
                 .await
                 .unwrap_or(0);
                 if lost > 0 {
@@ -838,11 +957,14 @@ async fn zombie(pool: &PgPool, replicas: &mut [Replica], mode: &Mode) -> Option<
                 assert!(
                     Instant::now() < reported,
                     "the thawed {owner} never reported its lost lease: {}",
-                    log_tail(&replicas[z].log)
+                    log_tail(log)
                 );
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            eprintln!("chaos: zombie {owner} ({job} {date} shard {shard}/{shards}, epoch {epoch}) taken over, thawed, reported lease lost");
+            eprintln!(
+                "chaos: zombie {owner} ({job} {date} shard {shard}/{shards}, epoch {epoch}) taken over, thawed, \
+                 reported lease lost"
+            );
             return Some((owner, date, job));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

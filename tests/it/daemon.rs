@@ -303,18 +303,7 @@ async fn the_shard_comes_from_the_statefulset_pod(pool: PgPool) {
 #[tokio::test]
 async fn replicas_recover_from_a_postgres_restart_without_restarting_themselves() {
     let server = PrivateServer::start(&[]);
-    let admin = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&server.url("postgres"))
-        .await
-        .expect("connect");
-    sqlx::query("create database libraryd")
-        .execute(&admin)
-        .await
-        .expect("create database");
-    admin.close().await;
-    let url = server.url("libraryd");
-    migrate(&url);
+    let url = server.migrated_database("libraryd").await;
     let pool = PgPoolOptions::new()
         .max_connections(3)
         .connect(&url)

@@ -135,6 +135,23 @@ impl PrivateServer {
         self.port
     }
 
+    /// Creates `database`, applies the migrations with the real binary, and returns its URL.
+    pub async fn migrated_database(&self, database: &str) -> String {
+        let admin = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&self.url("postgres"))
+            .await
+            .expect("connect");
+        sqlx::query(&format!("create database {database}"))
+            .execute(&admin)
+            .await
+            .expect("create database");
+        admin.close().await;
+        let url = self.url(database);
+        crate::helpers::migrate(&url);
+        url
+    }
+
     pub fn url(&self, database: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
     }
