@@ -165,7 +165,9 @@ async fn a_wrong_password_is_named_once_and_never_printed() {
 ///   overflow (the rate cap keeps any date difference times the rate inside bigint);
 /// - ids at the top of the range: settled and accrued, the cursor ends at i64::MAX;
 /// - a negative fine_cents left by libraryd on an unsettled loan: replaced by the policy's fine; on a settled
-///   loan: never rewritten, and `verify` reports it (exit 3).
+///   loan: never rewritten, and `verify` reports it (exit 3);
+/// - a negative id: settled with one shard (`id % 1 = 0`); with more, owned by no shard (`id % shards < 0`),
+///   never settled, and counted as unsettled by `verify` (exit 3).
 #[sqlx::test]
 async fn odd_data_has_a_defined_outcome(pool: PgPool) {
     sqlx::raw_sql(
@@ -175,6 +177,8 @@ async fn odd_data_has_a_defined_outcome(pool: PgPool) {
            (3, 1, 1, '4713-01-01 BC', '4713-01-01 BC', '2026-10-16', 0, null),           -- the first date there is
            (4, 1, 1, '2026-09-01', '2026-10-01', '2026-10-11', -500, null),              -- negative, unsettled
            (5, 1, 1, '2026-09-01', '2026-10-01', '2026-10-12', -700, '2026-11-01'),      -- negative, settled
+           (-8, 1, 1, '2026-09-01', '2026-10-01', '2026-10-14', 0, null),                -- negative id, 1 shard
+           (-9, 1, 1, '2026-07-01', '2026-08-01', '2026-08-14', 0, null),                -- negative id, 2 shards
            (9223372036854775806, 1, 1, '2026-09-01', '2026-10-01', '2026-10-13', 0, null),
            (9223372036854775807, 1, 1, '2026-09-01', '2026-10-01', null, 0, null)         -- overdue, unreturned",
     )
@@ -199,11 +203,11 @@ async fn odd_data_has_a_defined_outcome(pool: PgPool) {
     let r = report(&out);
     assert_eq!(
         (r["outcome"].as_str(), r["updated"].as_i64()),
-        (Some("settled"), Some(5)),
+        (Some("settled"), Some(6)),
         "{r}"
     );
 
-    let fines: Vec<(i64, i64)> = sqlx::query_as("select id, fine_cents from loans order by id")
+    let fines: Vec<(i64, i64)> = sqlx::query_as("select id, fine_cents from loans where id > 0 order by id")
         .fetch_all(&pool)
         .await
         .expect("fines");
@@ -246,8 +250,8 @@ async fn odd_data_has_a_defined_outcome(pool: PgPool) {
         .expect("ledger");
     assert_eq!(
         charged,
-        vec![2, 3, 9223372036854775807],
-        "returned loans stop accruing on their return day"
+        vec![-8, 2, 3, 9223372036854775807],
+        "loans returned before the day are not charged"
     );
 
     // The negative fine on the settled loan is not the policy's: verify says so.
@@ -265,4 +269,35 @@ async fn odd_data_has_a_defined_outcome(pool: PgPool) {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
+    let audit = report(&out);
+    assert_eq!(
+        (
+            audit["audit"]["unsettled"].as_i64(),
+            audit["audit"]["wrong_fine"].as_i64()
+        ),
+        (Some(0), Some(1)),
+        "{audit}"
+    );
+
+    // A negative id: with one shard `id % 1 = 0` owns it (settled above); with more, no shard does
+    // (`-9 % 2 = -1`): both shards settle August without it, and `verify` counts it as unsettled.
+    for shard in ["0", "1"] {
+        let mut settle = fine_settler(&url);
+        settle.args([
+            "settle",
+            "--business-date",
+            "2026-08-31",
+            "--shards",
+            "2",
+            "--shard",
+            shard,
+        ]);
+        let out = output(settle);
+        assert_eq!(report(&out)["updated"].as_i64(), Some(0), "shard {shard}");
+    }
+    let mut verify = fine_settler(&url);
+    verify.args(["verify", "--business-date", "2026-08-31", "--json"]);
+    let out = output(verify);
+    assert_eq!(out.status.code(), Some(3));
+    assert_eq!(report(&out)["audit"]["unsettled"].as_i64(), Some(1));
 }
