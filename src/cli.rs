@@ -683,6 +683,7 @@ fn not_started(key: RunKey, started: tokio::time::Instant, error: String) -> Run
         updated: 0,
         elapsed_ms: started.elapsed().as_millis() as u64,
         detail: Some(error),
+        held_until: None,
     }
 }
 

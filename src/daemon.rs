@@ -29,6 +29,7 @@ use crate::{
         Schedule, WallClock,
     },
     sdnotify::Notifier,
+    shard::ShardSpec,
     store::{self, job_runs::KeyState, Session, StoreError},
 };
 
@@ -416,32 +417,34 @@ impl Daemon {
             return Ok(Vec::new());
         }
         let mut reports = Vec::with_capacity(todo.len());
-        for due in &todo {
+        // Keys a live owner held when this pass reached them, with the end of that owner's lease (database
+        // time). A pass can be long (a backlog of keys, each with many batches); when such a lease runs out
+        // meanwhile, its owner may be gone, so the key is tried again before the next key of the pass instead
+        // of waiting for the next tick.
+        let pass_started = tokio::time::Instant::now();
+        let mut held: Vec<(&Due, DateTime<Utc>)> = Vec::new();
+        let mut queue = todo.iter();
+        loop {
             if self.shutdown.is_cancelled() {
                 break;
             }
-            let report = if due.job == JobName::OverdueAccrual.as_str() {
-                let key = RunKey {
-                    job: JobName::OverdueAccrual,
-                    business_date: due.business_date,
-                    shard,
-                };
-                self.runner(self.settings.accrual.batch_size)
-                    .run(&accrual, key, false)
-                    .await
-            } else {
-                let key = RunKey {
-                    job: JobName::FineSettlement,
-                    business_date: due.business_date,
-                    shard,
-                };
-                let settlement = Settlement {
-                    policy: self.settings.fine,
-                };
-                self.runner(self.settings.settlement.batch_size)
-                    .run(&settlement, key, false)
-                    .await
+            let db_now = status.now + chrono::Duration::from_std(pass_started.elapsed()).unwrap_or_default();
+            let (due, before) = match held.iter().position(|(_, until)| *until < db_now) {
+                Some(i) => {
+                    let (due, until) = held.remove(i);
+                    (due, Some(until))
+                }
+                None => match queue.next() {
+                    Some(due) => (due, None),
+                    None => break,
+                },
             };
+            let report = self.run_due(due, shard).await;
+            // Held again: wait for the renewed lease — but never retry a lease that was not renewed (the
+            // estimate of the database clock ran a little ahead), which would spin.
+            if let Some(until) = report.held_until.filter(|u| before.is_none_or(|b| *u > b)) {
+                held.push((due, until));
+            }
             reports.push(report);
         }
         for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
@@ -459,6 +462,33 @@ impl Daemon {
             );
         }
         Ok(reports)
+    }
+
+    /// Runs one due key of this shard.
+    async fn run_due(&self, due: &Due, shard: ShardSpec) -> RunReport {
+        if due.job == JobName::OverdueAccrual.as_str() {
+            let key = RunKey {
+                job: JobName::OverdueAccrual,
+                business_date: due.business_date,
+                shard,
+            };
+            let accrual = Accrual::from_settings(&self.settings);
+            self.runner(self.settings.accrual.batch_size)
+                .run(&accrual, key, false)
+                .await
+        } else {
+            let key = RunKey {
+                job: JobName::FineSettlement,
+                business_date: due.business_date,
+                shard,
+            };
+            let settlement = Settlement {
+                policy: self.settings.fine,
+            };
+            self.runner(self.settings.settlement.batch_size)
+                .run(&settlement, key, false)
+                .await
+        }
     }
 
     /// Deletes `job_run_attempts` rows older than `claim.history_retention`, in small batches so that no

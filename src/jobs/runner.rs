@@ -256,6 +256,7 @@ impl Runner {
             updated,
             elapsed_ms: 0,
             detail,
+            held_until: None,
         };
 
         let (epoch, cursor) = match job_runs::claim(&self.pool, &key, &self.owner, self.lease, force).await {
@@ -281,7 +282,10 @@ impl Runner {
                 } else {
                     format!("already {}", holder.status)
                 };
-                return report(Outcome::Skipped, Some(holder.epoch), 0, 0, Some(detail));
+                return RunReport {
+                    held_until: (holder.status == "RUNNING").then_some(holder.lease_until),
+                    ..report(Outcome::Skipped, Some(holder.epoch), 0, 0, Some(detail))
+                };
             }
             Err(e) => {
                 let e = JobError::from(e);

@@ -678,3 +678,69 @@ async fn a_replica_whose_log_reader_went_away_still_stops_on_sigterm(pool: PgPoo
     let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
     assert_eq!(code, Some(0));
 }
+
+/// A key held by an owner that died is taken over within the same pass once its lease runs out, not only at the
+/// next tick: the older month is held (lease ending in 2 s) when the pass reaches it, the newer month takes 4 s,
+/// then the pass comes back to the older one and takes it over.
+#[sqlx::test]
+async fn a_pass_comes_back_to_a_key_whose_lease_ran_out_meanwhile(pool: PgPool) {
+    install_update_audit(&pool).await;
+    let months = due_now(&pool, 2).await;
+    let (older, newer) = (months[0], months[1]);
+    let mut loans = Vec::new();
+    for (i, month) in [older, newer].iter().enumerate() {
+        for j in 0..10 {
+            let returned = month.to_string();
+            loans.push(loan(1 + (i * 10 + j) as i64, &returned, Some(&returned)));
+        }
+    }
+    insert(&pool, &loans).await;
+    sqlx::query(
+        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
+         values ('fine-settlement', $1, 1, 0, 'RUNNING', 'gone-host:1:00000000', 1, now() + interval '2 s')",
+    )
+    .bind(older)
+    .execute(&pool)
+    .await
+    .expect("a claim of a dead owner");
+    // Only the newer month's updates are slow: ten of them, 0.4 s each, in one batch.
+    sqlx::raw_sql(&format!(
+        "create function slow_newer() returns trigger language plpgsql as $$
+         begin if new.returned_on > date '{older}' then perform pg_sleep(0.4); end if; return new; end $$;
+         create trigger slow_newer before update on loans for each row execute function slow_newer();"
+    ))
+    .execute(&pool)
+    .await
+    .expect("slow trigger");
+
+    let mut cmd = fine_settler(&database_url(&pool));
+    cmd.env("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "2")
+        .env("FINE_SETTLER__CLAIM__LEASE", "30s")
+        .env("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "10s")
+        .args(["run", "--once"]);
+    let out = output(cmd);
+    assert_success(&out);
+    let reports: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("report"))
+        .collect();
+    let seen: Vec<(String, String, Option<i64>)> = reports
+        .iter()
+        .map(|r| {
+            (
+                r["business_date"].as_str().unwrap_or("").to_string(),
+                r["outcome"].as_str().unwrap_or("").to_string(),
+                r["epoch"].as_i64(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            (older.to_string(), "skipped".to_string(), Some(1)),
+            (newer.to_string(), "settled".to_string(), Some(1)),
+            (older.to_string(), "settled".to_string(), Some(2)),
+        ]
+    );
+    assert_every_month_settled_once(&pool, &[older, newer]).await;
+}
