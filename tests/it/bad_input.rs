@@ -7,7 +7,7 @@ use std::{process::Output, time::Duration};
 use sqlx::{postgres::PgPoolOptions, PgPool};
 
 use crate::{
-    helpers::{database_url, fine_settler, migrate, output, report},
+    helpers::{assert_success, database_url, fine_settler, migrate, output, report},
     server::PrivateServer,
 };
 
@@ -194,12 +194,7 @@ async fn odd_data_has_a_defined_outcome(pool: PgPool) {
         "2026-10-31",
     ]);
     let out = output(settle);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let r = report(&out);
     assert_eq!(
         (r["outcome"].as_str(), r["updated"].as_i64()),
@@ -238,12 +233,7 @@ async fn odd_data_has_a_defined_outcome(pool: PgPool) {
     let mut accrue = fine_settler(&url);
     accrue.args(["accrue", "--date", "2026-10-14"]);
     let out = output(accrue);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let charged: Vec<i64> = sqlx::query_scalar("select loan_id from fine_ledger order by loan_id")
         .fetch_all(&pool)
         .await
