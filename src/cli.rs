@@ -15,7 +15,7 @@ use crate::{
     demo,
     jobs::{
         accrual::{compensate, Accrual},
-        runner::{process_owner, Runner},
+        runner::{host_name, process_owner, Runner},
         settlement::Settlement,
         JobName, Outcome, RunKey, RunReport,
     },
@@ -279,11 +279,15 @@ pub fn main() -> ExitCode {
 
 /// The shard of a one-shot command: `--shard`/`--shards`, defaulting to the instance's.
 fn shard_spec(settings: &Settings, args: &ShardArgs) -> Result<ShardSpec, CliError> {
-    ShardSpec::new(
+    shard_arg(
         args.shard.unwrap_or(i64::from(settings.instance.shard())),
         args.shards.unwrap_or(i64::from(settings.instance.shards())),
     )
-    .map_err(|e| CliError::Usage(format!("--shard/--shards: {e}")))
+}
+
+/// `--shard S --shards N` as a shard, or a usage error naming the flags.
+fn shard_arg(shard: i64, shards: i64) -> Result<ShardSpec, CliError> {
+    ShardSpec::new(shard, shards).map_err(|e| CliError::Usage(format!("--shard/--shards: {e}")))
 }
 
 /// Loads and validates the configuration; nothing touches the database before this has passed.
@@ -306,10 +310,8 @@ fn service_manager(settings: &Settings) -> Result<ServiceManager, CliError> {
     let Some(notifier) = Notifier::from_env(&env).map_err(usage)? else {
         return Ok((None, None));
     };
-    let dog = match Notifier::from_env(&env).map_err(usage)? {
-        Some(n) => Watchdog::from_env(&env, n).map_err(CliError::Usage)?,
-        None => None,
-    };
+    let notifier = Arc::new(notifier);
+    let dog = Watchdog::from_env(&env, notifier.clone()).map_err(CliError::Usage)?;
     if let Some(dog) = &dog {
         let min = settings.claim.batch_timeout * 2;
         if dog.timeout < min {
@@ -321,7 +323,7 @@ fn service_manager(settings: &Settings) -> Result<ServiceManager, CliError> {
             )));
         }
     }
-    Ok((Some(Arc::new(notifier)), dog.map(Arc::new)))
+    Ok((Some(notifier), dog.map(Arc::new)))
 }
 
 /// Runs one command.
@@ -447,14 +449,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             .await?;
             match action {
                 PendingAction::List { json } => {
-                    let rows = store::ledger::list(&pool).await?;
-                    if json {
-                        for r in &rows {
-                            println!("{}", serde_json::to_string(r).unwrap_or_default());
-                        }
-                    } else {
-                        print!("{}", pending_table(&rows));
-                    }
+                    print_rows(&store::ledger::list(&pool).await?, json, pending_table);
                 }
                 PendingAction::Retry { dead } => {
                     let resurrected = if dead {
@@ -528,22 +523,10 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             let job = job.map(JobName::as_str);
             if history {
                 let rows = store::job_runs::history(&pool, job, business_date).await?;
-                if json {
-                    for row in &rows {
-                        println!("{}", serde_json::to_string(row).unwrap_or_default());
-                    }
-                } else {
-                    print!("{}", history_table(&rows));
-                }
+                print_rows(&rows, json, history_table);
             } else {
                 let rows = store::job_runs::list(&pool, job, business_date).await?;
-                if json {
-                    for row in &rows {
-                        println!("{}", serde_json::to_string(row).unwrap_or_default());
-                    }
-                } else {
-                    print!("{}", runs_table(&rows));
-                }
+                print_rows(&rows, json, runs_table);
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -555,8 +538,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             reason,
             by,
         } => {
-            let spec = ShardSpec::new(shard, shards)
-                .map_err(|e| CliError::Usage(format!("--shard/--shards: {e}")))?;
+            let spec = shard_arg(shard, shards)?;
             let by = by.unwrap_or_else(operator);
             telemetry::init(settings.log_format, &settings.log_level);
             let pool = store::connect(
@@ -789,6 +771,17 @@ async fn accrue(settings: &Settings, key: RunKey, force: bool) -> AccrualReport 
     }
 }
 
+/// Rows on stdout: one JSON object per line with `--json`, else the table.
+fn print_rows<T: serde::Serialize>(rows: &[T], json: bool, table: fn(&[T]) -> String) {
+    if json {
+        for row in rows {
+            println!("{}", serde_json::to_string(row).unwrap_or_default());
+        }
+    } else {
+        print!("{}", table(rows));
+    }
+}
+
 fn pending_table(rows: &[store::ledger::Pending]) -> String {
     let mut out = format!(
         "{:>12} {:<10} {:>10} {:>8} {:<25} {:<7} {}\n",
@@ -815,10 +808,7 @@ fn operator() -> String {
     let user = std::env::var("USER")
         .or_else(|_| std::env::var("LOGNAME"))
         .unwrap_or_else(|_| "operator".into());
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_default();
-    format!("{user}@{host}")
+    format!("{user}@{}", host_name())
 }
 
 fn history_table(rows: &[store::job_runs::Attempt]) -> String {

@@ -10,7 +10,7 @@
 
 use std::{
     os::unix::net::UnixDatagram,
-    sync::Mutex,
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -80,7 +80,7 @@ impl Notifier {
 /// The systemd watchdog: the interval systemd expects pings at (`WATCHDOG_USEC`), and the last ping sent.
 #[derive(Debug)]
 pub struct Watchdog {
-    notifier: Notifier,
+    notifier: Arc<Notifier>,
     /// `WatchdogSec`.
     pub timeout: Duration,
     last: Mutex<Option<Instant>>,
@@ -90,7 +90,7 @@ impl Watchdog {
     /// The watchdog systemd asked for: `WATCHDOG_USEC` set (and `WATCHDOG_PID`, if set, naming this process).
     pub fn from_env(
         env: &std::collections::HashMap<String, String>,
-        notifier: Notifier,
+        notifier: Arc<Notifier>,
     ) -> Result<Option<Watchdog>, String> {
         let Some(usec) = env.get("WATCHDOG_USEC").filter(|s| !s.is_empty()) else {
             return Ok(None);
@@ -125,11 +125,6 @@ impl Watchdog {
         drop(last);
         self.notifier.send("WATCHDOG=1");
     }
-
-    /// The notifier the watchdog pings through.
-    pub fn notifier(&self) -> &Notifier {
-        &self.notifier
-    }
 }
 
 #[cfg(test)]
@@ -162,7 +157,9 @@ mod tests {
         let n = server.recv(&mut buf).expect("ready");
         assert_eq!(&buf[..n], b"READY=1\nSTATUS=ticking");
 
-        let dog = Watchdog::from_env(&e, notifier).expect("ok").expect("watchdog");
+        let dog = Watchdog::from_env(&e, Arc::new(notifier))
+            .expect("ok")
+            .expect("watchdog");
         assert_eq!(dog.timeout, Duration::from_secs(4));
         for _ in 0..100 {
             dog.pet();
@@ -187,7 +184,7 @@ mod tests {
             ("NOTIFY_SOCKET", &format!("@{name}")),
             ("WATCHDOG_USEC", "1000000"),
         ]);
-        let notifier = Notifier::from_env(&e).expect("ok").expect("notifier");
+        let notifier = Arc::new(Notifier::from_env(&e).expect("ok").expect("notifier"));
         notifier.send("STOPPING=1");
         let mut buf = [0u8; 64];
         let n = server.recv(&mut buf).expect("recv");
@@ -195,8 +192,9 @@ mod tests {
 
         let mut foreign = e.clone();
         foreign.insert("WATCHDOG_PID".into(), "1".into());
-        assert!(Watchdog::from_env(&foreign, notifier).expect("ok").is_none());
-        let notifier = Notifier::from_env(&e).expect("ok").expect("notifier");
+        assert!(Watchdog::from_env(&foreign, notifier.clone())
+            .expect("ok")
+            .is_none());
         let mut bad = e.clone();
         bad.insert("WATCHDOG_USEC".into(), "soon".into());
         assert!(Watchdog::from_env(&bad, notifier)

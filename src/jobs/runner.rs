@@ -109,7 +109,7 @@ pub fn transient(e: &sqlx::Error) -> bool {
 async fn retrying<T, F, Fut>(what: &str, mut statement: F) -> Result<T, sqlx::Error>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+    Fut: Future<Output = Result<T, sqlx::Error>>,
 {
     let mut waits = END_RETRIES.iter();
     loop {
@@ -126,15 +126,21 @@ where
     }
 }
 
-/// A process-unique owner name: host, pid and a random part, so two processes on one host (or a restarted
-/// process reusing a pid) never share an identity.
-pub fn process_owner() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+/// This host's name: the kernel's, else `$HOSTNAME` (systemd's ProcSubset=pid hides /proc/sys), else
+/// `unknown-host`.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|h| h.trim().to_string())
         .filter(|h| !h.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "unknown-host".to_string());
+        .unwrap_or_else(|| "unknown-host".to_string())
+}
+
+/// A process-unique owner name: host, pid and a random part, so two processes on one host (or a restarted
+/// process reusing a pid) never share an identity.
+pub fn process_owner() -> String {
+    let host = host_name();
     // RandomState is seeded from the OS's randomness per process: enough for a uniqueness suffix, no extra crate.
     let random = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
     format!("{host}:{}:{:08x}", std::process::id(), random as u32)

@@ -2,7 +2,7 @@
 
 use sqlx::PgPool;
 
-use crate::helpers::{assert_success, database_url, fine_settler, migrate, output, report};
+use crate::helpers::{assert_success, d, database_url, fine_settler, migrate, output, report, seed_run};
 
 async fn nothing_written(pool: &PgPool) {
     let runs: i64 = sqlx::query_scalar("select count(*) from job_runs")
@@ -276,13 +276,16 @@ async fn release_ends_a_stuck_claim_and_the_next_run_fences_the_old_owner(pool: 
         .await
         .expect("loan");
     // A replica claimed the key and hung with an hour of lease left.
-    sqlx::query(
-        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
-         values ('fine-settlement', '2026-10-31', 1, 0, 'RUNNING', 'host-a:42:beef', 4, now() + interval '1 hour')",
+    seed_run(
+        &pool,
+        "fine-settlement",
+        d("2026-10-31"),
+        "RUNNING",
+        "host-a:42:beef",
+        4,
+        "1 hour",
     )
-    .execute(&pool)
-    .await
-    .expect("stuck claim");
+    .await;
     let url = database_url(&pool);
     let release = || {
         let mut cmd = fine_settler(&url);

@@ -12,8 +12,8 @@ use sqlx::{postgres::PgPoolOptions, PgPool};
 
 use crate::{
     helpers::{
-        assert_success, database_url, fine_settler, insert, install_update_audit, loan, max_updates_per_loan,
-        migrate, oracle, output, settled, slow_down, wait_until,
+        assert_success, d, database_url, fine_settler, insert, install_update_audit, loan,
+        max_updates_per_loan, migrate, oracle, output, seed_run, settled, slow_down, wait_until,
     },
     server::PrivateServer,
 };
@@ -516,14 +516,26 @@ async fn plan_shows_what_a_tick_would_claim_and_writes_nothing(pool: PgPool) {
     let mut settle = fine_settler(&url);
     settle.args(["settle", "--business-date", "2026-11-30"]);
     assert_success(&output(settle));
-    sqlx::query(
-        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
-         values ('fine-settlement', '2026-12-31', 1, 0, 'RUNNING', 'crashed', 1, now() - interval '1 minute'),
-                ('overdue-accrual', '2026-12-30', 1, 0, 'FAILED', 'someone', 3, now())",
+    seed_run(
+        &pool,
+        "fine-settlement",
+        d("2026-12-31"),
+        "RUNNING",
+        "crashed",
+        1,
+        "-1 minute",
     )
-    .execute(&pool)
-    .await
-    .expect("rows");
+    .await;
+    seed_run(
+        &pool,
+        "overdue-accrual",
+        d("2026-12-30"),
+        "FAILED",
+        "someone",
+        3,
+        "0 s",
+    )
+    .await;
     let after = plan("2027-01-01T00:30:00+08:00");
     assert_eq!(
         after,
@@ -536,13 +548,16 @@ async fn plan_shows_what_a_tick_would_claim_and_writes_nothing(pool: PgPool) {
         ]
     );
     // A time long before today sees that time's keys too.
-    sqlx::query(
-        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
-         values ('fine-settlement', '2019-12-31', 1, 0, 'SUCCESS', 'someone', 1, now())",
+    seed_run(
+        &pool,
+        "fine-settlement",
+        d("2019-12-31"),
+        "SUCCESS",
+        "someone",
+        1,
+        "0 s",
     )
-    .execute(&pool)
-    .await
-    .expect("old key");
+    .await;
     assert_eq!(
         plan("2020-01-01T00:30:00+08:00")[2],
         "fine-settlement 2019-12-31 SUCCESS skip"
@@ -695,14 +710,17 @@ async fn a_pass_comes_back_to_a_key_whose_lease_ran_out_meanwhile(pool: PgPool) 
         }
     }
     insert(&pool, &loans).await;
-    sqlx::query(
-        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
-         values ('fine-settlement', $1, 1, 0, 'RUNNING', 'gone-host:1:00000000', 1, now() + interval '2 s')",
+    // A claim of a dead owner, its lease running out in 2 s.
+    seed_run(
+        &pool,
+        "fine-settlement",
+        older,
+        "RUNNING",
+        "gone-host:1:00000000",
+        1,
+        "2 s",
     )
-    .bind(older)
-    .execute(&pool)
-    .await
-    .expect("a claim of a dead owner");
+    .await;
     // Only the newer month's updates are slow: ten of them, 0.4 s each, in one batch.
     sqlx::raw_sql(&format!(
         "create function slow_newer() returns trigger language plpgsql as $$

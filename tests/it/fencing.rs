@@ -14,7 +14,7 @@ use fine_settler::{
 use sqlx::{PgConnection, PgPool};
 
 use crate::helpers::{
-    insert, install_update_audit, key, loan, max_updates_per_loan, oracle, runner, settled,
+    d, insert, install_update_audit, key, loan, max_updates_per_loan, oracle, runner, seed_run, settled,
 };
 
 /// Settlement, except that just before writing batch number `after` (0-based) the replica stalls long enough
@@ -126,13 +126,16 @@ async fn a_fenced_batch_rolls_back_its_business_writes(pool: PgPool) {
     let k = key("2026-10-31", 0, 1);
     let runner = runner(&pool, "a", 1000);
     // Claim, then lose the key before the first batch: bump the epoch underneath the runner.
-    sqlx::query(
-        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
-         values ('fine-settlement', '2026-10-31', 1, 0, 'RUNNING', 'other', 5, now() + interval '1 hour')",
+    seed_run(
+        &pool,
+        "fine-settlement",
+        d("2026-10-31"),
+        "RUNNING",
+        "other",
+        5,
+        "1 hour",
     )
-    .execute(&pool)
-    .await
-    .expect("seed row");
+    .await;
     let mut tx = pool.begin().await.expect("tx");
     let settlement = Settlement {
         policy: FinePolicy::default(),

@@ -43,6 +43,32 @@ pub async fn insert(pool: &PgPool, loans: &[NewLoan]) {
     insert_new(pool, loans).await.expect("insert loans");
 }
 
+/// A `job_runs` row for shard 0 of 1 as some other replica left it: `lease` is the lease left, as a PostgreSQL
+/// interval from now (`"1 hour"`, `"-1 minute"`, `"0 s"`).
+pub async fn seed_run(
+    pool: &PgPool,
+    job: &str,
+    date: NaiveDate,
+    status: &str,
+    owner: &str,
+    epoch: i64,
+    lease: &str,
+) {
+    sqlx::query(
+        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
+         values ($1, $2, 1, 0, $3, $4, $5, now() + $6::interval)",
+    )
+    .bind(job)
+    .bind(date)
+    .bind(status)
+    .bind(owner)
+    .bind(epoch)
+    .bind(lease)
+    .execute(pool)
+    .await
+    .expect("seed job_runs row");
+}
+
 /// Counts every committed update of each loan row (rolled-back updates roll their count back too).
 pub async fn install_update_audit(pool: &PgPool) {
     sqlx::raw_sql(
