@@ -331,7 +331,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
     let (raw, settings) = settings(&cli)?;
     match cli.command {
         Command::CheckConfig => {
-            print!("{}", raw.to_redacted_toml());
+            print!("{}", raw.to_redacted_toml(&settings));
             Ok(ExitCode::SUCCESS)
         }
         Command::Migrate => {
@@ -417,13 +417,6 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Command::Accrue { date, shard, force } => {
             let spec = shard_spec(&settings, &shard)?;
-            let today = calendar::local_date(Utc::now(), settings.zone);
-            if date >= today {
-                return Err(CliError::Usage(format!(
-                    "--date: {date} is not before today ({today} in {}); a day is accrued once it is over",
-                    settings.zone.name()
-                )));
-            }
             if date.year() < 1 {
                 return Err(CliError::Usage(format!(
                     "--date: {date} is out of range (years 1 to 9999)"
@@ -435,7 +428,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 business_date: date,
                 shard: spec,
             };
-            let report = accrue(&settings, key, force).await;
+            let report = accrue(&settings, key, force).await?;
             println!("{}", serde_json::to_string(&report).unwrap_or_default());
             Ok(ExitCode::from(report.run.outcome.exit_code()))
         }
@@ -463,7 +456,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                     println!(
                         "{}",
                         serde_json::json!({
-                            "resurrected": resurrected, "charged": done.charged, "retried": done.retried,
+                            "resurrected": resurrected, "charged": done.charged, "not_owed": done.not_owed,
+                            "retried": done.retried,
                             "dead_now": done.dead, "pending": pending, "dead": dead
                         })
                     );
@@ -479,10 +473,12 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 "fine-settler plan",
                 settings.claim.batch_timeout,
             )?;
+            let around = at.map_or_else(Utc::now, |at| at.with_timezone(&Utc));
             let status = session
                 .tick_status(
                     settings.instance,
-                    daemon::window_start(&settings, at.map_or_else(Utc::now, |at| at.with_timezone(&Utc))),
+                    daemon::window_start(&settings, around),
+                    daemon::late_probe(&settings, around),
                 )
                 .await
                 .map_err(daemon::TickError::from)?;
@@ -666,6 +662,7 @@ fn not_started(key: RunKey, started: tokio::time::Instant, error: String) -> Run
         elapsed_ms: started.elapsed().as_millis() as u64,
         detail: Some(error),
         held_until: None,
+        reopened: false,
     }
 }
 
@@ -685,15 +682,13 @@ async fn one_shot_runner(settings: &Settings, key: RunKey, batch_size: u32) -> R
             CancellationToken::new()
         }
     };
-    Ok(Runner {
+    Ok(Runner::new(
         pool,
-        owner: process_owner(),
-        lease: settings.claim.lease,
-        batch_timeout: settings.claim.batch_timeout,
+        process_owner(),
+        &settings.claim,
         batch_size,
         cancel,
-        metrics: None,
-    })
+    ))
 }
 
 /// Settles one key. Always returns a report.
@@ -724,51 +719,72 @@ struct AccrualReport {
     run: RunReport,
     /// Pending charges of this shard written by the compensation pass before the run.
     compensated: u64,
+    /// Why the compensation pass failed, if it did (the run went ahead).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    compensation_error: Option<String>,
     /// This shard's PENDING charges after the run.
     pending: Option<i64>,
     /// This shard's DEAD charges after the run.
     dead: Option<i64>,
 }
 
-/// Accrues one day for one shard, after retrying the shard's due pending charges. Always returns a report.
-async fn accrue(settings: &Settings, key: RunKey, force: bool) -> AccrualReport {
+/// Accrues one day for one shard, after retrying the shard's due pending charges. Returns a report, or a usage
+/// error when the day is not over yet by the configured clock (the database's by default, as for the daemon);
+/// nothing is written then.
+async fn accrue(settings: &Settings, key: RunKey, force: bool) -> Result<AccrualReport, CliError> {
     let started = tokio::time::Instant::now();
+    let not_started = |e: String| AccrualReport {
+        run: not_started(key, started, e),
+        compensated: 0,
+        compensation_error: None,
+        pending: None,
+        dead: None,
+    };
     let runner = match one_shot_runner(settings, key, settings.accrual.batch_size).await {
         Ok(runner) => runner,
-        Err(e) => {
-            return AccrualReport {
-                run: not_started(key, started, e),
-                compensated: 0,
-                pending: None,
-                dead: None,
-            }
-        }
+        Err(e) => return Ok(not_started(e)),
     };
-    let job = Accrual::from_settings(settings);
-    let max_attempts = settings.accrual.max_attempts;
-    let compensated = match compensate(&runner.pool, &job, Some(key.shard), true, max_attempts).await {
-        Ok(c) => c.charged,
+    let now = match settings.time_source {
+        TimeSource::System => Ok(Utc::now()),
+        TimeSource::Database => store::database_now(&runner.pool).await,
+    };
+    let today = match now {
+        Ok(now) => calendar::local_date(now, settings.zone),
         Err(e) => {
             let e = StoreError::from(e);
-            tracing::error!(error = %e, "compensation pass failed");
+            tracing::error!(error = %e, "cannot read the database clock");
             runner.pool.close().await;
-            return AccrualReport {
-                run: not_started(key, started, e.to_string()),
-                compensated: 0,
-                pending: None,
-                dead: None,
-            };
+            return Ok(not_started(e.to_string()));
         }
     };
+    if key.business_date >= today {
+        runner.pool.close().await;
+        return Err(CliError::Usage(format!(
+            "--date: {} is not before today ({today} in {}); a day is accrued once it is over",
+            key.business_date,
+            settings.zone.name()
+        )));
+    }
+    let job = Accrual::from_settings(settings);
+    let max_attempts = settings.accrual.max_attempts;
+    // A failing compensation pass (a missing grant, a broken trigger) does not keep the day from being accrued.
+    let compensation = compensate(&runner.pool, &job, Some(key.shard), true, max_attempts)
+        .await
+        .map_err(|e| {
+            let e = StoreError::from(e);
+            tracing::error!(error = %e, "compensation pass failed; accruing the day anyway");
+            e.to_string()
+        });
     let run = runner.run(&job, key, force).await;
     let counts = store::ledger::counts(&runner.pool, Some(key.shard)).await.ok();
     runner.pool.close().await;
-    AccrualReport {
+    Ok(AccrualReport {
         run,
-        compensated,
+        compensated: compensation.as_ref().map_or(0, |c| c.charged),
+        compensation_error: compensation.err(),
         pending: counts.map(|c| c.0),
         dead: counts.map(|c| c.1),
-    }
+    })
 }
 
 /// Rows on stdout: one JSON object per line with `--json`, else the table.

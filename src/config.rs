@@ -79,7 +79,12 @@ pub struct RawTime {
 #[serde(deny_unknown_fields)]
 pub struct RawClaim {
     pub lease: String,
-    pub batch_timeout: String,
+    /// Unset: derived from the lease ([`derived_batch_timeout`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_timeout: Option<String>,
+    /// Unset: derived from the batch timeout ([`derived_lock_timeout`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lock_timeout: Option<String>,
     pub history_retention: String,
 }
 
@@ -243,6 +248,9 @@ pub struct ClaimSettings {
     pub lease: Duration,
     /// The statement timeout of every batch; always shorter than `lease`.
     pub batch_timeout: Duration,
+    /// How long a batch statement waits for a row lock (libraryd's, or another run's) before it leaves the row
+    /// for later; always shorter than `batch_timeout`, so a lock wait never fails a batch.
+    pub lock_timeout: Duration,
     /// How long `job_run_attempts` rows are kept.
     pub history_retention: Duration,
 }
@@ -481,20 +489,50 @@ impl RawSettings {
         let max_skew = c.duration("time.max_skew", &self.time.max_skew);
 
         let lease = c.duration("claim.lease", &self.claim.lease);
-        let batch_timeout = c.duration("claim.batch_timeout", &self.claim.batch_timeout);
+        let explicit_batch = self
+            .claim
+            .batch_timeout
+            .as_deref()
+            .map(|t| c.duration("claim.batch_timeout", t));
+        let explicit_lock = self
+            .claim
+            .lock_timeout
+            .as_deref()
+            .map(|t| c.duration("claim.lock_timeout", t));
         let history_retention = c.duration("claim.history_retention", &self.claim.history_retention);
         if history_retention.is_some_and(|r| r < Duration::from_secs(3600)) {
             c.fail("claim.history_retention", "must be at least 1h");
         }
+        let batch_timeout = match explicit_batch {
+            Some(explicit) => explicit,
+            None => lease.map(derived_batch_timeout),
+        };
+        let lock_timeout = match explicit_lock {
+            Some(explicit) => explicit,
+            None => batch_timeout.map(derived_lock_timeout),
+        };
         if let (Some(lease), Some(batch_timeout)) = (lease, batch_timeout) {
             // A batch renews the lease when it commits; a lease shorter than the longest batch would let a peer
-            // take over a replica that is still working.
+            // take over a replica that is still working. Only explicit values can contradict each other.
             if lease <= batch_timeout {
                 c.fail(
                     "claim.lease",
                     format!(
                         "{} must be longer than claim.batch_timeout ({})",
                         humantime::format_duration(lease),
+                        humantime::format_duration(batch_timeout)
+                    ),
+                );
+            }
+        }
+        if let (Some(batch_timeout), Some(lock_timeout)) = (batch_timeout, lock_timeout) {
+            // A lock wait must end well inside the batch, so that the batch can leave the row and commit the rest.
+            if lock_timeout >= batch_timeout {
+                c.fail(
+                    "claim.lock_timeout",
+                    format!(
+                        "{} must be shorter than claim.batch_timeout ({})",
+                        humantime::format_duration(lock_timeout),
                         humantime::format_duration(batch_timeout)
                     ),
                 );
@@ -590,6 +628,7 @@ impl RawSettings {
                 claim: ClaimSettings {
                     lease: lease?,
                     batch_timeout: batch_timeout?,
+                    lock_timeout: lock_timeout?,
                     history_retention: history_retention?,
                 },
                 settlement: SettlementSettings {
@@ -619,12 +658,33 @@ impl RawSettings {
         })
     }
 
-    /// The effective configuration as TOML, with the database password redacted.
-    pub fn to_redacted_toml(&self) -> String {
+    /// The effective configuration as TOML, with the database password redacted and the derived claim timeouts
+    /// written out (`settings` is this configuration, validated).
+    pub fn to_redacted_toml(&self, settings: &Settings) -> String {
         let mut shown = self.clone();
         shown.database.url = redact_url(&shown.database.url);
+        let text = |d: Duration| humantime::format_duration(d).to_string();
+        shown.claim.batch_timeout = Some(text(settings.claim.batch_timeout));
+        shown.claim.lock_timeout = Some(text(settings.claim.lock_timeout));
         toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render configuration: {e}\n"))
     }
+}
+
+/// `claim.batch_timeout` when it is not set: a quarter of the lease, at most 30 s — so that a lease of any length
+/// works on its own, and a healthy replica renews its lease several times before it could run out.
+pub fn derived_batch_timeout(lease: Duration) -> Duration {
+    whole_millis(lease / 4).min(Duration::from_secs(30))
+}
+
+fn whole_millis(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// `claim.lock_timeout` when it is not set: a sixth of the batch timeout, at most 5 s (and at least 10 ms) —
+/// long enough to ride out libraryd's short transactions, short enough that a batch that meets a row libraryd
+/// keeps locked still has the time to leave that row and commit the rest.
+pub fn derived_lock_timeout(batch_timeout: Duration) -> Duration {
+    whole_millis(batch_timeout / 6).clamp(Duration::from_millis(10), Duration::from_secs(5))
 }
 
 /// The ordinal of a StatefulSet pod name: `fine-settler-2` → 2.
@@ -717,6 +777,48 @@ mod tests {
         assert!(settings.http_listen.is_none());
     }
 
+    #[test]
+    fn the_claim_timeouts_follow_the_lease_unless_set() {
+        let s = settings(&[]);
+        assert_eq!(
+            (s.claim.batch_timeout, s.claim.lock_timeout),
+            (Duration::from_secs(30), Duration::from_secs(5))
+        );
+        // Only the lease set: both timeouts follow it, and nothing contradicts.
+        let s = settings(&[("FINE_SETTLER__CLAIM__LEASE", "10s")]);
+        assert_eq!(
+            (s.claim.batch_timeout, s.claim.lock_timeout),
+            (Duration::from_millis(2500), Duration::from_millis(416))
+        );
+        let s = settings(&[("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "12s")]);
+        assert_eq!(s.claim.lock_timeout, Duration::from_secs(2));
+        // Explicit values that contradict each other are refused, naming the key.
+        assert_eq!(
+            problems(&[
+                ("FINE_SETTLER__CLAIM__LEASE", "10s"),
+                ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "30s")
+            ]),
+            vec!["invalid configuration: claim.lease: 10s must be longer than claim.batch_timeout (30s)"]
+        );
+        assert_eq!(
+            problems(&[
+                ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "3s"),
+                ("FINE_SETTLER__CLAIM__LOCK_TIMEOUT", "3s")
+            ]),
+            vec![
+                "invalid configuration: claim.lock_timeout: 3s must be shorter than claim.batch_timeout (3s)"
+            ]
+        );
+        // check-config shows the derived values.
+        let vars = env(&[("FINE_SETTLER__CLAIM__LEASE", "1m")]);
+        let raw = load(None, &vars).expect("loads");
+        let shown = raw.to_redacted_toml(&raw.validate(&vars).expect("valid"));
+        assert!(
+            shown.contains("batch_timeout = \"15s\"") && shown.contains("lock_timeout = \"2s 500ms\""),
+            "{shown}"
+        );
+    }
+
     fn settings(pairs: &[(&str, &str)]) -> Settings {
         let env = env(pairs);
         load(None, &env).and_then(|r| r.validate(&env)).expect("valid")
@@ -744,7 +846,7 @@ mod tests {
             ("FINE_SETTLER__INSTANCE__SHARDS", "0", "instance.shards"),
             ("FINE_SETTLER__TIME__ZONE", "Mars/Olympus", "time.zone"),
             ("FINE_SETTLER__CLAIM__LEASE", "soon", "claim.lease"),
-            ("FINE_SETTLER__CLAIM__LEASE", "10s", "claim.lease"),
+            ("FINE_SETTLER__CLAIM__LEASE", "0.5x", "claim.lease"),
             ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "0s", "claim.batch_timeout"),
             (
                 "FINE_SETTLER__FINE__DAILY_RATE_CENTS",
@@ -834,8 +936,10 @@ mod tests {
         );
         assert_eq!(redact_url("postgres://h/db"), "postgres://h/db");
         assert_eq!(redact_url("postgres://u:p@ss@h/db"), "postgres://u:***@h/db");
-        let raw = load(None, &env(&[("DATABASE_URL", "postgres://u:hunter2@h/db")])).expect("loads");
-        let shown = raw.to_redacted_toml();
+        let vars = env(&[("DATABASE_URL", "postgres://u:hunter2@h/db")]);
+        let raw = load(None, &vars).expect("loads");
+        let settings = raw.validate(&vars).expect("valid");
+        let shown = raw.to_redacted_toml(&settings);
         assert!(
             !shown.contains("hunter2") && shown.contains("u:***@h/db"),
             "{shown}"

@@ -30,7 +30,11 @@ use crate::{
     },
     sdnotify::Notifier,
     shard::ShardSpec,
-    store::{self, job_runs::KeyState, Session, StoreError},
+    store::{
+        self,
+        job_runs::{KeyState, LateProbe},
+        Session, StoreError,
+    },
 };
 
 /// First retry delay after a failed tick; doubled per failure up to [`MAX_BACKOFF`].
@@ -70,7 +74,8 @@ pub struct Due {
     pub shards: i32,
     /// `none` when no row exists yet, else the row's status.
     pub status: String,
-    /// `claim` (no row), `takeover` (FAILED, or RUNNING with an expired lease), `skip` (SUCCESS, or a live owner).
+    /// `claim` (no row), `takeover` (FAILED, or RUNNING with an expired lease), `reopen` (SUCCESS, but rows
+    /// arrived after its run), `skip` (SUCCESS, or a live owner).
     pub action: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
@@ -101,6 +106,7 @@ fn classify(settings: &Settings, job: JobName, date: NaiveDate, states: &[KeySta
         None => ("none".to_string(), "claim", None),
         Some(s) => {
             let action = match s.status.as_str() {
+                "SUCCESS" if s.late => "reopen",
                 "SUCCESS" => "skip",
                 "FAILED" => "takeover",
                 _ if s.expired => "takeover",
@@ -130,6 +136,52 @@ pub fn window_start(settings: &Settings, at: DateTime<Utc>) -> NaiveDate {
     at.date_naive()
         .checked_sub_signed(chrono::Duration::days(back))
         .unwrap_or(NaiveDate::MIN)
+}
+
+/// What the tick status asks about SUCCESS keys at host time `at`: whether rows arrived after their run, for the
+/// keys of each enabled job's catch-up window (with two days of margin for the zone and the clocks' skew).
+pub fn late_probe(settings: &Settings, at: DateTime<Utc>) -> LateProbe {
+    let early = calendar::local_date(at, settings.zone)
+        .checked_sub_signed(chrono::Duration::days(2))
+        .unwrap_or(NaiveDate::MIN);
+    LateProbe {
+        settlement_since: settings
+            .settlement
+            .enabled
+            .then(|| calendar::settlement_due(early, settings.settlement.catch_up_months))
+            .and_then(|dates| dates.first().copied()),
+        accrual_since: settings
+            .accrual
+            .enabled
+            .then(|| accrual::due_days(early, settings.accrual.catch_up_days))
+            .and_then(|days| days.first().copied()),
+        grace_days: i32::try_from(settings.fine.grace_days()).unwrap_or(i32::MAX),
+        cap_cents: settings.fine.cap().map_or(0, |c| c.get()),
+    }
+}
+
+/// Keys of this shard that are not SUCCESS although their business date has left its job's catch-up window at
+/// `now`: nothing runs them by itself any more (`verify` reports the month; `settle`/`accrue` by hand fixes it).
+pub fn abandoned<'a>(settings: &Settings, now: DateTime<Utc>, states: &'a [KeyState]) -> Vec<&'a KeyState> {
+    let today = calendar::local_date(now, settings.zone);
+    let oldest_settlement = calendar::settlement_due(today, settings.settlement.catch_up_months)
+        .first()
+        .copied();
+    let oldest_accrual = accrual::due_days(today, settings.accrual.catch_up_days)
+        .first()
+        .copied();
+    states
+        .iter()
+        .filter(|s| s.status != "SUCCESS")
+        .filter(|s| {
+            let oldest = if s.job_name == JobName::FineSettlement.as_str() {
+                oldest_settlement.filter(|_| settings.settlement.enabled)
+            } else {
+                oldest_accrual.filter(|_| settings.accrual.enabled)
+            };
+            oldest.is_some_and(|oldest| s.business_date < oldest)
+        })
+        .collect()
 }
 
 /// How long the replica may go without progress before `/healthz` fails: two periods of its schedule (for cron,
@@ -163,6 +215,10 @@ pub struct Daemon {
     metrics: Arc<Metrics>,
     /// The service manager (systemd), told READY=1 and STATUS=… when `NOTIFY_SOCKET` is set.
     notifier: Option<Arc<Notifier>>,
+    /// The compensation pass is failing (logged once per episode, like an outage).
+    compensation_failing: bool,
+    /// Keys already reported as abandoned by this process (each is logged and counted once).
+    abandoned: HashSet<(String, NaiveDate)>,
 }
 
 impl Daemon {
@@ -182,6 +238,16 @@ impl Daemon {
             settings.claim.batch_timeout,
         )?;
         let metrics = Arc::new(Metrics::new(settings.instance.to_string()));
+        // Counters an alert watches start at 0, so that their first increase is seen.
+        for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
+            for name in [
+                "fine_settler_keys_abandoned_total",
+                "fine_settler_late_rows_total",
+            ] {
+                metrics.add(name, Some(job.as_str()), None, 0.0);
+            }
+        }
+        metrics.add("fine_settler_compensation_errors_total", None, None, 0.0);
         Ok(Daemon {
             settings,
             pool,
@@ -193,6 +259,8 @@ impl Daemon {
             skew_warned: false,
             metrics,
             notifier: None,
+            compensation_failing: false,
+            abandoned: HashSet::new(),
         })
     }
 
@@ -267,15 +335,14 @@ impl Daemon {
     }
 
     fn runner(&self, batch_size: u32) -> Runner {
-        Runner {
-            pool: self.pool.clone(),
-            owner: self.owner.clone(),
-            lease: self.settings.claim.lease,
-            batch_timeout: self.settings.claim.batch_timeout,
+        Runner::new(
+            self.pool.clone(),
+            self.owner.clone(),
+            &self.settings.claim,
             batch_size,
-            cancel: self.shutdown.clone(),
-            metrics: Some(self.metrics.clone()),
-        }
+            self.shutdown.clone(),
+        )
+        .with_metrics(self.metrics.clone())
     }
 
     /// Runs until shutdown: ticks on the schedule (and once at start), each tick retried through outages.
@@ -375,7 +442,11 @@ impl Daemon {
         let before = self.wall.now();
         let status = self
             .session
-            .tick_status(shard, window_start(&self.settings, before))
+            .tick_status(
+                shard,
+                window_start(&self.settings, before),
+                late_probe(&self.settings, before),
+            )
             .await?;
         let after = self.wall.now();
         self.observe_skew(before + (after - before) / 2, status.now);
@@ -387,21 +458,14 @@ impl Daemon {
             .set("fine_settler_pending", None, status.pending as f64);
         self.metrics
             .set("fine_settler_pending_dead", None, status.dead as f64);
-        let accrual = Accrual::from_settings(&self.settings);
         if self.settings.accrual.enabled && status.due_pending > 0 {
-            let max_attempts = self.settings.accrual.max_attempts;
-            let done = accrual::compensate(&self.pool, &accrual, Some(shard), true, max_attempts).await?;
-            tracing::info!(
-                charged = done.charged,
-                retried = done.retried,
-                dead = done.dead,
-                "compensation pass"
-            );
+            self.compensate(shard).await;
         }
+        self.report_abandoned(now, &status.keys);
         let done: HashSet<(&str, NaiveDate)> = status
             .keys
             .iter()
-            .filter(|s| s.status == "SUCCESS")
+            .filter(|s| s.status == "SUCCESS" && !s.late)
             .map(|s| (s.job_name.as_str(), s.business_date))
             .collect();
         let todo: Vec<Due> = plan(&self.settings, now, &status.keys)
@@ -462,6 +526,57 @@ impl Daemon {
             );
         }
         Ok(reports)
+    }
+
+    /// Retries the shard's due pending charges. A pass that fails — a deferred constraint at commit, a missing
+    /// grant on `fine_pending`, the connection — never stops the tick: settlement and accrual go on, the error
+    /// is logged once per episode (and when it ends) and counted, and the next tick tries again.
+    async fn compensate(&mut self, shard: ShardSpec) {
+        let accrual = Accrual::from_settings(&self.settings);
+        let max_attempts = self.settings.accrual.max_attempts;
+        match accrual::compensate(&self.pool, &accrual, Some(shard), true, max_attempts).await {
+            Ok(done) => {
+                if std::mem::take(&mut self.compensation_failing) {
+                    tracing::info!("compensation pass works again");
+                }
+                tracing::info!(
+                    charged = done.charged,
+                    not_owed = done.not_owed,
+                    retried = done.retried,
+                    dead = done.dead,
+                    "compensation pass"
+                );
+            }
+            Err(e) => {
+                self.metrics
+                    .add("fine_settler_compensation_errors_total", None, None, 1.0);
+                let e = StoreError::from(e);
+                if !std::mem::replace(&mut self.compensation_failing, true) {
+                    tracing::error!(error = %e, "compensation pass failed; settlement and accrual go on, retrying at the next tick");
+                } else {
+                    tracing::debug!(error = %e, "compensation pass failed again");
+                }
+            }
+        }
+    }
+
+    /// Logs (at error) and counts each key that left its catch-up window without succeeding, once per process:
+    /// without this such a key would drop out of `fine_settler_due_unsettled` and its alert would clear.
+    fn report_abandoned(&mut self, now: DateTime<Utc>, states: &[KeyState]) {
+        for s in abandoned(&self.settings, now, states) {
+            if self.abandoned.insert((s.job_name.clone(), s.business_date)) {
+                self.metrics
+                    .add("fine_settler_keys_abandoned_total", Some(&s.job_name), None, 1.0);
+                tracing::error!(
+                    job = %s.job_name,
+                    business_date = %s.business_date,
+                    status = %s.status,
+                    owner = %s.owner,
+                    "key left its catch-up window without succeeding; nothing runs it by itself any more: \
+                     run settle/accrue for it by hand"
+                );
+            }
+        }
     }
 
     /// Runs one due key of this shard.

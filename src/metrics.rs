@@ -91,6 +91,21 @@ pub const DEFINITIONS: &[(&str, &str, &str)] = &[
         "Unix time of the last run that settled its key.",
     ),
     (
+        "fine_settler_late_rows_total",
+        "counter",
+        "Rows settled or charged by re-opened keys: returns back-dated into a settled month, rows left locked.",
+    ),
+    (
+        "fine_settler_keys_abandoned_total",
+        "counter",
+        "Keys that left their catch-up window without succeeding (each counted once per process).",
+    ),
+    (
+        "fine_settler_compensation_errors_total",
+        "counter",
+        "Compensation passes that failed with an error other than a rejected charge.",
+    ),
+    (
         "fine_settler_last_progress_timestamp_seconds",
         "gauge",
         "Unix time of the replica's last progress (tick, batch or retry).",

@@ -3,10 +3,16 @@
 //! the month-end settlement sets: the days charged are exactly `due_on + grace_days < D <= returned_on`.
 //!
 //! A batch first tries all its charges in one statement under a savepoint. If the database rejects it (a
-//! constraint or trigger, a lock or statement timeout), the charges are retried one by one, each under its own
-//! savepoint, and those that still fail go to `fine_pending` with the error; the rest of the batch commits, in
-//! the same fenced transaction. The compensation pass ([`compensate`]) retries pending charges with capped
-//! exponential backoff until they succeed or become DEAD after `accrual.max_attempts`.
+//! constraint or trigger — deferred ones are checked inside the savepoint —, a lock or statement timeout), the
+//! charges are retried one by one, each under its own savepoint, and those that still fail go to
+//! `fine_pending` with the error; the rest of the batch commits, in the same fenced transaction. The
+//! compensation pass ([`compensate`]) retries pending charges with capped exponential backoff until they
+//! succeed or become DEAD after `accrual.max_attempts`.
+//!
+//! The cap holds whatever runs at the same time: every charge locks its loan (a transaction-scoped advisory
+//! lock, [`ledger::lock_loans`]) and computes its amount from the ledger after the lock, in the write
+//! transaction. A charge is written only while the loan is still overdue on the day, by the loans row as the
+//! charge sees it.
 
 use std::time::Duration;
 
@@ -32,6 +38,12 @@ pub struct Accrual {
     pub backoff_max: Duration,
     /// Statement timeout of each charge while a failed batch is isolated row by row.
     pub row_timeout: Duration,
+    /// How long isolating a rejected batch row by row may take; charges not tried by then are queued untried,
+    /// so that the batch still commits well inside `claim.batch_timeout` (half of it).
+    pub isolation_budget: Duration,
+    /// How long a compensation retry waits for a row lock (`claim.lock_timeout`); a batch's charges run under
+    /// the runner's.
+    pub lock_timeout: Duration,
 }
 
 /// The delay before retry number `attempts + 1` of a charge that has failed `attempts` times (1-based):
@@ -55,15 +67,40 @@ impl Accrual {
             // Short enough that isolating a whole batch of locked rows stays inside the batch timeout.
             row_timeout: (settings.claim.batch_timeout / 20)
                 .clamp(Duration::from_millis(50), Duration::from_secs(2)),
+            isolation_budget: settings.claim.batch_timeout / 2,
+            lock_timeout: settings.claim.lock_timeout,
         }
     }
 
-    /// What to charge a loan that already accrued `accrued` cents: the daily rate, or what is left under the cap.
-    pub fn amount(&self, accrued: i64) -> i64 {
-        let rate = self.policy.daily_rate().get();
-        match self.policy.cap() {
-            Some(cap) => rate.min(cap.get().saturating_sub(accrued).max(0)),
-            None => rate,
+    /// One charge, under its own savepoint of `tx`: lock the loans (with a cap), write, check deferred
+    /// constraints. `Ok(Err(e))`: the database rejected it, and the savepoint was rolled back.
+    async fn try_charge(
+        &self,
+        tx: &mut PgConnection,
+        day: NaiveDate,
+        ids: &[i64],
+        amount: i64,
+    ) -> Result<Result<u64, sqlx::Error>, sqlx::Error> {
+        let mut sp = tx.begin().await?;
+        let attempt = async {
+            if self.policy.cap().is_some() {
+                ledger::lock_loans(&mut sp, ids).await?;
+            }
+            let written = ledger::charge(&mut sp, day, ids, amount, &self.policy).await?;
+            ledger::check_deferred_now(&mut sp).await?;
+            Ok::<_, sqlx::Error>(written)
+        }
+        .await;
+        match attempt {
+            Ok(written) => {
+                sp.commit().await?;
+                Ok(Ok(written))
+            }
+            Err(e) if rejected(&e) => {
+                sp.rollback().await?;
+                Ok(Err(e))
+            }
+            Err(e) => Err(e),
         }
     }
 }
@@ -71,7 +108,7 @@ impl Accrual {
 /// Whether the database rejected the statement (so the row can be isolated and queued), as opposed to the
 /// connection failing (which fails the batch).
 fn rejected(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(_))
+    matches!(e, sqlx::Error::Database(_)) && !super::runner::transient(e)
 }
 
 impl BatchJob for Accrual {
@@ -79,6 +116,10 @@ impl BatchJob for Accrual {
 
     fn name(&self) -> JobName {
         JobName::OverdueAccrual
+    }
+
+    async fn late(&self, pool: &PgPool, key: &RunKey) -> Result<bool, JobError> {
+        Ok(ledger::day_has_uncharged(pool, key.business_date, key.shard, &self.policy).await?)
     }
 
     fn extent(batch: &Vec<Overdue>) -> (i64, i64) {
@@ -108,46 +149,40 @@ impl BatchJob for Accrual {
 
     async fn write(&self, tx: &mut PgConnection, key: &RunKey, rows: &Vec<Overdue>) -> Result<u64, JobError> {
         let day = key.business_date;
-        let charges: Vec<(i64, i64)> = rows
-            .iter()
-            .map(|r| (r.id, self.amount(r.accrued)))
-            .filter(|(_, amount)| *amount > 0)
-            .collect();
-        let ids: Vec<i64> = charges.iter().map(|c| c.0).collect();
-        let amounts: Vec<i64> = charges.iter().map(|c| c.1).collect();
-
-        let mut all = tx.begin().await?;
-        match ledger::charge(&mut all, day, &ids, &amounts).await {
-            Ok(written) => {
-                all.commit().await?;
-                return Ok(written);
+        let rate = self.policy.daily_rate().get();
+        if rate == 0 {
+            return Ok(0);
+        }
+        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        let started = tokio::time::Instant::now();
+        match self.try_charge(tx, day, &ids, rate).await? {
+            Ok(written) => return Ok(written),
+            Err(e) => {
+                tracing::warn!(error = %e, rows = ids.len(), "batch charge rejected; isolating the failing loans")
             }
-            Err(e) if rejected(&e) => {
-                all.rollback().await?;
-                tracing::warn!(error = %e, rows = ids.len(), "batch charge rejected; isolating the failing loans");
-            }
-            Err(e) => return Err(e.into()),
         }
 
         ledger::set_local_statement_timeout(tx, self.row_timeout.as_millis() as u64).await?;
         let (mut written, mut queued) = (0u64, 0u64);
-        for (id, amount) in charges {
-            let mut one = tx.begin().await?;
-            match ledger::charge(&mut one, day, &[id], &[amount]).await {
-                Ok(n) => {
-                    one.commit().await?;
-                    written += n;
+        let delay = millis(retry_delay(1, self.backoff, self.backoff_max));
+        for id in ids {
+            let error = if started.elapsed() < self.isolation_budget {
+                match self.try_charge(tx, day, &[id], rate).await? {
+                    Ok(n) => {
+                        written += n;
+                        continue;
+                    }
+                    Err(e) => e.to_string(),
                 }
-                Err(e) if rejected(&e) => {
-                    one.rollback().await?;
-                    let error = e.to_string();
-                    let delay = retry_delay(1, self.backoff, self.backoff_max);
-                    ledger::enqueue(tx, id, day, amount, &error, millis(delay)).await?;
-                    queued += 1;
-                    tracing::warn!(loan_id = id, accrual_date = %day, error = %error, "charge failed; queued for compensation");
-                }
-                Err(e) => return Err(e.into()),
-            }
+            } else {
+                // Isolating every row of a batch that meets, say, a table-wide lock would outlast the batch
+                // timeout and fail the run; the rest is left to the compensation pass instead.
+                "not tried: isolating a rejected batch ran out of time; the compensation pass retries it"
+                    .into()
+            };
+            ledger::enqueue(tx, id, day, rate, &error, delay).await?;
+            queued += 1;
+            tracing::warn!(loan_id = id, accrual_date = %day, error = %error, "charge failed; queued for compensation");
         }
         tracing::info!(written, queued, "isolated a rejected batch");
         Ok(written)
@@ -157,8 +192,11 @@ impl BatchJob for Accrual {
 /// What a compensation pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Compensation {
-    /// Pending charges written to the ledger (or found already there, or no longer owed under the cap).
+    /// Pending charges written to the ledger.
     pub charged: u64,
+    /// Pending charges resolved without a charge: the day was charged meanwhile, the cap was reached, or the
+    /// loan is no longer overdue on that day (its return was back-dated before it).
+    pub not_owed: u64,
     /// Charges that failed again and wait for their next attempt.
     pub retried: u64,
     /// Charges that failed for the last time and became DEAD.
@@ -166,9 +204,9 @@ pub struct Compensation {
 }
 
 /// Retries pending charges: those of `shard` that are due (or, with `due_only = false`, every PENDING one).
-/// Each charge is its own transaction: lock the pending row (skipping one another replica holds), charge it and
-/// remove it; or, if the charge is rejected again, count the attempt and schedule the next (DEAD after
-/// `max_attempts`).
+/// Each charge is its own transaction: lock the pending row (skipping one another replica holds, or one that
+/// changed since the list was read), charge it under the loan's lock and remove it; or, if the charge is
+/// rejected again, count the attempt and schedule the next (DEAD after `max_attempts`).
 pub async fn compensate(
     pool: &PgPool,
     accrual: &Accrual,
@@ -188,31 +226,28 @@ pub async fn compensate(
         let mut progressed = false;
         for p in &batch {
             let mut tx = pool.begin().await?;
-            let Some(attempts) = ledger::lock_pending(&mut tx, p.loan_id, p.accrual_date).await? else {
+            crate::store::set_local_lock_timeout(&mut tx, accrual.lock_timeout).await?;
+            let Some(attempts) = ledger::lock_pending(&mut tx, p, due_only).await? else {
                 continue;
             };
             progressed = true;
-            let amount = accrual
-                .amount(ledger::accrued(&mut tx, p.loan_id).await?)
-                .min(p.amount_cents);
-            if amount <= 0 {
-                // The cap was reached meanwhile: nothing is owed for this day any more.
-                ledger::resolve(&mut tx, p.loan_id, p.accrual_date).await?;
-                tx.commit().await?;
-                result.charged += 1;
-                continue;
-            }
-            let mut one = tx.begin().await?;
-            match ledger::charge(&mut one, p.accrual_date, &[p.loan_id], &[amount]).await {
-                Ok(_) => {
-                    one.commit().await?;
+            match accrual
+                .try_charge(&mut tx, p.accrual_date, &[p.loan_id], p.amount_cents)
+                .await?
+            {
+                Ok(written) => {
                     ledger::resolve(&mut tx, p.loan_id, p.accrual_date).await?;
                     tx.commit().await?;
-                    result.charged += 1;
-                    tracing::info!(loan_id = p.loan_id, accrual_date = %p.accrual_date, attempts = attempts + 1, "pending charge compensated");
+                    if written > 0 {
+                        result.charged += 1;
+                        tracing::info!(loan_id = p.loan_id, accrual_date = %p.accrual_date, attempts = attempts + 1, "pending charge compensated");
+                    } else {
+                        result.not_owed += 1;
+                        tracing::info!(loan_id = p.loan_id, accrual_date = %p.accrual_date,
+                            "pending charge resolved without a charge: nothing is owed for that day any more");
+                    }
                 }
-                Err(e) if rejected(&e) => {
-                    one.rollback().await?;
+                Err(e) => {
                     let attempts = attempts.saturating_add(1);
                     let dead = u32::try_from(attempts).unwrap_or(u32::MAX) >= max_attempts;
                     let delay = retry_delay(attempts, accrual.backoff, accrual.backoff_max);
@@ -239,7 +274,6 @@ pub async fn compensate(
                         result.retried += 1;
                     }
                 }
-                Err(e) => return Err(e),
             }
         }
         // A batch without progress is held by other replicas: leave it to them.
@@ -269,20 +303,6 @@ mod tests {
         assert_eq!(delays, vec![60, 120, 240, 480, 960, 1920, 3600, 3600, 3600]);
         assert_eq!(retry_delay(i32::MAX, base, max), max);
         assert_eq!(retry_delay(0, base, max), base);
-    }
-
-    #[test]
-    fn the_last_charge_before_the_cap_is_partial() {
-        let a = Accrual {
-            policy: FinePolicy::new(100, 0, 250).expect("policy"),
-            backoff: Duration::from_secs(1),
-            backoff_max: Duration::from_secs(1),
-            row_timeout: Duration::from_secs(1),
-        };
-        assert_eq!(
-            (a.amount(0), a.amount(200), a.amount(250), a.amount(900)),
-            (100, 50, 0, 0)
-        );
     }
 
     #[test]

@@ -96,6 +96,8 @@ pub struct RunReport {
     /// Why the run failed, or who holds a skipped key.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
+    /// The key had succeeded and was re-opened for rows that arrived after its run (`updated` counts them).
+    pub reopened: bool,
     /// For a key skipped because a live owner holds it: when that owner's lease ends (database time). Not part
     /// of the JSON report.
     #[serde(skip)]

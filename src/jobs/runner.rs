@@ -17,8 +17,12 @@ use super::{JobName, Outcome, RunKey, RunReport};
 use crate::{
     calendar::CalendarError,
     config::redact_secrets_in,
+    config::ClaimSettings,
     metrics::Metrics,
-    store::job_runs::{self, Claim, Ending, Progress},
+    store::{
+        self,
+        job_runs::{self, Claim, ClaimKind, ClaimMode, Ending, Progress},
+    },
 };
 
 /// A job the runner can drive. Its work items are identified by unique, ascending `i64` ids (the keyset
@@ -47,6 +51,13 @@ pub trait BatchJob: Send + Sync {
         _key: &RunKey,
     ) -> impl Future<Output = Result<Option<i64>, JobError>> + Send {
         async { Ok(Some(i64::MIN)) }
+    }
+
+    /// Whether `key`, which is SUCCESS, still has items to do — items that became due after its run passed them
+    /// (a back-dated return, a row left behind because libraryd held it locked). A plain run of such a key
+    /// re-opens it. By default nothing arrives late.
+    fn late(&self, _pool: &PgPool, _key: &RunKey) -> impl Future<Output = Result<bool, JobError>> + Send {
+        async { Ok(false) }
     }
 
     /// The batch's last id (the next cursor) and how many items it holds.
@@ -156,6 +167,8 @@ pub struct Runner {
     /// The longest a batch transaction may take; shorter than `lease`, so a live replica's lease never lapses
     /// mid-batch.
     pub batch_timeout: Duration,
+    /// How long a batch statement waits for a row lock; shorter than `batch_timeout`.
+    pub lock_timeout: Duration,
     pub batch_size: u32,
     /// Cancelled on shutdown: the run stops between batches and hands its key back.
     pub cancel: CancellationToken,
@@ -186,6 +199,32 @@ enum Stop {
 pub const SHUTDOWN_ERROR: &str = "shutdown requested: stopped between batches and released for a peer";
 
 impl Runner {
+    /// A runner with the claim settings of the configuration, and no metrics.
+    pub fn new(
+        pool: PgPool,
+        owner: String,
+        claim: &ClaimSettings,
+        batch_size: u32,
+        cancel: CancellationToken,
+    ) -> Self {
+        Runner {
+            pool,
+            owner,
+            lease: claim.lease,
+            batch_timeout: claim.batch_timeout,
+            lock_timeout: claim.lock_timeout,
+            batch_size,
+            cancel,
+            metrics: None,
+        }
+    }
+
+    /// The same runner, reporting to `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
     /// Runs `key` to completion (or until it is lost, fails or is cancelled). Never panics on a database
     /// error: every path ends in a report, and every error is logged here, once.
     pub async fn run<J: BatchJob>(&self, job: &J, key: RunKey, force: bool) -> RunReport {
@@ -224,6 +263,19 @@ impl Runner {
                 let now = crate::metrics::unix_now_ms() as f64 / 1000.0;
                 m.set("fine_settler_last_success_timestamp_seconds", job, now);
             }
+            if report.reopened {
+                m.add("fine_settler_late_rows_total", job, None, report.updated as f64);
+            }
+        }
+        if report.reopened && report.updated > 0 {
+            span.in_scope(|| match key.job {
+                super::JobName::FineSettlement => {
+                    tracing::info!(late_rows = report.updated, "late returns settled")
+                }
+                super::JobName::OverdueAccrual => {
+                    tracing::info!(late_rows = report.updated, "late overdue days charged")
+                }
+            });
         }
         span.in_scope(|| match report.outcome {
             Outcome::Skipped => tracing::debug!(
@@ -263,19 +315,39 @@ impl Runner {
             elapsed_ms: 0,
             detail,
             held_until: None,
+            reopened: false,
         };
 
-        let (epoch, cursor) = match job_runs::claim(&self.pool, &key, &self.owner, self.lease, force).await {
+        let mode = if force { ClaimMode::Force } else { ClaimMode::Free };
+        let mut claimed = job_runs::claim(&self.pool, &key, &self.owner, self.lease, mode).await;
+        // A SUCCESS key with rows still to do is re-opened (not with --force, which takes SUCCESS anyway).
+        if let Ok(Claim::Skipped(holder)) = &claimed {
+            if holder.status == "SUCCESS" {
+                match job.late(&self.pool, &key).await {
+                    Ok(true) => {
+                        claimed =
+                            job_runs::claim(&self.pool, &key, &self.owner, self.lease, ClaimMode::Reopen)
+                                .await
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot tell whether the key has rows left; not re-opened");
+                        return report(Outcome::Failed, None, 0, 0, Some(e.to_string()));
+                    }
+                }
+            }
+        }
+        let (epoch, cursor, reopened) = match claimed {
             Ok(Claim::Won { epoch, cursor, kind }) => {
-                let result = if kind == job_runs::ClaimKind::Inserted {
-                    "won"
-                } else {
-                    "takeover"
+                let result = match kind {
+                    ClaimKind::Inserted => "won",
+                    ClaimKind::Reopened => "reopened",
+                    ClaimKind::TakenOver | ClaimKind::Forced => "takeover",
                 };
                 self.count_claim(key, result);
                 span.record("epoch", epoch);
                 tracing::info!(claim = ?kind, cursor, "claimed");
-                (epoch, cursor)
+                (epoch, cursor, kind == ClaimKind::Reopened)
             }
             Ok(Claim::Skipped(holder)) => {
                 self.count_claim(key, "skipped");
@@ -300,6 +372,10 @@ impl Runner {
             }
         };
 
+        let report = |outcome, epoch, scanned, updated, detail| RunReport {
+            reopened,
+            ..report(outcome, epoch, scanned, updated, detail)
+        };
         let (mut scanned, mut updated) = (0i64, 0i64);
         // The cursor is the last id a committed batch covered; i64::MAX means there is nothing after it.
         let mut next = match cursor {
@@ -449,6 +525,7 @@ impl Runner {
         };
         let (last_id, scanned) = J::extent(&batch);
         let mut tx = self.pool.begin().await?;
+        store::set_local_lock_timeout(&mut tx, self.lock_timeout).await?;
         let updated = i64::try_from(job.write(&mut tx, key, &batch).await?).unwrap_or(i64::MAX);
         let progress = Progress {
             cursor: last_id,

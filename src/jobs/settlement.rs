@@ -1,7 +1,7 @@
 //! Month-end fine settlement: for each loan returned in the business month, set `fine_cents` from the fine
 //! policy and stamp `fine_settled_at`. The business date is the month's last day.
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::{Connection, PgConnection, PgPool};
 
 use super::{
     runner::{BatchJob, JobError},
@@ -10,7 +10,10 @@ use super::{
 use crate::{
     calendar,
     fine::FinePolicy,
-    store::loans::{self, SettleBatch},
+    store::{
+        self,
+        loans::{self, SettleBatch},
+    },
 };
 
 /// The settlement job under one fine policy.
@@ -54,8 +57,36 @@ impl BatchJob for Settlement {
         (batch.last_id, batch.count)
     }
 
+    async fn late(&self, pool: &PgPool, key: &RunKey) -> Result<bool, JobError> {
+        let month = calendar::settlement_month(key.business_date)?;
+        Ok(loans::month_has_unsettled(pool, month, key.shard).await?)
+    }
+
+    /// The range update, under a savepoint; if it meets a row lock it cannot get within `claim.lock_timeout`,
+    /// the batch settles every row it can lock instead and leaves the locked ones for the re-open.
     async fn write(&self, tx: &mut PgConnection, key: &RunKey, batch: &SettleBatch) -> Result<u64, JobError> {
         let month = calendar::settlement_month(key.business_date)?;
-        Ok(loans::settle_range(tx, month, key.shard, batch, &self.policy).await?)
+        let mut range = tx.begin().await?;
+        match loans::settle_range(&mut range, month, key.shard, batch, &self.policy).await {
+            Ok(updated) => {
+                range.commit().await?;
+                Ok(updated)
+            }
+            Err(e) if store::lock_not_available(&e) => {
+                range.rollback().await?;
+                let updated = loans::settle_unlocked(tx, month, key.shard, batch, &self.policy).await?;
+                tracing::warn!(
+                    from_id = batch.from_id,
+                    to_id = batch.last_id,
+                    updated,
+                    left = batch
+                        .count
+                        .saturating_sub(i64::try_from(updated).unwrap_or(i64::MAX)),
+                    "rows locked by another transaction were left for later; the key re-opens for them"
+                );
+                Ok(updated)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 }

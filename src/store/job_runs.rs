@@ -21,6 +21,21 @@ pub enum ClaimKind {
     TakenOver,
     /// An operator's `--force` re-run: the row (possibly SUCCESS) was taken over and its cursor reset.
     Forced,
+    /// A SUCCESS key whose business date still has rows to do (a return recorded after the month was settled
+    /// and back-dated into it, a row libraryd kept locked): taken again under `epoch + 1`, from the start of
+    /// the key (only rows still to do are found), counters kept.
+    Reopened,
+}
+
+/// Which rows a claim may take besides an absent, FAILED or expired one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimMode {
+    /// Only what is free: no row, FAILED, or RUNNING with an expired lease.
+    Free,
+    /// Also a SUCCESS row, which is re-opened (the caller has seen that it has rows left to do).
+    Reopen,
+    /// Also a SUCCESS row, restarted from the beginning with its counters reset (an operator's `--force`).
+    Force,
 }
 
 /// The current holder of a key this replica did not get.
@@ -49,13 +64,14 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// Claims `key` for `owner`: insert, else take over, else skip (ARCHITECTURE.md, "The claim protocol").
+/// Claims `key` for `owner`: insert, else take over (or, by `mode`, re-open or force a SUCCESS row), else skip
+/// (README, "How a settlement run works").
 pub async fn claim(
     pool: &PgPool,
     key: &RunKey,
     owner: &str,
     lease: Duration,
-    force: bool,
+    mode: ClaimMode,
 ) -> Result<Claim, sqlx::Error> {
     let inserted = sqlx::query_scalar!(
         r#"with won as (
@@ -87,9 +103,12 @@ pub async fn claim(
     }
 
     // The row exists (a conflicting insert in flight is waited for, so it is committed by now). Take it over if
-    // it failed or its lease expired; `force` also takes a SUCCESS row and restarts from the beginning. A live
-    // RUNNING owner is never displaced, not even by force. `prior` reads the row as it was before the update,
-    // to say who holds it when we skip.
+    // it failed or its lease expired; re-open and force also take a SUCCESS row and walk it from the beginning
+    // (a re-open finds only the rows still to do and keeps the key's counters; a forced run resets them). A
+    // live RUNNING owner is never displaced, not even by force. `prior` reads the row as it was before the
+    // update, to say who holds it when we skip and which kind of claim this was.
+    let take_success = mode != ClaimMode::Free;
+    let force = mode == ClaimMode::Force;
     let row = sqlx::query!(
         r#"with prior as (
                select status, owner, epoch, lease_until from job_runs
@@ -99,9 +118,9 @@ pub async fn claim(
                    status = 'RUNNING', owner = $5, epoch = epoch + 1,
                    started_at = now(), heartbeat_at = now(), lease_until = now() + $6 * interval '1 millisecond',
                    finished_at = null, last_error = null,
-                   cursor = case when $7 then null else cursor end,
-                   scanned = case when $7 then 0 else scanned end,
-                   updated = case when $7 then 0 else updated end
+                   cursor = case when $8 or status = 'SUCCESS' then null else cursor end,
+                   scanned = case when $8 then 0 else scanned end,
+                   updated = case when $8 then 0 else updated end
                where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
                  and (status = 'FAILED'
                       or (status = 'RUNNING' and lease_until < now())
@@ -110,7 +129,9 @@ pub async fn claim(
            ), history as (
                insert into job_run_attempts (job_name, business_date, shards, shard, epoch, owner, event)
                select job_name, business_date, shards, shard, epoch, owner,
-                      case when $7 then 'forced' else 'takeover' end
+                      case when $8 then 'forced'
+                           when (select status from prior) = 'SUCCESS' then 'reopened'
+                           else 'takeover' end
                from taken
            )
            select prior.status as "status!", prior.owner as "owner!", prior.epoch as "epoch!",
@@ -123,6 +144,7 @@ pub async fn claim(
         key.shard.shard(),
         owner,
         millis(lease) as f64,
+        take_success,
         force,
     )
     .fetch_optional(pool)
@@ -132,11 +154,12 @@ pub async fn claim(
         Some(r) => match r.new_epoch {
             Some(epoch) => Ok(Claim::Won {
                 epoch,
+                // A SUCCESS row taken again (re-opened or forced) starts over: its cursor was reset.
                 cursor: r.cursor,
-                kind: if force {
-                    ClaimKind::Forced
-                } else {
-                    ClaimKind::TakenOver
+                kind: match (force, RunStatus::parse(&r.status)) {
+                    (true, _) => ClaimKind::Forced,
+                    (false, Some(RunStatus::Success)) => ClaimKind::Reopened,
+                    (false, _) => ClaimKind::TakenOver,
                 },
             }),
             None => Ok(Claim::Skipped(Holder {
@@ -149,6 +172,31 @@ pub async fn claim(
         // Only reachable if the row was deleted between the two statements (rows are kept forever; an operator
         // deleting one by hand is the only way). Report it as an error rather than guess.
         None => Err(sqlx::Error::RowNotFound),
+    }
+}
+
+/// The status column of `job_runs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunStatus {
+    Running,
+    Success,
+    Failed,
+}
+
+impl RunStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Running => "RUNNING",
+            RunStatus::Success => "SUCCESS",
+            RunStatus::Failed => "FAILED",
+        }
+    }
+
+    /// The status a `job_runs` row holds (the table's check constraint admits only these).
+    pub fn parse(s: &str) -> Option<Self> {
+        [RunStatus::Running, RunStatus::Success, RunStatus::Failed]
+            .into_iter()
+            .find(|r| r.as_str() == s)
     }
 }
 
@@ -167,6 +215,10 @@ pub struct Progress {
 ///
 /// The row lock taken here serialises with a takeover: a takeover waits for an in-flight batch and then sees the
 /// renewed lease; a batch that runs after a takeover sees the new epoch and matches nothing.
+///
+/// The lease is renewed from `clock_timestamp()`, the moment the fence runs, not from `now()`, which is the
+/// start of the batch transaction: a batch that took almost `batch_timeout` would otherwise leave its owner
+/// only `lease - batch_timeout` until the next batch must commit.
 pub async fn advance(
     tx: &mut PgConnection,
     key: &RunKey,
@@ -177,7 +229,8 @@ pub async fn advance(
     let done = sqlx::query!(
         r#"update job_runs set
                cursor = $6, scanned = scanned + $7, updated = updated + $8,
-               heartbeat_at = now(), lease_until = now() + $9 * interval '1 millisecond'
+               heartbeat_at = clock_timestamp(),
+               lease_until = clock_timestamp() + $9 * interval '1 millisecond'
            where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
              and status = 'RUNNING' and epoch = $5"#,
         key.job.as_str(),
@@ -205,6 +258,10 @@ pub enum Ending<'a> {
 
 /// Finishes the run held under `epoch`. `scanned`/`updated` are this attempt's own counts, for the history.
 /// Returns `false` if the epoch no longer owns the key (the claim was lost).
+///
+/// The statement is safe to retry after a connection error: if an earlier attempt committed (the reply was
+/// lost with the connection), the row is already in the target state under this epoch, which counts as
+/// finished — it is not a lost lease — and no second history row is written.
 pub async fn finish(
     pool: &PgPool,
     key: &RunKey,
@@ -214,11 +271,14 @@ pub async fn finish(
     updated: i64,
 ) -> Result<bool, sqlx::Error> {
     let (status, event, error) = match ending {
-        Ending::Success => ("SUCCESS", "success", None),
-        Ending::Failed(e) => ("FAILED", "failed", Some(e)),
+        Ending::Success => (RunStatus::Success, "success", None),
+        Ending::Failed(e) => (RunStatus::Failed, "failed", Some(e)),
     };
-    let rows = sqlx::query_scalar!(
-        r#"with done as (
+    let row = sqlx::query!(
+        r#"with prior as (
+               select status, epoch from job_runs
+               where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
+           ), done as (
                update job_runs set status = $6, last_error = $8, finished_at = now(), heartbeat_at = now(),
                                    lease_until = now()
                where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
@@ -229,13 +289,14 @@ pub async fn finish(
                                              scanned, updated, error)
                select job_name, business_date, shards, shard, epoch, owner, $7, $9, $10, $8 from done
            )
-           select count(*) as "count!" from done"#,
+           select (select count(*) from done) as "finished!",
+                  exists (select 1 from prior where status = $6 and epoch = $5) as "already!""#,
         key.job.as_str(),
         key.business_date,
         key.shard.shards(),
         key.shard.shard(),
         epoch,
-        status,
+        status.as_str(),
         event,
         error,
         scanned,
@@ -243,7 +304,7 @@ pub async fn finish(
     )
     .fetch_one(pool)
     .await?;
-    Ok(rows == 1)
+    Ok(row.finished == 1 || row.already)
 }
 
 /// Appends a `lease_lost` history row: this replica found its epoch superseded. History only; the key's row
@@ -327,6 +388,22 @@ pub struct KeyState {
     pub owner: String,
     /// The lease has run out (by the database clock).
     pub expired: bool,
+    /// A SUCCESS key whose business date has rows still to do (see [`LateProbe`]): it is re-opened.
+    pub late: bool,
+}
+
+/// Which SUCCESS keys the tick status also checks for rows still to do, and the policy that says what is still
+/// to do. A date of `None` turns the job's probe off (the job is disabled).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LateProbe {
+    /// Settlement keys from this business date on: any unsettled loan of the shard returned in the month.
+    pub settlement_since: Option<NaiveDate>,
+    /// Accrual keys from this day on: any loan of the shard, not settled yet, overdue on the day and neither
+    /// charged nor queued for it, and under the cap.
+    pub accrual_since: Option<NaiveDate>,
+    pub grace_days: i32,
+    /// 0 = no cap.
+    pub cap_cents: i64,
 }
 
 /// What a tick sees before it claims anything.
@@ -344,17 +421,55 @@ pub struct TickStatus {
 }
 
 /// Everything a tick needs to know before it claims anything, in one statement: the database clock, this
-/// shard's `job_runs` rows for business dates from `since` on, and how many of its pending
-/// charges are due. An idle tick costs exactly this one round trip.
+/// shard's `job_runs` rows for business dates from `since` on — each SUCCESS key in `late`'s window with
+/// whether rows of it are still to do — and how many of its pending charges are due. An idle tick costs
+/// exactly this one round trip.
+///
+/// The late-row predicates are the ones [`crate::store::loans::month_has_unsettled`] and
+/// [`crate::store::ledger::day_has_uncharged`] ask for one key (and the ones the batches select). The
+/// settlement probe reads the partial index of unsettled loans by return date: a settled month has no entry in
+/// it, so the probe costs one index descent per key. The accrual probe reads the partial index of open loans by
+/// due date and the unsettled one, then the ledger by key, per overdue loan.
 pub async fn tick_status(
     conn: &mut PgConnection,
     shard: crate::shard::ShardSpec,
     since: NaiveDate,
+    late: LateProbe,
 ) -> Result<TickStatus, sqlx::Error> {
     let rows = sqlx::query!(
         r#"select t.now as "now!", t.due_pending as "due_pending!", t.pending as "pending!", t.dead as "dead!",
                   r.job_name as "job_name?", r.business_date as "business_date?",
-                  r.status as "status?", r.owner as "owner?", (r.lease_until < t.now) as "expired?"
+                  r.status as "status?", r.owner as "owner?", (r.lease_until < t.now) as "expired?",
+                  (r.status = 'SUCCESS' and (
+                       (r.job_name = 'fine-settlement' and r.business_date >= $4::date and exists (
+                            select 1 from loans l
+                            where l.fine_settled_at is null and l.returned_on is not null
+                              and l.returned_on between date_trunc('month', r.business_date)::date
+                                                    and r.business_date
+                              and l.id % $1::int = $2::int))
+                    or (r.job_name = 'overdue-accrual' and r.business_date >= $5::date and (
+                        exists (
+                            select 1 from loans l
+                            where l.returned_on is null and l.due_on < r.business_date - $6::int
+                              and l.id % $1::int = $2::int
+                              and not exists (select 1 from fine_ledger f
+                                              where f.loan_id = l.id and f.accrual_date = r.business_date)
+                              and not exists (select 1 from fine_pending p
+                                              where p.loan_id = l.id and p.accrual_date = r.business_date)
+                              and ($7::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
+                                                               where f.loan_id = l.id), 0) < $7))
+                        or exists (
+                            select 1 from loans l
+                            where l.fine_settled_at is null and l.returned_on is not null
+                              and l.returned_on >= r.business_date and l.due_on < r.business_date - $6::int
+                              and l.id % $1::int = $2::int
+                              and not exists (select 1 from fine_ledger f
+                                              where f.loan_id = l.id and f.accrual_date = r.business_date)
+                              and not exists (select 1 from fine_pending p
+                                              where p.loan_id = l.id and p.accrual_date = r.business_date)
+                              and ($7::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
+                                                               where f.loan_id = l.id), 0) < $7)))))
+                  ) as "late?"
            from (select now() as now,
                         (select count(*) from fine_pending p
                          where p.status = 'PENDING' and p.next_attempt_at <= now()
@@ -369,6 +484,11 @@ pub async fn tick_status(
         shard.shards(),
         shard.shard(),
         since,
+        // A disabled probe asks from a date no key has, so that its subqueries are never evaluated.
+        late.settlement_since.unwrap_or(NaiveDate::MAX),
+        late.accrual_since.unwrap_or(NaiveDate::MAX),
+        late.grace_days,
+        late.cap_cents,
     )
     .fetch_all(&mut *conn)
     .await?;
@@ -385,6 +505,7 @@ pub async fn tick_status(
                 status: r.status?,
                 owner: r.owner?,
                 expired: r.expired?,
+                late: r.late.unwrap_or(false),
             })
         })
         .collect();

@@ -3,14 +3,12 @@
 use chrono::{DateTime, NaiveDate, Utc};
 use sqlx::{PgConnection, PgPool};
 
-use crate::shard::ShardSpec;
+use crate::{fine::FinePolicy, shard::ShardSpec};
 
 /// A loan overdue on the accrual day and not yet charged (nor queued) for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Overdue {
     pub id: i64,
-    /// What the ledger already holds for this loan, all days together (for the cap).
-    pub accrued: i64,
 }
 
 /// The next batch of the shard's loans overdue on `day` — `due_on + grace_days < day` and not returned before
@@ -26,17 +24,15 @@ pub async fn overdue_batch(
 ) -> Result<Vec<Overdue>, sqlx::Error> {
     sqlx::query_as!(
         Overdue,
-        r#"select l.id, coalesce(a.total, 0)::bigint as "accrued!"
+        r#"select l.id
            from loans l
-           left join lateral (
-               select sum(f.amount_cents) as total from fine_ledger f where f.loan_id = l.id
-           ) a on true
            where l.id >= $1 and l.id % $2 = $3
              and l.due_on + $4::int < $5
              and (l.returned_on is null or l.returned_on >= $5)
              and not exists (select 1 from fine_ledger f where f.loan_id = l.id and f.accrual_date = $5)
              and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $5)
-             and ($6::bigint = 0 or coalesce(a.total, 0) < $6)
+             and ($6::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
+                                              where f.loan_id = l.id), 0) < $6)
            order by l.id
            limit $7"#,
         from_id,
@@ -51,24 +47,74 @@ pub async fn overdue_batch(
     .await
 }
 
-/// Charges every loan in `ids` for `day`, skipping days already charged. Returns the rows written.
+/// The advisory-lock namespace of per-loan ledger locks (`pg_advisory_xact_lock(space, hashint8(loan_id))`):
+/// ASCII "fsLd". A collision of two loans' hashes only makes their charges wait for each other.
+const LOAN_LOCK_SPACE: i32 = 0x6673_4c64;
+
+/// Locks each loan of `ids` for the rest of the transaction, in one fixed order (that of the lock keys), so that
+/// two transactions locking overlapping sets cannot deadlock. Every charge takes this lock before it reads what
+/// the loan has accrued: charges for different days never meet on the ledger's key, and without it two runs (a
+/// second replica of the shard, a manual `accrue`, `pending retry`, the overlap of two shard counts) would each
+/// read the same total and together charge past the cap. Waits at most the transaction's `lock_timeout`.
+pub async fn lock_loans(tx: &mut PgConnection, ids: &[i64]) -> Result<(), sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select count(*) as "locked!" from (
+               select pg_advisory_xact_lock($1::int, k.key)
+               from (select distinct hashint8(b.id) as key from unnest($2::bigint[]) as b (id) order by 1) k
+           ) locks"#,
+        LOAN_LOCK_SPACE,
+        ids,
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// Charges each loan of `ids` for `day`: `amount` (the daily rate, or a pending charge's amount), or what is
+/// left under `cap_cents` if that is less, computed here from the ledger as this statement sees it — so call
+/// [`lock_loans`] first in the same transaction when there is a cap. A loan is charged only if it is still
+/// overdue on `day` by the loans row as it is now (a return back-dated before `day` means nothing is owed);
+/// a day already charged is skipped. Returns the rows written.
 pub async fn charge(
     tx: &mut PgConnection,
     day: NaiveDate,
     ids: &[i64],
-    amounts: &[i64],
+    amount: i64,
+    policy: &FinePolicy,
 ) -> Result<u64, sqlx::Error> {
     let done = sqlx::query!(
         r#"insert into fine_ledger (loan_id, accrual_date, amount_cents)
-           select b.id, $1, b.amount from unnest($2::bigint[], $3::bigint[]) as b (id, amount)
+           select c.id, $1, c.amount
+           from (select l.id,
+                        case when $4::bigint = 0 then $3::bigint
+                             else least($3::bigint,
+                                        $4::bigint - coalesce((select sum(f.amount_cents) from fine_ledger f
+                                                               where f.loan_id = l.id), 0))
+                        end as amount
+                 from loans l
+                 where l.id = any($2::bigint[])
+                   and l.due_on + $5::int < $1 and (l.returned_on is null or l.returned_on >= $1)) c
+           where c.amount > 0
            on conflict on constraint fine_ledger_pkey do nothing"#,
         day,
         ids,
-        amounts,
+        amount,
+        policy.cap().map_or(0, |c| c.get()),
+        i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
     )
     .execute(&mut *tx)
     .await?;
     Ok(done.rows_affected())
+}
+
+/// Checks every deferred constraint and fires every deferred trigger now, so that one that rejects a charge
+/// fails here, inside the charge's savepoint, where the charge can be isolated and queued — instead of at
+/// commit, where it would fail the whole batch (and the run, every time it is retried).
+pub async fn check_deferred_now(tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query!("set constraints all immediate")
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
 }
 
 /// Sets this transaction's statement timeout (used while charges are isolated row by row).
@@ -80,6 +126,43 @@ pub async fn set_local_statement_timeout(tx: &mut PgConnection, millis: u64) -> 
     .fetch_one(&mut *tx)
     .await?;
     Ok(())
+}
+
+/// Whether `day` has a loan of `shard` still to charge: not settled, overdue on the day, neither charged nor
+/// queued for it, and under the cap — the accrual's re-open question for one key, as the tick status asks it
+/// for every key ([`crate::store::job_runs::tick_status`]).
+pub async fn day_has_uncharged(
+    pool: &PgPool,
+    day: NaiveDate,
+    shard: ShardSpec,
+    policy: &FinePolicy,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select exists (
+                   select 1 from loans l
+                   where l.returned_on is null and l.due_on < $1::date - $4::int
+                     and l.id % $2::int = $3::int
+                     and not exists (select 1 from fine_ledger f where f.loan_id = l.id and f.accrual_date = $1)
+                     and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $1)
+                     and ($5::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
+                                                      where f.loan_id = l.id), 0) < $5))
+               or exists (
+                   select 1 from loans l
+                   where l.fine_settled_at is null and l.returned_on is not null
+                     and l.returned_on >= $1 and l.due_on < $1::date - $4::int
+                     and l.id % $2::int = $3::int
+                     and not exists (select 1 from fine_ledger f where f.loan_id = l.id and f.accrual_date = $1)
+                     and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $1)
+                     and ($5::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
+                                                      where f.loan_id = l.id), 0) < $5)) as "late!""#,
+        day,
+        shard.shards(),
+        shard.shard(),
+        i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
+        policy.cap().map_or(0, |c| c.get()),
+    )
+    .fetch_one(pool)
+    .await
 }
 
 /// Queues a failed charge. A row already queued for that day is left as it is.
@@ -142,31 +225,27 @@ pub async fn due_pending(
     .await
 }
 
-/// Locks one pending charge for a retry, unless another replica holds it or it is no longer PENDING.
-/// Returns its attempts so far.
+/// Locks one pending charge for a retry, unless another replica holds it or it changed since `seen` was read:
+/// it must still be PENDING with the attempts seen, and — for a due-only pass — still due. The re-check under the
+/// lock is what keeps the backoff: a replica working from a list read before a peer's failed retry would
+/// otherwise retry the charge again at once, and with three replicas a charge would burn three attempts per
+/// round. Returns its attempts so far.
 pub async fn lock_pending(
     tx: &mut PgConnection,
-    loan_id: i64,
-    day: NaiveDate,
+    seen: &Pending,
+    due_only: bool,
 ) -> Result<Option<i32>, sqlx::Error> {
     sqlx::query_scalar!(
         r#"select attempts from fine_pending
-           where loan_id = $1 and accrual_date = $2 and status = 'PENDING'
+           where loan_id = $1 and accrual_date = $2 and status = 'PENDING' and attempts = $3
+             and (not $4 or next_attempt_at <= now())
            for update skip locked"#,
-        loan_id,
-        day,
+        seen.loan_id,
+        seen.accrual_date,
+        seen.attempts,
+        due_only,
     )
     .fetch_optional(&mut *tx)
-    .await
-}
-
-/// What the ledger holds for one loan, all days together.
-pub async fn accrued(tx: &mut PgConnection, loan_id: i64) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar!(
-        r#"select coalesce(sum(amount_cents), 0)::bigint as "total!" from fine_ledger where loan_id = $1"#,
-        loan_id
-    )
-    .fetch_one(&mut *tx)
     .await
 }
 

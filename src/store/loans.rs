@@ -120,6 +120,47 @@ pub async fn settle_range(
     Ok(done.rows_affected())
 }
 
+/// Settles the batch's range like [`settle_range`], leaving out every row another transaction holds locked
+/// (libraryd in the middle of recording a return, say): the rows it can lock it settles, the others stay
+/// unsettled — the key's re-open settles them once they are free. Used when the range update met a lock it
+/// could not get within `lock_timeout`. The fine expression is [`settle_range`]'s.
+pub async fn settle_unlocked(
+    tx: &mut PgConnection,
+    (first, last): (NaiveDate, NaiveDate),
+    shard: ShardSpec,
+    batch: &SettleBatch,
+    policy: &FinePolicy,
+) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query!(
+        r#"with free as (
+               select id from loans
+               where id between $3 and $4 and id % $5 = $9
+                 and fine_settled_at is null and returned_on is not null
+                 and returned_on between $1 and $2
+                 and isfinite(due_on)
+               for no key update skip locked
+           )
+           update loans
+           set fine_cents = least(nullif($6::bigint, 0),
+                                  greatest(0, returned_on - due_on - $7::int)::bigint * $8::bigint),
+               fine_settled_at = now()
+           from free
+           where loans.id = free.id and loans.fine_settled_at is null"#,
+        first,
+        last,
+        batch.from_id,
+        batch.last_id,
+        i64::from(shard.shards()),
+        policy.cap().map_or(0, |c| c.get()),
+        i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
+        policy.daily_rate().get(),
+        i64::from(shard.shard()),
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(done.rows_affected())
+}
+
 /// The policy's fine for each day count, computed by the same SQL expression as [`settle_range`]; for the test
 /// that keeps the two in agreement.
 pub async fn sql_fines(

@@ -23,6 +23,7 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 const CONCURRENT_INDEXES: &[(&str, &str)] = &[
     ("loans_unsettled_returned_idx", "loans unsettled index"),
     ("loans_unsettled_by_return_idx", "loans unsettled by return index"),
+    ("loans_open_by_due_idx", "loans open by due index"),
 ];
 
 /// Why a database operation failed.
@@ -67,6 +68,32 @@ fn job_options(
         ("max_parallel_workers_per_gather", "0"),
         ("plan_cache_mode", "force_generic_plan"),
     ]))
+}
+
+/// Sets this transaction's `lock_timeout` (`claim.lock_timeout`): a statement that waits longer for a row lock
+/// fails with `lock_not_available` (55P03), which the jobs handle by leaving the row for later. Set per
+/// transaction rather than per connection, so that the claim statements — which wait for an in-flight batch
+/// on purpose — are not cut short.
+pub async fn set_local_lock_timeout(tx: &mut PgConnection, timeout: Duration) -> Result<(), sqlx::Error> {
+    sqlx::query_scalar!(
+        "select set_config('lock_timeout', $1, true)",
+        timeout.as_millis().max(1).to_string()
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// The database clock.
+pub async fn database_now(pool: &PgPool) -> Result<chrono::DateTime<chrono::Utc>, sqlx::Error> {
+    sqlx::query_scalar!(r#"select now() as "now!""#)
+        .fetch_one(pool)
+        .await
+}
+
+/// Whether the statement failed because a row lock was not granted within `lock_timeout`.
+pub fn lock_not_available(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
 }
 
 /// A pool for the jobs. Every statement runs under `statement_timeout = batch_timeout`, so a batch that hangs
@@ -128,6 +155,7 @@ impl Session {
         &mut self,
         shard: crate::shard::ShardSpec,
         since: chrono::NaiveDate,
+        late: job_runs::LateProbe,
     ) -> Result<job_runs::TickStatus, sqlx::Error> {
         if self.conn.is_none() {
             let connect = PgConnection::connect_with(&self.options);
@@ -139,7 +167,7 @@ impl Session {
         let Some(conn) = self.conn.as_mut() else {
             return Err(sqlx::Error::PoolClosed);
         };
-        let result = job_runs::tick_status(conn, shard, since).await;
+        let result = job_runs::tick_status(conn, shard, since, late).await;
         if result.is_err() {
             // Whatever went wrong, the next tick starts from a fresh connection.
             self.conn = None;

@@ -26,6 +26,8 @@ fn accrual(policy: FinePolicy) -> Accrual {
         backoff: Duration::from_millis(100),
         backoff_max: Duration::from_millis(250),
         row_timeout: Duration::from_millis(500),
+        isolation_budget: Duration::from_secs(5),
+        lock_timeout: Duration::from_secs(2),
     }
 }
 

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use fine_settler::store::job_runs::{claim, finish, Claim, ClaimKind, Ending};
+use fine_settler::store::job_runs::{claim, finish, Claim, ClaimKind, ClaimMode, Ending};
 use sqlx::{postgres::PgPoolOptions, PgPool};
 
 use crate::helpers::key;
@@ -10,7 +10,8 @@ use crate::helpers::key;
 const LEASE: Duration = Duration::from_secs(60);
 
 async fn won(pool: &PgPool, owner: &str, force: bool) -> Option<(i64, ClaimKind)> {
-    match claim(pool, &key("2026-10-31", 0, 1), owner, LEASE, force)
+    let mode = if force { ClaimMode::Force } else { ClaimMode::Free };
+    match claim(pool, &key("2026-10-31", 0, 1), owner, LEASE, mode)
         .await
         .expect("claim")
     {
@@ -43,7 +44,7 @@ async fn first_insert_wins_and_the_second_skips(pool: PgPool) {
 #[sqlx::test]
 async fn a_live_running_key_is_skipped_even_by_force(pool: PgPool) {
     won(&pool, "a", false).await;
-    match claim(&pool, &key("2026-10-31", 0, 1), "b", LEASE, true)
+    match claim(&pool, &key("2026-10-31", 0, 1), "b", LEASE, ClaimMode::Force)
         .await
         .expect("claim")
     {
@@ -96,7 +97,10 @@ async fn success_is_skipped_unless_forced_and_force_resets_the_cursor(pool: PgPo
         .await
         .expect("finish"));
     assert_eq!(won(&pool, "b", false).await, None);
-    match claim(&pool, &k, "c", LEASE, true).await.expect("claim") {
+    match claim(&pool, &k, "c", LEASE, ClaimMode::Force)
+        .await
+        .expect("claim")
+    {
         Claim::Won { epoch, cursor, kind } => assert_eq!((epoch, cursor, kind), (2, None, ClaimKind::Forced)),
         other => panic!("force did not take a SUCCESS key: {other:?}"),
     }
@@ -115,7 +119,7 @@ async fn a_takeover_resumes_from_the_stored_cursor(pool: PgPool) {
         .await
         .expect("progress");
     expire_lease(&pool).await;
-    match claim(&pool, &key("2026-10-31", 0, 1), "b", LEASE, false)
+    match claim(&pool, &key("2026-10-31", 0, 1), "b", LEASE, ClaimMode::Free)
         .await
         .expect("claim")
     {
@@ -127,9 +131,15 @@ async fn a_takeover_resumes_from_the_stored_cursor(pool: PgPool) {
 #[sqlx::test]
 async fn keys_differ_by_shard_count(pool: PgPool) {
     for (shard, shards) in [(0, 3), (0, 4), (1, 4)] {
-        match claim(&pool, &key("2026-10-31", shard, shards), "a", LEASE, false)
-            .await
-            .expect("claim")
+        match claim(
+            &pool,
+            &key("2026-10-31", shard, shards),
+            "a",
+            LEASE,
+            ClaimMode::Free,
+        )
+        .await
+        .expect("claim")
         {
             Claim::Won { epoch: 1, .. } => {}
             other => panic!("{shard}/{shards}: {other:?}"),
@@ -157,7 +167,7 @@ async fn sixteen_concurrent_claimers_get_exactly_one_winner(pool: PgPool) {
                 &key("2026-10-31", 0, 1),
                 &format!("claimer-{i}"),
                 LEASE,
-                false,
+                ClaimMode::Free,
             )
             .await
             .expect("claim")

@@ -47,7 +47,7 @@ async fn each_invalid_setting_is_one_line_naming_its_key_and_exit_2(pool: PgPool
         ("FINE_SETTLER__INSTANCE__SHARDS", "0", "instance.shards"),
         ("FINE_SETTLER__TIME__ZONE", "Europe/Atlantis", "time.zone"),
         ("FINE_SETTLER__CLAIM__LEASE", "forever", "claim.lease"),
-        ("FINE_SETTLER__CLAIM__LEASE", "5s", "claim.lease"),
+        ("FINE_SETTLER__CLAIM__LOCK_TIMEOUT", "1h", "claim.lock_timeout"),
         ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "-3s", "claim.batch_timeout"),
         (
             "FINE_SETTLER__FINE__DAILY_RATE_CENTS",
@@ -80,13 +80,29 @@ async fn each_invalid_setting_is_one_line_naming_its_key_and_exit_2(pool: PgPool
     nothing_written(&pool).await;
 }
 
+/// Setting only the lease is enough: the batch and lock timeouts follow it, and check-config shows them.
+#[test]
+fn a_short_lease_alone_is_accepted_and_check_config_shows_the_derived_timeouts() {
+    let mut cmd = fine_settler("postgres://nobody@127.0.0.1:1/nothing");
+    cmd.env("FINE_SETTLER__CLAIM__LEASE", "10s").arg("check-config");
+    let out = output(cmd);
+    assert_success(&out);
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        shown.contains("lease = \"10s\"")
+            && shown.contains("batch_timeout = \"2s 500ms\"")
+            && shown.contains("lock_timeout = \"416ms\""),
+        "{shown}"
+    );
+}
+
 #[sqlx::test]
 async fn a_bad_config_file_is_rejected_before_any_database_access(pool: PgPool) {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("shard.toml");
     std::fs::write(
         &file,
-        "[instance]\nshard = 4\nshards = 4\n[claim]\nlease = \"1s\"\n",
+        "[instance]\nshard = 4\nshards = 4\n[claim]\nlease = \"1s\"\nbatch_timeout = \"30s\"\n",
     )
     .expect("write");
     // An unreachable URL: if validation did not come first, this would be a connection failure (exit 1).

@@ -7,6 +7,7 @@ use std::{
 
 use chrono::NaiveDate;
 use fine_settler::{
+    config::ClaimSettings,
     jobs::{runner::Runner, JobName, RunKey},
     shard::ShardSpec,
     store::loans::{insert_new, NewLoan},
@@ -150,16 +151,22 @@ pub async fn settled_outside(pool: &PgPool, month_end: &str) -> i64 {
     .expect("outside")
 }
 
+/// The claim settings of in-process test runners: a minute's lease, 10 s batches, 2 s lock waits.
+pub const CLAIM: ClaimSettings = ClaimSettings {
+    lease: Duration::from_secs(60),
+    batch_timeout: Duration::from_secs(10),
+    lock_timeout: Duration::from_secs(2),
+    history_retention: Duration::from_secs(86_400),
+};
+
 pub fn runner(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
-    Runner {
-        pool: pool.clone(),
-        owner: owner.to_string(),
-        lease: Duration::from_secs(60),
-        batch_timeout: Duration::from_secs(10),
+    Runner::new(
+        pool.clone(),
+        owner.to_string(),
+        &CLAIM,
         batch_size,
-        cancel: CancellationToken::new(),
-        metrics: None,
-    }
+        CancellationToken::new(),
+    )
 }
 
 /// The URL of the test's own database on the server named by DATABASE_URL.
