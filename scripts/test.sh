@@ -6,12 +6,16 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
-# The unit-file test runs `systemd-analyze verify`: install it if this machine lacks it.
-if ! command -v systemd-analyze >/dev/null; then
-  echo "installing systemd (for systemd-analyze)" >&2
+# Tools some tests run, from Debian's packages, installed when missing: `systemd-analyze verify` (the unit-file
+# test) and libfaketime (a test runs the binary with its host clock shifted).
+missing=()
+command -v systemd-analyze >/dev/null || missing+=(systemd)
+command -v faketime >/dev/null || missing+=(faketime)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing Debian packages the tests need: ${missing[*]}" >&2
   if [ "$(id -u)" = 0 ]; then apt_get=(apt-get); else apt_get=(sudo apt-get); fi
   DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" update -qq
-  DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" install -y -qq --no-install-recommends systemd >/dev/null
+  DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 if [ -z "${DATABASE_URL:-}" ]; then

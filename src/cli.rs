@@ -599,6 +599,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                     "  ledger reconciled   {} loans, {} mismatches",
                     audit.ledger_checked, audit.ledger_mismatches
                 );
+                println!("  over-accrued loans  {}", audit.over_accrued);
                 println!("  violations          {}", violations.len());
                 for v in &violations {
                     println!("    - {v}");

@@ -27,6 +27,9 @@ pub struct MonthAudit {
     pub ledger_checked: i64,
     /// Of those, loans whose ledger total differs from `fine_cents`.
     pub ledger_mismatches: i64,
+    /// Loans returned in the month with ledger rows for days on which they were not overdue (a return
+    /// back-dated after the day was charged, a due date moved later): charged for days nothing was owed.
+    pub over_accrued: i64,
 }
 
 /// Audits the loans returned in `[first, last]` against `policy`. The expected fine is computed by the database
@@ -70,24 +73,30 @@ pub async fn month(
     .fetch_all(pool)
     .await?;
 
-    // Reconciliation: a returned loan's overdue days are due_on + grace < D <= returned_on. When the ledger has a
-    // row for each (or has reached the cap), its total must equal the settled fine.
+    // Reconciliation: a returned loan's overdue days are due_on + grace < D <= returned_on. A ledger row outside
+    // those days is over-accrued (reported on its own); when the ledger has a row for each of them (or has
+    // reached the cap), its total must equal the settled fine.
     let ledger = sqlx::query!(
         r#"with r as (
-               select l.id, l.fine_cents,
+               select l.id, l.fine_cents, l.fine_settled_at,
                       greatest(0, l.returned_on - l.due_on - $4::int) as days,
                       coalesce(sum(f.amount_cents), 0)::bigint as total,
-                      count(f.loan_id) as rows
+                      count(f.loan_id) filter (where f.accrual_date > l.due_on + $4::int
+                                                 and f.accrual_date <= l.returned_on) as rows,
+                      count(f.loan_id) filter (where f.accrual_date <= l.due_on + $4::int
+                                                  or f.accrual_date > l.returned_on) as outside
                from loans l
                left join fine_ledger f on f.loan_id = l.id
-               where l.returned_on between $1 and $2 and l.fine_settled_at is not null
-               group by l.id, l.fine_cents, l.returned_on, l.due_on
+               where l.returned_on between $1 and $2
+               group by l.id, l.fine_cents, l.fine_settled_at, l.returned_on, l.due_on
            ), full_ledger as (
                select * from r
-               where (rows > 0 and rows = days) or ($3::bigint > 0 and rows > 0 and total >= $3)
+               where fine_settled_at is not null and outside = 0
+                 and ((rows > 0 and rows = days) or ($3::bigint > 0 and rows > 0 and total >= $3))
            )
-           select count(*) as "checked!", count(*) filter (where total <> fine_cents) as "mismatches!"
-           from full_ledger"#,
+           select (select count(*) from full_ledger) as "checked!",
+                  (select count(*) from full_ledger where total <> fine_cents) as "mismatches!",
+                  (select count(*) from r where outside > 0) as "over_accrued!""#,
         first,
         last,
         policy.cap().map_or(0, |c| c.get()),
@@ -106,6 +115,7 @@ pub async fn month(
         complete_shard_counts: complete,
         ledger_checked: ledger.checked,
         ledger_mismatches: ledger.mismatches,
+        over_accrued: ledger.over_accrued,
     })
 }
 
@@ -129,6 +139,12 @@ impl MonthAudit {
             v.push(format!(
                 "{} fully accrued loans have a ledger total other than their settled fine",
                 self.ledger_mismatches
+            ));
+        }
+        if self.over_accrued > 0 {
+            v.push(format!(
+                "{} loans are over-accrued: the ledger charges them for days on which they were not overdue",
+                self.over_accrued
             ));
         }
         if self.returned > 0 && self.complete_shard_counts.is_empty() {

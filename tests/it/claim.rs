@@ -251,3 +251,71 @@ async fn old_attempt_history_is_pruned_in_batches_and_job_runs_are_kept(pool: Pg
     assert_eq!(left, vec!["a".to_string()], "recent history stays");
     assert_eq!(status(&pool).await.0, "RUNNING", "job_runs rows are never pruned");
 }
+
+/// The finish is retried after a connection error; when the first attempt had committed (its reply lost with
+/// the connection), the retry finds the key already SUCCESS under its own epoch: that is finished, not a lost
+/// lease, and the history gets no second row.
+#[sqlx::test]
+async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool) {
+    won(&pool, "a", false).await;
+    let k = key("2026-10-31", 0, 1);
+    assert!(finish(&pool, &k, 1, Ending::Success, 5, 5).await.expect("finish"));
+    assert!(
+        finish(&pool, &k, 1, Ending::Success, 5, 5)
+            .await
+            .expect("retried finish"),
+        "the retry sees its own SUCCESS"
+    );
+    let events: Vec<String> = sqlx::query_scalar("select event from job_run_attempts order by id")
+        .fetch_all(&pool)
+        .await
+        .expect("history");
+    assert_eq!(events, ["claimed", "success"]);
+    // Another epoch's finish is still refused.
+    assert!(!finish(&pool, &k, 2, Ending::Success, 0, 0).await.expect("finish"));
+    // And a retried FAILED finish after a peer took the key over is a lost lease.
+    expire_lease(&pool).await;
+    sqlx::query("update job_runs set status = 'FAILED'")
+        .execute(&pool)
+        .await
+        .expect("fail");
+    assert_eq!(won(&pool, "b", false).await, Some((2, ClaimKind::TakenOver)));
+    assert!(!finish(&pool, &k, 1, Ending::Failed("x"), 0, 0)
+        .await
+        .expect("finish"));
+}
+
+/// The fence renews the lease from the moment it runs: a batch that took most of the batch timeout leaves its
+/// owner a whole lease, not the lease minus the batch.
+#[sqlx::test]
+async fn the_fence_renews_the_lease_from_the_moment_it_runs(pool: PgPool) {
+    won(&pool, "a", false).await;
+    let k = key("2026-10-31", 0, 1);
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query("select pg_sleep(1.5)")
+        .execute(&mut *tx)
+        .await
+        .expect("a slow batch");
+    let progress = fine_settler::store::job_runs::Progress {
+        cursor: 10,
+        scanned: 10,
+        updated: 10,
+    };
+    let lease = Duration::from_secs(2);
+    assert!(
+        fine_settler::store::job_runs::advance(&mut tx, &k, 1, progress, lease)
+            .await
+            .expect("fence")
+    );
+    tx.commit().await.expect("commit");
+    let left: f64 = sqlx::query_scalar(
+        "select extract(epoch from lease_until - clock_timestamp())::float8 from job_runs",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("lease");
+    assert!(
+        left > 1.8,
+        "the renewed lease has {left:.3} s left, not 2 s - 1.5 s"
+    );
+}

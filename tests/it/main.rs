@@ -10,6 +10,7 @@ mod daemon;
 mod deploy;
 mod fencing;
 mod helpers;
+mod live;
 mod server;
 mod settlement;
 mod systemd;

@@ -1,0 +1,659 @@
+//! libraryd keeps writing while fine-settler works: returns back-dated into a settled month, loans recorded late,
+//! rows it keeps locked, triggers and deferred constraints that reject charges, and two runs charging the same
+//! capped loan at once. Each test here failed before the behaviour it names was built.
+
+use std::{process::Stdio, time::Duration};
+
+use chrono::{DateTime, NaiveDate, Utc};
+use fine_settler::{
+    calendar,
+    config::ClaimSettings,
+    fine::FinePolicy,
+    jobs::{
+        accrual::{compensate, Accrual},
+        runner::Runner,
+        settlement::Settlement,
+        JobName, Outcome, RunKey,
+    },
+    shard::ShardSpec,
+};
+use sqlx::{Connection, PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    daemon::due_now,
+    helpers::{
+        assert_success, d, database_url, fine_settler, insert, key, loan, oracle, output, report, runner,
+        seed_run, settled, CLAIM,
+    },
+};
+
+/// The database's local date in Asia/Shanghai (the daemon's default zone), by the database clock.
+async fn db_today(pool: &PgPool) -> NaiveDate {
+    let now: DateTime<Utc> = sqlx::query_scalar("select now()")
+        .fetch_one(pool)
+        .await
+        .expect("now");
+    calendar::local_date(now, chrono_tz::Asia::Shanghai)
+}
+
+fn days(n: i64) -> chrono::Duration {
+    chrono::Duration::days(n)
+}
+
+/// `run --once` of one replica (settlement only unless `extra` says otherwise); its reports and stderr.
+fn run_once(url: &str, extra: &[(&str, &str)]) -> (Vec<serde_json::Value>, String) {
+    let mut cmd = fine_settler(url);
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    cmd.args(["run", "--once"]);
+    let out = output(cmd);
+    assert_success(&out);
+    let reports = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("report line is JSON"))
+        .collect();
+    (reports, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+async fn history_events(pool: &PgPool, job: &str, date: NaiveDate) -> Vec<String> {
+    sqlx::query_scalar(
+        "select event from job_run_attempts where job_name = $1 and business_date = $2 order by id",
+    )
+    .bind(job)
+    .bind(date)
+    .fetch_all(pool)
+    .await
+    .expect("history")
+}
+
+async fn exec(pool: &PgPool, sql: &str) {
+    sqlx::raw_sql(sql).execute(pool).await.expect(sql);
+}
+
+#[sqlx::test]
+async fn a_return_back_dated_into_a_settled_month_is_settled_by_the_next_tick_and_by_settle(pool: PgPool) {
+    let url = database_url(&pool);
+    let months = due_now(&pool, 3).await;
+    let latest = *months.last().expect("a due month");
+    let mid = (latest - days(10)).to_string();
+    insert(
+        &pool,
+        &(100..150)
+            .map(|id| loan(id, &(latest - days(20)).to_string(), Some(&mid)))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    // A book still out, which libraryd will record as returned (back-dated) after the month is settled.
+    insert(&pool, &[loan(200, &(latest - days(25)).to_string(), None)]).await;
+    let (first, _) = run_once(&url, &[]);
+    assert_eq!(first.len(), 3, "three due months, each settled: {first:?}");
+
+    // The book drop is processed the next morning: a new loan with an id below the cursor, and the open loan's
+    // return, both back-dated into the settled month.
+    insert(&pool, &[loan(7, &(latest - days(30)).to_string(), Some(&mid))]).await;
+    sqlx::query("update loans set returned_on = $1 where id = 200")
+        .bind(d(&mid))
+        .execute(&pool)
+        .await
+        .expect("return");
+    assert!(settled(&pool, &latest.to_string()).await.0 < oracle(&pool, &latest.to_string()).await.0);
+
+    let (second, stderr) = run_once(&url, &[]);
+    assert_eq!(
+        second.len(),
+        1,
+        "only the month with late returns runs: {second:?}"
+    );
+    let r = &second[0];
+    assert_eq!(r["business_date"], latest.to_string());
+    assert_eq!(r["outcome"], "settled");
+    assert_eq!(r["reopened"], true);
+    assert_eq!(r["updated"], 2);
+    assert_eq!(r["epoch"], 2);
+    assert!(stderr.contains("late returns settled"), "{stderr}");
+    assert_eq!(
+        settled(&pool, &latest.to_string()).await,
+        oracle(&pool, &latest.to_string()).await
+    );
+    assert_eq!(
+        history_events(&pool, "fine-settlement", latest).await,
+        ["claimed", "success", "reopened", "success"]
+    );
+
+    // By hand: `settle` without --force re-opens the key too, and says so.
+    insert(&pool, &[loan(8, &(latest - days(30)).to_string(), Some(&mid))]).await;
+    let mut settle = fine_settler(&url);
+    settle.args(["settle", "--business-date", &latest.to_string()]);
+    let out = output(settle);
+    assert_success(&out);
+    let r = report(&out);
+    assert_eq!(
+        (&r["outcome"], &r["reopened"], &r["updated"], &r["epoch"]),
+        (
+            &serde_json::json!("settled"),
+            &serde_json::json!(true),
+            &serde_json::json!(1),
+            &serde_json::json!(3)
+        )
+    );
+    assert_eq!(
+        settled(&pool, &latest.to_string()).await,
+        oracle(&pool, &latest.to_string()).await
+    );
+
+    // Nothing late any more: the next tick is idle, and a plain settle skips.
+    let (third, _) = run_once(&url, &[]);
+    assert!(third.is_empty(), "{third:?}");
+    let mut settle = fine_settler(&url);
+    settle.args(["settle", "--business-date", &latest.to_string()]);
+    let r = report(&output(settle));
+    assert_eq!(
+        (&r["outcome"], &r["reopened"]),
+        (&serde_json::json!("skipped"), &serde_json::json!(false))
+    );
+}
+
+#[sqlx::test]
+async fn outside_the_catch_up_window_nothing_reopens_by_itself_verify_reports_it_and_settle_fixes_it(
+    pool: PgPool,
+) {
+    let url = database_url(&pool);
+    let oldest_due = due_now(&pool, 3).await[0];
+    // The month end before the window: settled long ago.
+    let old = calendar::month_start(oldest_due).pred_opt().expect("date");
+    seed_run(&pool, "fine-settlement", old, "SUCCESS", "long-gone", 1, "-1 day").await;
+    let returned = (old - days(3)).to_string();
+    insert(&pool, &[loan(5, &(old - days(9)).to_string(), Some(&returned))]).await;
+
+    let (reports, _) = run_once(&url, &[]);
+    assert!(
+        reports.iter().all(|r| r["business_date"] != old.to_string()),
+        "a key outside the window is not re-opened by itself: {reports:?}"
+    );
+    let verify = |expect: i32| {
+        let mut cmd = fine_settler(&url);
+        cmd.args(["verify", "--business-date", &old.to_string()]);
+        let out = output(cmd);
+        assert_eq!(
+            out.status.code(),
+            Some(expect),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(verify(3).contains("1 loans returned in the month are not settled"));
+    let mut settle = fine_settler(&url);
+    settle.args(["settle", "--business-date", &old.to_string()]);
+    let r = report(&output(settle));
+    assert_eq!(
+        (&r["reopened"], &r["updated"]),
+        (&serde_json::json!(true), &serde_json::json!(1))
+    );
+    verify(0);
+}
+
+#[sqlx::test]
+async fn a_loan_recorded_late_as_overdue_is_charged_when_the_tick_reopens_its_days(pool: PgPool) {
+    let url = database_url(&pool);
+    let today = db_today(&pool).await;
+    let accrual_only = [
+        ("FINE_SETTLER__ACCRUAL__ENABLED", "true"),
+        ("FINE_SETTLER__SETTLEMENT__ENABLED", "false"),
+    ];
+    insert(&pool, &[loan(1, &(today - days(30)).to_string(), None)]).await;
+    let (first, _) = run_once(&url, &accrual_only);
+    assert_eq!(first.len(), 7);
+    insert(&pool, &[loan(3, &(today + days(20)).to_string(), None)]).await;
+    let (idle, _) = run_once(&url, &accrual_only);
+    assert!(
+        idle.is_empty(),
+        "a loan not overdue yet re-opens nothing: {idle:?}"
+    );
+    // Recorded late: borrowed long ago, overdue all week; and a loan whose due date libraryd shortened.
+    insert(&pool, &[loan(2, &(today - days(20)).to_string(), None)]).await;
+    sqlx::query("update loans set due_on = $1 where id = 3")
+        .bind(today - days(4))
+        .execute(&pool)
+        .await
+        .expect("shorten");
+
+    let (second, stderr) = run_once(&url, &accrual_only);
+    assert_eq!(second.len(), 7, "every day of the window re-opened: {second:?}");
+    assert!(second
+        .iter()
+        .all(|r| r["reopened"] == true && r["outcome"] == "settled"));
+    assert!(stderr.contains("late overdue days charged"), "{stderr}");
+    let per_loan: Vec<(i64, i64)> =
+        sqlx::query_as("select loan_id, count(*) from fine_ledger group by 1 order by 1")
+            .fetch_all(&pool)
+            .await
+            .expect("ledger");
+    // Loan 3 is overdue on the days after its new due date: today-3 .. yesterday.
+    assert_eq!(per_loan, [(1, 7), (2, 7), (3, 3)]);
+    let (idle, _) = run_once(&url, &accrual_only);
+    assert!(idle.is_empty(), "{idle:?}");
+}
+
+fn accrual(policy: FinePolicy, backoff: Duration) -> Accrual {
+    Accrual {
+        policy,
+        backoff,
+        backoff_max: backoff * 4,
+        row_timeout: Duration::from_millis(500),
+        isolation_budget: Duration::from_secs(5),
+        lock_timeout: CLAIM.lock_timeout,
+    }
+}
+
+fn day_key(day: NaiveDate) -> RunKey {
+    RunKey {
+        job: JobName::OverdueAccrual,
+        business_date: day,
+        shard: ShardSpec::SINGLE,
+    }
+}
+
+async fn ledger_total(pool: &PgPool, loan_id: i64) -> i64 {
+    sqlx::query_scalar("select coalesce(sum(amount_cents), 0)::bigint from fine_ledger where loan_id = $1")
+        .bind(loan_id)
+        .fetch_one(pool)
+        .await
+        .expect("total")
+}
+
+#[sqlx::test]
+async fn two_runs_of_different_days_never_charge_a_capped_loan_past_its_cap(pool: PgPool) {
+    let day = d("2026-10-20");
+    insert(&pool, &[loan(1, "2026-10-01", None)]).await;
+    // 200 of the 250 already charged; each ledger insert takes half a second, so the two runs overlap.
+    exec(
+        &pool,
+        "insert into fine_ledger (loan_id, accrual_date, amount_cents)
+         values (1, '2026-10-10', 100), (1, '2026-10-11', 100);
+         create function slow_ledger() returns trigger language plpgsql as $$
+         begin perform pg_sleep(0.5); return new; end $$;
+         create trigger slow_ledger before insert on fine_ledger for each row execute function slow_ledger();",
+    )
+    .await;
+    let job = accrual(
+        FinePolicy::new(100, 0, 250).expect("policy"),
+        Duration::from_secs(60),
+    );
+    // Two replicas of the shard (or a manual accrue) running two days at once.
+    let (ra, rb) = (runner(&pool, "a", 10), runner(&pool, "b", 10));
+    let (a, b) = tokio::join!(
+        ra.run(&job, day_key(day), false),
+        rb.run(&job, day_key(day + days(1)), false),
+    );
+    assert_eq!((a.outcome, b.outcome), (Outcome::Settled, Outcome::Settled));
+    assert_eq!(ledger_total(&pool, 1).await, 250, "the cap holds");
+    assert_eq!(
+        a.updated + b.updated,
+        1,
+        "one run charged what was left, the other nothing"
+    );
+}
+
+/// A libraryd session holding row locks, released by `commit()`.
+struct Libraryd(PgConnection);
+
+impl Libraryd {
+    async fn locks(pool: &PgPool, sql: &str) -> Libraryd {
+        let mut conn = PgConnection::connect(&database_url(pool)).await.expect("connect");
+        sqlx::raw_sql(&format!("begin; {sql}"))
+            .execute(&mut conn)
+            .await
+            .expect("lock");
+        Libraryd(conn)
+    }
+
+    async fn commit(mut self) {
+        sqlx::raw_sql("commit")
+            .execute(&mut self.0)
+            .await
+            .expect("commit");
+    }
+}
+
+fn runner_with_lock_timeout(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
+    let claim = ClaimSettings {
+        lock_timeout: Duration::from_millis(300),
+        ..CLAIM
+    };
+    Runner::new(
+        pool.clone(),
+        owner.into(),
+        &claim,
+        batch_size,
+        CancellationToken::new(),
+    )
+}
+
+#[sqlx::test]
+async fn a_row_libraryd_keeps_locked_is_left_for_later_and_settled_once_released(pool: PgPool) {
+    insert(
+        &pool,
+        &(1..=30)
+            .map(|id| loan(id, "2026-10-05", Some("2026-10-20")))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    let libraryd = Libraryd::locks(&pool, "select * from loans where id = 12 for update").await;
+    let job = Settlement {
+        policy: FinePolicy::default(),
+    };
+    let k = key("2026-10-31", 0, 1);
+    let first = runner_with_lock_timeout(&pool, "a", 10).run(&job, k, false).await;
+    assert_eq!(
+        (first.outcome, first.updated),
+        (Outcome::Settled, 29),
+        "{first:?}"
+    );
+    let unsettled: Vec<i64> = sqlx::query_scalar("select id from loans where fine_settled_at is null")
+        .fetch_all(&pool)
+        .await
+        .expect("unsettled");
+    assert_eq!(unsettled, [12]);
+
+    // Still locked: the re-open leaves it again, and the key stays SUCCESS.
+    let again = runner_with_lock_timeout(&pool, "b", 10).run(&job, k, false).await;
+    assert_eq!(
+        (again.outcome, again.reopened, again.updated),
+        (Outcome::Settled, true, 0)
+    );
+    libraryd.commit().await;
+    let last = runner_with_lock_timeout(&pool, "c", 10).run(&job, k, false).await;
+    assert_eq!(
+        (last.outcome, last.reopened, last.updated),
+        (Outcome::Settled, true, 1)
+    );
+    assert_eq!(
+        settled(&pool, "2026-10-31").await,
+        oracle(&pool, "2026-10-31").await
+    );
+}
+
+#[sqlx::test]
+async fn a_charge_blocked_by_a_libraryd_lock_goes_to_pending_and_is_charged_once_released(pool: PgPool) {
+    // libraryd keeps a balance per member, updated by a trigger on the ledger; a libraryd transaction holds
+    // member 7's balance row.
+    exec(
+        &pool,
+        "create table member_balances (member_id bigint primary key, cents bigint not null default 0);
+         insert into member_balances values (1, 0), (7, 0);
+         create function add_to_balance() returns trigger language plpgsql as $$
+         begin
+             update member_balances set cents = cents + new.amount_cents
+             where member_id = (select member_id from loans where id = new.loan_id);
+             return new;
+         end $$;
+         create trigger add_to_balance after insert on fine_ledger for each row execute function add_to_balance();",
+    )
+    .await;
+    insert(
+        &pool,
+        &(1..=20)
+            .map(|id| loan(id, "2026-10-01", None))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    exec(&pool, "update loans set member_id = 7 where id = 13").await;
+    let libraryd = Libraryd::locks(
+        &pool,
+        "select * from member_balances where member_id = 7 for update",
+    )
+    .await;
+
+    let job = accrual(FinePolicy::default(), Duration::from_millis(100));
+    let day = d("2026-10-20");
+    let run = runner_with_lock_timeout(&pool, "a", 50)
+        .run(&job, day_key(day), false)
+        .await;
+    assert_eq!((run.outcome, run.updated), (Outcome::Settled, 19), "{run:?}");
+    let pending: Vec<(i64, String)> = sqlx::query_as("select loan_id, last_error from fine_pending")
+        .fetch_all(&pool)
+        .await
+        .expect("pending");
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0].0, 13);
+    assert!(pending[0].1.contains("lock"), "{pending:?}");
+
+    libraryd.commit().await;
+    let done = compensate(&pool, &job, Some(ShardSpec::SINGLE), false, 10)
+        .await
+        .expect("compensation");
+    assert_eq!(done.charged, 1);
+    let charged: i64 = sqlx::query_scalar("select count(*) from fine_ledger where accrual_date = $1")
+        .bind(day)
+        .fetch_one(&pool)
+        .await
+        .expect("ledger");
+    assert_eq!(charged, 20);
+}
+
+#[sqlx::test]
+async fn concurrent_compensation_passes_spend_one_attempt_per_backoff_period(pool: PgPool) {
+    insert(&pool, &[loan(1, "2026-10-01", None), loan(2, "2026-10-01", None)]).await;
+    // Both charges keep failing; loan 1's rejection takes 1 s, loan 2's 0.3 s.
+    exec(
+        &pool,
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
+         values (1, '2026-10-20', 100, 1, 'x', now() - interval '1 s'),
+                (2, '2026-10-20', 100, 1, 'x', now() - interval '1 s');
+         create function reject_slowly() returns trigger language plpgsql as $$
+         begin
+             perform pg_sleep(case when new.loan_id = 1 then 1.0 else 0.3 end);
+             raise exception 'charge rejected for loan %', new.loan_id;
+         end $$;
+         create trigger reject_slowly before insert on fine_ledger for each row execute function reject_slowly();",
+    )
+    .await;
+    // Two replicas of the shard read the same due list; each then reaches the charge the other just retried.
+    let job = accrual(FinePolicy::default(), Duration::from_secs(60));
+    let pass = || compensate(&pool, &job, Some(ShardSpec::SINGLE), true, 10);
+    let (a, b) = tokio::join!(pass(), pass());
+    let (a, b) = (a.expect("pass a"), b.expect("pass b"));
+    assert_eq!(a.retried + b.retried, 2, "{a:?} {b:?}");
+    let attempts: Vec<i32> = sqlx::query_scalar("select attempts from fine_pending order by loan_id")
+        .fetch_all(&pool)
+        .await
+        .expect("attempts");
+    assert_eq!(attempts, [2, 2], "each charge retried once, not once per replica");
+}
+
+#[sqlx::test]
+async fn a_failing_compensation_pass_does_not_stop_settlement(pool: PgPool) {
+    let url = database_url(&pool);
+    let latest = *due_now(&pool, 1).await.last().expect("month");
+    let returned = (latest - days(3)).to_string();
+    insert(
+        &pool,
+        &(1..=10)
+            .map(|id| loan(id, &(latest - days(8)).to_string(), Some(&returned)))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    // A due pending charge whose queue row cannot be changed: the pass fails with an error that is not a
+    // rejected charge (as with a missing grant on fine_pending).
+    exec(
+        &pool,
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
+         values (1, current_date - 40, 100, 1, 'x', now() - interval '1 s');
+         create function frozen_queue() returns trigger language plpgsql as $$
+         begin raise exception 'permission denied for table fine_pending'; end $$;
+         create trigger frozen_queue before update or delete on fine_pending
+             for each row execute function frozen_queue();",
+    )
+    .await;
+    let (reports, stderr) = run_once(
+        &url,
+        &[
+            ("FINE_SETTLER__ACCRUAL__ENABLED", "true"),
+            ("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1"),
+        ],
+    );
+    assert!(
+        reports
+            .iter()
+            .any(|r| r["job"] == "fine-settlement" && r["outcome"] == "settled" && r["updated"] == 10),
+        "{reports:?}"
+    );
+    assert_eq!(
+        stderr.matches("compensation pass failed").count(),
+        1,
+        "logged once: {stderr}"
+    );
+    assert_eq!(
+        settled(&pool, &latest.to_string()).await,
+        oracle(&pool, &latest.to_string()).await
+    );
+}
+
+#[sqlx::test]
+async fn a_deferred_constraint_that_rejects_a_charge_at_commit_queues_that_charge(pool: PgPool) {
+    insert(
+        &pool,
+        &(1..=20)
+            .map(|id| loan(id, "2026-10-01", None))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    exec(
+        &pool,
+        "create function reject_13() returns trigger language plpgsql as $$
+         begin
+             if new.loan_id = 13 then raise exception 'loan 13 is disputed'; end if;
+             return null;
+         end $$;
+         create constraint trigger reject_13 after insert on fine_ledger deferrable initially deferred
+             for each row execute function reject_13();",
+    )
+    .await;
+    let job = accrual(FinePolicy::default(), Duration::from_millis(100));
+    let run = runner(&pool, "a", 50)
+        .run(&job, day_key(d("2026-10-20")), false)
+        .await;
+    assert_eq!((run.outcome, run.updated), (Outcome::Settled, 19), "{run:?}");
+    let pending: Vec<(i64, String)> = sqlx::query_as("select loan_id, last_error from fine_pending")
+        .fetch_all(&pool)
+        .await
+        .expect("pending");
+    assert_eq!(pending.len(), 1);
+    assert!(
+        pending[0].0 == 13 && pending[0].1.contains("disputed"),
+        "{pending:?}"
+    );
+}
+
+#[sqlx::test]
+async fn a_pending_charge_for_a_day_no_longer_overdue_is_resolved_and_verify_reports_over_accrual(
+    pool: PgPool,
+) {
+    insert(&pool, &[loan(1, "2026-10-01", None), loan(2, "2026-10-01", None)]).await;
+    exec(
+        &pool,
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
+         values (1, '2026-10-20', 100, 1, 'x', now() - interval '1 s');
+         insert into fine_ledger (loan_id, accrual_date, amount_cents)
+         select 2, d::date, 100 from generate_series('2026-10-02'::date, '2026-10-20', '1 day') d;
+         update loans set returned_on = '2026-10-15' where id in (1, 2);",
+    )
+    .await;
+    // Loan 1 was returned on the 15th, recorded late: nothing is owed for the 20th.
+    let job = accrual(FinePolicy::default(), Duration::from_millis(100));
+    let done = compensate(&pool, &job, Some(ShardSpec::SINGLE), true, 10)
+        .await
+        .expect("compensation");
+    assert_eq!((done.charged, done.not_owed), (0, 1));
+    assert_eq!(ledger_total(&pool, 1).await, 0);
+    let pending: i64 = sqlx::query_scalar("select count(*) from fine_pending")
+        .fetch_one(&pool)
+        .await
+        .expect("pending");
+    assert_eq!(pending, 0);
+
+    // Loan 2 was charged up to the 20th before its return on the 15th was recorded: over-accrued.
+    let settle = runner(&pool, "s", 10)
+        .run(
+            &Settlement {
+                policy: FinePolicy::default(),
+            },
+            key("2026-10-31", 0, 1),
+            false,
+        )
+        .await;
+    assert_eq!(settle.outcome, Outcome::Settled);
+    let mut verify = fine_settler(&database_url(&pool));
+    verify.args(["verify", "--business-date", "2026-10-31", "--json"]);
+    let out = output(verify);
+    assert_eq!(out.status.code(), Some(3));
+    let audit: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(audit["audit"]["over_accrued"], 1, "{audit}");
+    assert!(
+        audit["violations"].to_string().contains("over-accrued"),
+        "{audit}"
+    );
+}
+
+#[sqlx::test]
+async fn a_key_that_leaves_its_window_unfinished_is_reported_once(pool: PgPool) {
+    let url = database_url(&pool);
+    let oldest_due = due_now(&pool, 3).await[0];
+    let left = calendar::month_start(oldest_due).pred_opt().expect("date");
+    seed_run(&pool, "fine-settlement", left, "FAILED", "bad-data", 4, "-1 hour").await;
+    let (reports, stderr) = run_once(&url, &[]);
+    assert!(reports.iter().all(|r| r["business_date"] != left.to_string()));
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("left its catch-up window without succeeding"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0].contains(&left.to_string()) && lines[0].contains("\"level\":\"error\""),
+        "{}",
+        lines[0]
+    );
+}
+
+/// `accrue --date` asks the database what day it is, as the daemon does: a host clock three days behind does not
+/// make yesterday "not over yet" (the test runs the binary under libfaketime; scripts/test.sh installs it).
+#[sqlx::test]
+async fn accrue_checks_its_date_against_the_database_clock(pool: PgPool) {
+    let url = database_url(&pool);
+    let yesterday = db_today(&pool).await - days(1);
+    insert(&pool, &[loan(1, &(yesterday - days(10)).to_string(), None)]).await;
+    let faketime = which("faketime")
+        .expect("faketime (Debian's faketime package) is needed; scripts/test.sh installs it");
+    let run = |date: NaiveDate| {
+        let mut cmd = std::process::Command::new(&faketime);
+        cmd.args(["-f", "-3d", env!("CARGO_BIN_EXE_fine-settler")])
+            .args(["accrue", "--date", &date.to_string()])
+            .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+            .env("DATABASE_URL", &url)
+            .stdin(Stdio::null());
+        cmd.output().expect("run under faketime")
+    };
+    let out = run(yesterday);
+    assert_success(&out);
+    assert_eq!(report(&out)["updated"], 1);
+    // And today, by the database clock, is refused though the host thinks it is three days away.
+    let out = run(yesterday + days(1));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--date"));
+}
+
+fn which(program: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join(program))
+            .find(|p| p.is_file())
+    })
+}
