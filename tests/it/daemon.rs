@@ -414,6 +414,8 @@ async fn an_idle_tick_is_one_statement() {
     );
 }
 
+/// One tick of a replica with accrual on retries the shard's due pending charge first, then runs the accrual
+/// for each of the last seven days: the pending charge reaches the ledger before the tick claims its first key.
 #[sqlx::test]
 async fn a_tick_compensates_first_then_accrues_the_last_seven_days(pool: PgPool) {
     let now: DateTime<Utc> = sqlx::query_scalar("select now()")
@@ -469,6 +471,21 @@ async fn a_tick_compensates_first_then_accrues_the_last_seven_days(pool: PgPool)
     .await
     .expect("keys");
     assert_eq!(keys, 7);
+
+    // The order: the compensated charge was written before the first of the tick's claims.
+    let (compensated_at, first_claim): (DateTime<Utc>, DateTime<Utc>) = sqlx::query_as(
+        "select (select charged_at from fine_ledger where loan_id = 1 and accrual_date = $1),
+                (select min(at) from job_run_attempts where job_name = 'overdue-accrual' and event = 'claimed')",
+    )
+    .bind(old_day)
+    .fetch_one(&pool)
+    .await
+    .expect("order");
+    assert!(
+        compensated_at < first_claim,
+        "the compensation pass did not run before the tick's runs: charged at {compensated_at}, \
+         first claim at {first_claim}"
+    );
 }
 
 #[sqlx::test]
