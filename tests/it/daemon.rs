@@ -220,14 +220,15 @@ async fn a_second_signal_exits_at_once(pool: PgPool) {
         ("FINE_SETTLER__CLAIM__LEASE", "30s"),
     ];
     let replica = daemon(&url, 0, 1, &extra);
-    wait_until("the first batch to be in flight", Duration::from_secs(30), || async {
-        sqlx::query_scalar::<_, i64>(
-            "select count(*) from pg_stat_activity where wait_event = 'PgSleep' and application_name like 'fine-settler run%'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap_or(0)
-            > 0
+    // pg_stat_activity shows the whole server: only this test's database counts.
+    let in_flight = "select count(*) from pg_stat_activity
+                     where datname = current_database() and wait_event = 'PgSleep'
+                       and application_name like 'fine-settler run%'";
+    wait_until("the first batch in flight", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>(in_flight)
+            .fetch_one(&pool)
+            .await
+            .is_ok_and(|n| n > 0)
     })
     .await;
     let started = tokio::time::Instant::now();

@@ -254,15 +254,16 @@ impl Gate {
 
     /// Waits (at most 30 s) until some transaction waits at the gate.
     async fn wait_for_a_writer(&self, pool: &PgPool) {
-        wait_until("a loan update to wait at the gate", Duration::from_secs(30), || async {
-            sqlx::query_scalar::<_, i64>(
-                "select count(*) from pg_locks where locktype = 'advisory' and objid::bigint = $1 and not granted",
-            )
-            .bind(GATE_KEY)
-            .fetch_one(pool)
-            .await
-            .unwrap_or(0)
-                > 0
+        // pg_locks shows the whole server: only this test's database counts.
+        let waiting = "select count(*) from pg_locks
+                       where locktype = 'advisory' and objid::bigint = $1 and not granted
+                         and database = (select oid from pg_database where datname = current_database())";
+        wait_until("a loan update at the gate", Duration::from_secs(30), || async {
+            sqlx::query_scalar::<_, i64>(waiting)
+                .bind(GATE_KEY)
+                .fetch_one(pool)
+                .await
+                .is_ok_and(|n| n > 0)
         })
         .await;
     }

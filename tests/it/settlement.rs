@@ -381,7 +381,8 @@ async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(
     // Its last transaction dies with its connection; wait until the server has let go of it.
     wait_until("the killed session to end", Duration::from_secs(10), || async {
         sqlx::query_scalar::<_, i64>(
-            "select count(*) from pg_stat_activity where application_name like 'fine-settler settle%'",
+            "select count(*) from pg_stat_activity
+             where datname = current_database() and application_name like 'fine-settler settle%'",
         )
         .fetch_one(&pool)
         .await
