@@ -81,9 +81,9 @@ pub async fn month(
                select l.id, l.fine_cents, l.fine_settled_at,
                       greatest(0, l.returned_on - l.due_on - $4::int) as days,
                       coalesce(sum(f.amount_cents), 0)::bigint as total,
-                      count(f.loan_id) filter (where f.accrual_date > l.due_on + $4::int
+                      count(f.loan_id) filter (where f.accrual_date - $4::int > l.due_on
                                                  and f.accrual_date <= l.returned_on) as rows,
-                      count(f.loan_id) filter (where f.accrual_date <= l.due_on + $4::int
+                      count(f.loan_id) filter (where f.accrual_date - $4::int <= l.due_on
                                                   or f.accrual_date > l.returned_on) as outside
                from loans l
                left join fine_ledger f on f.loan_id = l.id

@@ -93,7 +93,7 @@ pub async fn charge(
                         end as amount
                  from loans l
                  where l.id = any($2::bigint[])
-                   and l.due_on + $5::int < $1 and (l.returned_on is null or l.returned_on >= $1)) c
+                   and l.due_on < $1::date - $5::int and (l.returned_on is null or l.returned_on >= $1)) c
            where c.amount > 0
            on conflict on constraint fine_ledger_pkey do nothing"#,
         day,

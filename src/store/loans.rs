@@ -161,26 +161,6 @@ pub async fn settle_unlocked(
     Ok(done.rows_affected())
 }
 
-/// The policy's fine for each day count, computed by the same SQL expression as [`settle_range`]; for the test
-/// that keeps the two in agreement.
-pub async fn sql_fines(
-    pool: &PgPool,
-    policy: &FinePolicy,
-    days_late: &[i32],
-) -> Result<Vec<i64>, sqlx::Error> {
-    sqlx::query_scalar!(
-        r#"select least(nullif($1::bigint, 0), greatest(0, d - $2::int)::bigint * $3::bigint) as "fine!"
-           from unnest($4::int[]) with ordinality as t (d, n)
-           order by n"#,
-        policy.cap().map_or(0, |c| c.get()),
-        i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
-        policy.daily_rate().get(),
-        days_late,
-    )
-    .fetch_all(pool)
-    .await
-}
-
 /// One generated loan (see `demo`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewLoan {

@@ -342,6 +342,9 @@ async fn a_killed_accrual_is_taken_over_and_charges_every_loan_once(pool: PgPool
     );
 }
 
+/// Which loans a day charges, at the edges: due the day before (charged) or on the day (not yet), returned on
+/// the day (charged) or the day before (not); grace days are free; and with a cap, the charge that reaches it is
+/// partial and nothing is charged after it.
 #[sqlx::test]
 async fn accrual_edges_grace_and_cap(pool: PgPool) {
     let day = d("2026-10-10");
@@ -381,6 +384,42 @@ async fn accrual_edges_grace_and_cap(pool: PgPool) {
         charged,
         vec![3, 5],
         "loan 1 (due the day before) is still within its 2 days of grace"
+    );
+
+    // Grace and a cap of 250 cents over five days: each loan's first charge comes the day after its grace ends,
+    // the charge that reaches the cap is partial, and nothing is charged after it.
+    sqlx::query("delete from fine_ledger")
+        .execute(&pool)
+        .await
+        .expect("reset");
+    sqlx::query("delete from job_runs")
+        .execute(&pool)
+        .await
+        .expect("reset");
+    let capped = accrual(FinePolicy::new(100, 2, 250).expect("policy"));
+    for day in 10..=14 {
+        let r = runner(&pool, "a", 10)
+            .run(&capped, day_key(d(&format!("2026-10-{day}")), 0, 1), false)
+            .await;
+        assert_eq!(r.outcome, Outcome::Settled, "{r:?}");
+    }
+    assert_eq!(
+        ledger(&pool).await,
+        vec![
+            (1, d("2026-10-12"), 100),
+            (1, d("2026-10-13"), 100),
+            (1, d("2026-10-14"), 50),
+            (2, d("2026-10-13"), 100),
+            (2, d("2026-10-14"), 100),
+            (3, d("2026-10-10"), 100),
+            (5, d("2026-10-10"), 100),
+            (5, d("2026-10-11"), 100),
+            (5, d("2026-10-12"), 50),
+            (6, d("2026-10-11"), 100),
+            (6, d("2026-10-12"), 100),
+            (6, d("2026-10-13"), 50),
+        ],
+        "loan 2 stays under the cap; loans 1, 5 and 6 stop at it; loan 3 was returned, loan 4 before the day"
     );
 }
 

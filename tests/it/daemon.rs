@@ -220,14 +220,15 @@ async fn a_second_signal_exits_at_once(pool: PgPool) {
         ("FINE_SETTLER__CLAIM__LEASE", "30s"),
     ];
     let replica = daemon(&url, 0, 1, &extra);
-    wait_until("the first batch to be in flight", Duration::from_secs(30), || async {
-        sqlx::query_scalar::<_, i64>(
-            "select count(*) from pg_stat_activity where wait_event = 'PgSleep' and application_name like 'fine-settler run%'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap_or(0)
-            > 0
+    // pg_stat_activity shows the whole server: only this test's database counts.
+    let in_flight = "select count(*) from pg_stat_activity
+                     where datname = current_database() and wait_event = 'PgSleep'
+                       and application_name like 'fine-settler run%'";
+    wait_until("the first batch in flight", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>(in_flight)
+            .fetch_one(&pool)
+            .await
+            .is_ok_and(|n| n > 0)
     })
     .await;
     let started = tokio::time::Instant::now();
@@ -414,6 +415,8 @@ async fn an_idle_tick_is_one_statement() {
     );
 }
 
+/// One tick of a replica with accrual on retries the shard's due pending charge first, then runs the accrual
+/// for each of the last seven days: the pending charge reaches the ledger before the tick claims its first key.
 #[sqlx::test]
 async fn a_tick_compensates_first_then_accrues_the_last_seven_days(pool: PgPool) {
     let now: DateTime<Utc> = sqlx::query_scalar("select now()")
@@ -469,6 +472,21 @@ async fn a_tick_compensates_first_then_accrues_the_last_seven_days(pool: PgPool)
     .await
     .expect("keys");
     assert_eq!(keys, 7);
+
+    // The order: the compensated charge was written before the first of the tick's claims.
+    let (compensated_at, first_claim): (DateTime<Utc>, DateTime<Utc>) = sqlx::query_as(
+        "select (select charged_at from fine_ledger where loan_id = 1 and accrual_date = $1),
+                (select min(at) from job_run_attempts where job_name = 'overdue-accrual' and event = 'claimed')",
+    )
+    .bind(old_day)
+    .fetch_one(&pool)
+    .await
+    .expect("order");
+    assert!(
+        compensated_at < first_claim,
+        "the compensation pass did not run before the tick's runs: charged at {compensated_at}, \
+         first claim at {first_claim}"
+    );
 }
 
 #[sqlx::test]

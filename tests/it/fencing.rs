@@ -1,6 +1,12 @@
 //! Fencing: a replica whose key was taken over commits nothing more.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::{
+    sync::{
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use fine_settler::{
     fine::FinePolicy,
@@ -9,25 +15,55 @@ use fine_settler::{
         settlement::Settlement,
         JobName, Outcome, RunKey,
     },
-    store::loans::SettleBatch,
+    store::{
+        job_runs::{self, Claim, ClaimKind},
+        loans::SettleBatch,
+    },
 };
-use sqlx::{PgConnection, PgPool};
+use sqlx::{pool::PoolConnection, postgres::PgPoolOptions, PgConnection, PgPool, Postgres};
+use tokio::sync::Notify;
 
 use crate::helpers::{
-    d, insert, install_update_audit, key, loan, max_updates_per_loan, oracle, runner, seed_run, settled,
+    insert, install_update_audit, key, loan, max_updates_per_loan, oracle, runner, settled, wait_until,
 };
 
-/// Settlement, except that just before writing batch number `after` (0-based) the replica stalls long enough
-/// for its lease to expire and for a peer to take the key over and finish it.
-struct StallsBeforeBatch {
+/// Settlement, except that on reaching batch number `at` (0-based) the run says so and waits to be resumed
+/// before it writes: the batch's rows are fetched and its transaction is open, but nothing of it is written yet.
+struct PausesBeforeBatch {
     inner: Settlement,
-    after: usize,
+    at: usize,
     batches: AtomicUsize,
-    peer_pool: PgPool,
-    peer_report: tokio::sync::Mutex<Option<fine_settler::jobs::RunReport>>,
+    /// Notified once the run has reached batch `at`.
+    reached: Notify,
+    /// Notified to let batch `at` write.
+    resume: Notify,
+    /// How many loans batch `at` wrote inside its transaction, whether or not that transaction committed.
+    written: AtomicU64,
 }
 
-impl BatchJob for StallsBeforeBatch {
+impl PausesBeforeBatch {
+    fn new(at: usize) -> Arc<Self> {
+        Arc::new(PausesBeforeBatch {
+            inner: Settlement {
+                policy: FinePolicy::default(),
+            },
+            at,
+            batches: AtomicUsize::new(0),
+            reached: Notify::new(),
+            resume: Notify::new(),
+            written: AtomicU64::new(0),
+        })
+    }
+
+    /// Waits (at most 30 s) until the run has reached batch `at`.
+    async fn wait_until_reached(&self, who: &str) {
+        tokio::time::timeout(Duration::from_secs(30), self.reached.notified())
+            .await
+            .unwrap_or_else(|_| panic!("{who} did not reach batch {}", self.at));
+    }
+}
+
+impl BatchJob for PausesBeforeBatch {
     type Batch = SettleBatch;
 
     fn name(&self) -> JobName {
@@ -49,54 +85,123 @@ impl BatchJob for StallsBeforeBatch {
     }
 
     async fn write(&self, tx: &mut PgConnection, key: &RunKey, batch: &SettleBatch) -> Result<u64, JobError> {
-        if self.batches.fetch_add(1, Ordering::SeqCst) == self.after {
-            // The stall outlives the lease...
-            sqlx::query("update job_runs set lease_until = now() - interval '1 second'")
-                .execute(&self.peer_pool)
-                .await?;
-            // ...and a peer takes over, resumes from the cursor and finishes, all before we write.
-            let peer = runner(&self.peer_pool, "peer", 7);
-            let report = peer.run(&self.inner, *key, false).await;
-            *self.peer_report.lock().await = Some(report);
+        if self.batches.fetch_add(1, Ordering::SeqCst) != self.at {
+            return self.inner.write(tx, key, batch).await;
         }
-        self.inner.write(tx, key, batch).await
+        self.reached.notify_one();
+        self.resume.notified().await;
+        let written = self.inner.write(tx, key, batch).await?;
+        self.written.store(written, Ordering::SeqCst);
+        Ok(written)
     }
 }
 
+/// A pool on the test's database whose sessions carry `name` as their application name, so that
+/// [`install_writer_audit`] can tell who wrote a loan.
+async fn pool_named(pool: &PgPool, name: &str) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(3)
+        .connect_with((*pool.connect_options()).clone().application_name(name))
+        .await
+        .expect("named pool")
+}
+
+/// Records, for every committed update of a loan, the application name of the session that made it.
+async fn install_writer_audit(pool: &PgPool) {
+    sqlx::raw_sql(
+        r#"create table loan_writers (loan_id bigint not null, writer text not null);
+           create function record_loan_writer() returns trigger language plpgsql as $$
+           begin
+               insert into loan_writers values (new.id, current_setting('application_name'));
+               return new;
+           end $$;
+           create trigger record_loan_writer after update on loans
+               for each row execute function record_loan_writer();"#,
+    )
+    .execute(pool)
+    .await
+    .expect("install writer audit");
+}
+
+/// Per writer: (application name, loans written, lowest id, highest id).
+async fn writers(pool: &PgPool) -> Vec<(String, i64, i64, i64)> {
+    sqlx::query_as(
+        "select writer, count(*), min(loan_id), max(loan_id) from loan_writers group by writer order by writer",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("writers")
+}
+
+/// A zombie replica stalls in the middle of a batch past its lease; a peer takes the key over and is itself in
+/// the middle of its first batch, over the same rows, when the zombie wakes up and writes. The rows are still
+/// unsettled, so the zombie's conditional write does change them: only the fence keeps them from committing. The
+/// zombie ends `lease_lost` having committed nothing more, and the peer settles every loan from the zombie's
+/// cursor on, each exactly once.
 #[sqlx::test]
 async fn a_replica_taken_over_mid_run_commits_nothing_more_and_the_peer_finishes(pool: PgPool) {
     install_update_audit(&pool).await;
+    install_writer_audit(&pool).await;
     let loans: Vec<_> = (1..=100)
         .map(|id| loan(id, "2026-10-05", Some("2026-10-20")))
         .collect();
     insert(&pool, &loans).await;
+    let (zombie_pool, peer_pool) = (pool_named(&pool, "zombie").await, pool_named(&pool, "peer").await);
+    let k = key("2026-10-31", 0, 1);
 
-    let job = StallsBeforeBatch {
-        inner: Settlement {
-            policy: FinePolicy::default(),
-        },
-        after: 3,
-        batches: AtomicUsize::new(0),
-        peer_pool: pool.clone(),
-        peer_report: tokio::sync::Mutex::new(None),
-    };
-    let zombie = runner(&pool, "zombie", 10)
-        .run(&job, key("2026-10-31", 0, 1), false)
-        .await;
+    // The zombie commits batches 0..=2 (loans 1..=30) and pauses before writing batch 3 (loans 31..=40).
+    let zombie_job = PausesBeforeBatch::new(3);
+    let zombie = tokio::spawn({
+        let (job, replica) = (zombie_job.clone(), runner(&zombie_pool, "zombie", 10));
+        async move { replica.run(&*job, k, false).await }
+    });
+    zombie_job.wait_until_reached("the zombie").await;
 
-    assert_eq!(zombie.outcome, Outcome::LeaseLost);
+    // Its stall outlives the lease: a peer takes the key over, resumes from the cursor and pauses before writing
+    // its first batch (loans 31..=37).
+    sqlx::query("update job_runs set lease_until = now() - interval '1 second'")
+        .execute(&pool)
+        .await
+        .expect("expire the lease");
+    let peer_job = PausesBeforeBatch::new(0);
+    let peer = tokio::spawn({
+        let (job, replica) = (peer_job.clone(), runner(&peer_pool, "peer", 7));
+        async move { replica.run(&*job, k, false).await }
+    });
+    peer_job.wait_until_reached("the peer").await;
+
+    // The zombie wakes up and writes loans 31..=40, which nobody has settled yet; its fence matches nothing.
+    zombie_job.resume.notify_one();
+    let zombie = zombie.await.expect("zombie task");
+    assert_eq!(
+        zombie_job.written.load(Ordering::SeqCst),
+        10,
+        "the zombie's last batch found unsettled loans to write"
+    );
+    assert_eq!(zombie.outcome, Outcome::LeaseLost, "{zombie:?}");
     assert_eq!(zombie.epoch, Some(1));
     assert_eq!(
         (zombie.scanned, zombie.updated),
         (30, 30),
         "only the three batches before the stall count"
     );
-    let peer = job.peer_report.lock().await.clone().expect("the peer ran");
     assert_eq!(
-        (peer.outcome, peer.epoch, peer.scanned),
-        (Outcome::Settled, Some(2), 70)
+        settled(&pool, "2026-10-31").await.0,
+        30,
+        "the zombie's last batch was rolled back"
     );
 
+    peer_job.resume.notify_one();
+    let peer = peer.await.expect("peer task");
+    assert_eq!(
+        (peer.outcome, peer.epoch, peer.scanned, peer.updated),
+        (Outcome::Settled, Some(2), 70, 70)
+    );
+    assert_eq!(
+        writers(&pool).await,
+        vec![("peer".into(), 70, 31, 100), ("zombie".into(), 30, 1, 30)],
+        "nothing the zombie wrote after the takeover committed"
+    );
     assert_eq!(
         settled(&pool, "2026-10-31").await,
         oracle(&pool, "2026-10-31").await
@@ -114,51 +219,139 @@ async fn a_replica_taken_over_mid_run_commits_nothing_more_and_the_peer_finishes
     .await
     .expect("history");
     assert_eq!(lost, 1);
+    zombie_pool.close().await;
+    peer_pool.close().await;
 }
 
+/// The advisory lock key of [`Gate`].
+const GATE_KEY: i64 = 0x6761_7465;
+
+/// Holds every update of a loan row at a gate until the test opens it: a trigger takes a shared advisory lock
+/// that the gate's own session holds exclusively. A batch transaction stopped at the gate has fetched its loans
+/// and started writing them, and has not reached its fence.
+struct Gate {
+    holder: PoolConnection<Postgres>,
+}
+
+impl Gate {
+    async fn close(pool: &PgPool) -> Gate {
+        sqlx::raw_sql(&format!(
+            "create function wait_at_gate() returns trigger language plpgsql as $$
+             begin perform pg_advisory_xact_lock_shared({GATE_KEY}); return new; end $$;
+             create trigger wait_at_gate before update on loans for each row execute function wait_at_gate();"
+        ))
+        .execute(pool)
+        .await
+        .expect("gate trigger");
+        let mut holder = pool.acquire().await.expect("gate connection");
+        sqlx::query("select pg_advisory_lock($1)")
+            .bind(GATE_KEY)
+            .execute(&mut *holder)
+            .await
+            .expect("close the gate");
+        Gate { holder }
+    }
+
+    /// Waits (at most 30 s) until some transaction waits at the gate.
+    async fn wait_for_a_writer(&self, pool: &PgPool) {
+        // pg_locks shows the whole server: only this test's database counts.
+        let waiting = "select count(*) from pg_locks
+                       where locktype = 'advisory' and objid::bigint = $1 and not granted
+                         and database = (select oid from pg_database where datname = current_database())";
+        wait_until("a loan update at the gate", Duration::from_secs(30), || async {
+            sqlx::query_scalar::<_, i64>(waiting)
+                .bind(GATE_KEY)
+                .fetch_one(pool)
+                .await
+                .is_ok_and(|n| n > 0)
+        })
+        .await;
+    }
+
+    async fn open(mut self) {
+        sqlx::query("select pg_advisory_unlock($1)")
+            .bind(GATE_KEY)
+            .execute(&mut *self.holder)
+            .await
+            .expect("open the gate");
+    }
+}
+
+/// The fence inside a real batch of `Runner::run`: while the batch transaction is writing its loans, an
+/// operator releases the claim and a peer takes the key over. The runner's own fence, the batch's last
+/// statement, then matches nothing: the batch's loan writes roll back, nothing is settled, and the run reports
+/// `lease_lost` without touching the peer's row.
 #[sqlx::test]
-async fn a_fenced_batch_rolls_back_its_business_writes(pool: PgPool) {
+async fn a_batch_whose_claim_is_taken_over_while_it_writes_rolls_back(pool: PgPool) {
     install_update_audit(&pool).await;
     let loans: Vec<_> = (1..=20)
         .map(|id| loan(id, "2026-10-05", Some("2026-10-06")))
         .collect();
     insert(&pool, &loans).await;
     let k = key("2026-10-31", 0, 1);
-    let runner = runner(&pool, "a", 1000);
-    // Claim, then lose the key before the first batch: bump the epoch underneath the runner.
-    seed_run(
-        &pool,
-        "fine-settlement",
-        d("2026-10-31"),
-        "RUNNING",
-        "other",
-        5,
-        "1 hour",
-    )
-    .await;
-    let mut tx = pool.begin().await.expect("tx");
-    let settlement = Settlement {
-        policy: FinePolicy::default(),
-    };
-    let batch = settlement
-        .fetch(&pool, &k, i64::MIN, 1000)
+    let gate = Gate::close(&pool).await;
+
+    let run = tokio::spawn({
+        let replica = runner(&pool, "a", 1000);
+        let settlement = Settlement {
+            policy: FinePolicy::default(),
+        };
+        async move { replica.run(&settlement, k, false).await }
+    });
+    gate.wait_for_a_writer(&pool).await;
+    let released = job_runs::release(&pool, &k, "operator", "looked stuck")
         .await
-        .expect("fetch")
-        .expect("a batch");
-    let written = settlement.write(&mut tx, &k, &batch).await.expect("write");
-    assert_eq!(written, 20);
-    let progress = fine_settler::store::job_runs::Progress {
-        cursor: 20,
-        scanned: 20,
-        updated: 20,
-    };
-    let fenced = fine_settler::store::job_runs::advance(&mut tx, &k, 4, progress, runner.lease)
+        .expect("release")
+        .expect("the key exists");
+    assert!(released.released, "{released:?}");
+    let claim = job_runs::claim(&pool, &k, "peer", Duration::from_secs(60), job_runs::ClaimMode::Free)
         .await
-        .expect("advance");
-    assert!(!fenced, "epoch 4 does not own a key at epoch 5");
-    tx.rollback().await.expect("rollback");
-    assert_eq!(settled(&pool, "2026-10-31").await.0, 0);
-    assert_eq!(max_updates_per_loan(&pool).await, 0);
+        .expect("takeover");
+    assert!(
+        matches!(
+            claim,
+            Claim::Won {
+                epoch: 2,
+                kind: ClaimKind::TakenOver,
+                ..
+            }
+        ),
+        "{claim:?}"
+    );
+    gate.open().await;
+
+    let report = run.await.expect("run task");
+    assert_eq!(
+        (report.outcome, report.epoch, report.scanned, report.updated),
+        (Outcome::LeaseLost, Some(1), 0, 0),
+        "{report:?}"
+    );
+    assert_eq!(settled(&pool, "2026-10-31").await, (0, 0));
+    assert_eq!(
+        max_updates_per_loan(&pool).await,
+        0,
+        "the batch's loan writes were rolled back"
+    );
+    let row: (String, String, i64, Option<i64>) =
+        sqlx::query_as("select status, owner, epoch, cursor from job_runs")
+            .fetch_one(&pool)
+            .await
+            .expect("row");
+    assert_eq!(row, ("RUNNING".into(), "peer".into(), 2, None));
+    let events: Vec<(i64, String)> = sqlx::query_as("select epoch, event from job_run_attempts order by id")
+        .fetch_all(&pool)
+        .await
+        .expect("history");
+    let events: Vec<(i64, &str)> = events.iter().map(|(e, ev)| (*e, ev.as_str())).collect();
+    assert_eq!(
+        events,
+        vec![
+            (1, "claimed"),
+            (1, "released"),
+            (2, "takeover"),
+            (1, "lease_lost")
+        ]
+    );
 }
 
 #[sqlx::test]

@@ -2,6 +2,7 @@
 
 use std::{process::Stdio, time::Duration};
 
+use chrono::NaiveDate;
 use fine_settler::{
     calendar,
     demo::{self, DemoSpec},
@@ -380,7 +381,8 @@ async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(
     // Its last transaction dies with its connection; wait until the server has let go of it.
     wait_until("the killed session to end", Duration::from_secs(10), || async {
         sqlx::query_scalar::<_, i64>(
-            "select count(*) from pg_stat_activity where application_name like 'fine-settler settle%'",
+            "select count(*) from pg_stat_activity
+             where datname = current_database() and application_name like 'fine-settler settle%'",
         )
         .fetch_one(&pool)
         .await
@@ -431,11 +433,19 @@ async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(
     assert_eq!(events, vec![(1, "claimed"), (2, "takeover"), (2, "success")]);
 }
 
+/// A policy's fines as settlement writes them, on real loan rows: 60 policies (small, large and maximal daily
+/// rates, grace, with and without a cap), each settling a month of its own through the runner — 200 loans
+/// returned from 1,000 days early to 2,999 days late, and 6 extreme ones. The audit behind `verify` must find no
+/// wrong fine, and every loan's `fine_cents` must be `FinePolicy::fine` of its days late. The extremes are the
+/// furthest a loan row reaches: due on PostgreSQL's first date (4714-11-24 BC) or its last (5874897-12-31),
+/// 2^30 days early, and a day either side of the due date; the first and last months are in years 1 and 9999,
+/// the calendar's bounds, so the first date is about 5.4 million days before a return and the last about
+/// 2.1 billion days after one.
 #[sqlx::test]
-async fn the_sql_fine_formula_agrees_with_the_policy(pool: PgPool) {
+async fn settlement_and_the_audit_charge_the_policys_fine_on_random_and_extreme_loans(pool: PgPool) {
     let mut rng = demo::SplitMix64::new(99);
     let mut checked = 0;
-    for round in 0..60 {
+    for round in 0..60u32 {
         let rate = match round % 3 {
             0 => rng.below(1000) as i64,
             1 => fine_settler::fine::MAX_DAILY_RATE_CENTS - rng.below(1000) as i64,
@@ -448,16 +458,90 @@ async fn the_sql_fine_formula_agrees_with_the_policy(pool: PgPool) {
             rng.below(1_000_000) as i64
         };
         let policy = FinePolicy::new(rate, grace, cap).expect("policy");
-        let mut days: Vec<i32> = (0..200).map(|_| rng.below(4000) as i32 - 1000).collect();
-        days.extend([i32::MIN / 2, -1, 0, 1, i32::MAX / 2, i32::MAX]);
-        let sql = fine_settler::store::loans::sql_fines(&pool, &policy, &days)
+        let first = match round {
+            0 => d("0001-01-01"),
+            59 => d("9999-12-01"),
+            r => d("2021-01-01") + chrono::Months::new(r - 1),
+        };
+        let last = calendar::month_end(first);
+        let days_in_month = (last - first).num_days() as u64 + 1;
+        let returned_in_month =
+            |rng: &mut demo::SplitMix64| first + chrono::Duration::days(rng.below(days_in_month) as i64);
+
+        // (returned_on, days late or else the due date)
+        let mut loans: Vec<(NaiveDate, Option<i32>, Option<&str>)> = (0..200)
+            .map(|_| {
+                (
+                    returned_in_month(&mut rng),
+                    Some(rng.below(4000) as i32 - 1000),
+                    None,
+                )
+            })
+            .collect();
+        loans.extend([
+            (last, None, Some("4714-11-24 BC")),
+            (first, None, Some("5874897-12-31")),
+            (returned_in_month(&mut rng), Some(i32::MIN / 2), None),
+            (returned_in_month(&mut rng), Some(-1), None),
+            (returned_in_month(&mut rng), Some(0), None),
+            (returned_in_month(&mut rng), Some(1), None),
+        ]);
+        let ids: Vec<i64> = (1..=loans.len() as i64)
+            .map(|i| i64::from(round) * 1000 + i)
+            .collect();
+        let returned: Vec<NaiveDate> = loans.iter().map(|l| l.0).collect();
+        let days: Vec<Option<i32>> = loans.iter().map(|l| l.1).collect();
+        let due: Vec<Option<&str>> = loans.iter().map(|l| l.2).collect();
+        sqlx::query(
+            "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+             select id, 1, 1, due_on, due_on, returned
+             from (select t.id, t.returned, coalesce(t.due::date, t.returned - t.days) as due_on
+                   from unnest($1::bigint[], $2::date[], $3::int[], $4::text[]) as t (id, returned, days, due)) l",
+        )
+        .bind(&ids)
+        .bind(&returned)
+        .bind(&days)
+        .bind(&due)
+        .execute(&pool)
+        .await
+        .expect("insert loans");
+
+        let run = runner(&pool, "settler", 64)
+            .run(&Settlement { policy }, key(&last.to_string(), 0, 1), false)
+            .await;
+        assert_eq!(
+            (run.outcome, run.scanned, run.updated),
+            (Outcome::Settled, 206, 206),
+            "{policy:?}: {run:?}"
+        );
+        let audit = fine_settler::store::audit::month(&pool, (first, last), &policy)
             .await
-            .expect("sql fines");
-        for (d, fine) in days.iter().zip(sql) {
+            .expect("audit");
+        assert_eq!(
+            (audit.returned, audit.unsettled, audit.wrong_fine),
+            (206, 0, 0),
+            "{policy:?}, month {first}: {audit:?}"
+        );
+        assert_eq!(
+            audit.total_cents, audit.expected_cents,
+            "{policy:?}, month {first}"
+        );
+
+        let fines: Vec<(i64, i32, i64)> = sqlx::query_as(
+            "select id, returned_on - due_on, fine_cents from loans
+             where returned_on between $1 and $2 order by id",
+        )
+        .bind(first)
+        .bind(last)
+        .fetch_all(&pool)
+        .await
+        .expect("fines");
+        assert_eq!(fines.len(), 206);
+        for (id, days_late, fine) in fines {
             assert_eq!(
-                policy.fine(i64::from(*d)).map(|c| c.get()),
+                policy.fine(i64::from(days_late)).map(|c| c.get()),
                 Ok(fine),
-                "{policy:?}, {d} days late"
+                "loan {id}: {policy:?}, {days_late} days late"
             );
             checked += 1;
         }
