@@ -17,7 +17,7 @@ pub const DEFINITIONS: &[(&str, &str, &str)] = &[
     (
         "fine_settler_claims_total",
         "counter",
-        "Claim attempts by result: won (new key), takeover, skipped.",
+        "Claim attempts by result: won (new key), takeover (also forced), reopened, skipped.",
     ),
     (
         "fine_settler_lease_lost_total",
