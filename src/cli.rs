@@ -478,7 +478,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 .tick_status(
                     settings.instance,
                     daemon::window_start(&settings, around),
-                    daemon::late_probe(&settings, around),
+                    daemon::late_probe(&settings, around, true),
                 )
                 .await
                 .map_err(daemon::TickError::from)?;

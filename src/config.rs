@@ -105,6 +105,7 @@ pub struct RawAccrual {
     pub max_attempts: i64,
     pub retry_backoff: String,
     pub retry_backoff_max: String,
+    pub recheck_every: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -271,6 +272,10 @@ pub struct AccrualSettings {
     /// Delay before the first retry of a failed charge; doubled per attempt up to `retry_backoff_max`.
     pub retry_backoff: Duration,
     pub retry_backoff_max: Duration,
+    /// How often a tick also asks whether loans became overdue on accrual days that already succeeded (a loan
+    /// recorded late, a due date shortened). The question walks the overdue loans still out, so unlike
+    /// settlement's it is not asked at every tick.
+    pub recheck_every: Duration,
 }
 
 /// The validated configuration. Holding one means every value is in range.
@@ -554,6 +559,7 @@ impl RawSettings {
         let max_attempts = c.int_in("accrual.max_attempts", self.accrual.max_attempts, 1..=1000);
         let retry_backoff = c.duration("accrual.retry_backoff", &self.accrual.retry_backoff);
         let retry_backoff_max = c.duration("accrual.retry_backoff_max", &self.accrual.retry_backoff_max);
+        let recheck_every = c.duration("accrual.recheck_every", &self.accrual.recheck_every);
         if let (Some(base), Some(max)) = (retry_backoff, retry_backoff_max) {
             if max < base {
                 c.fail(
@@ -643,6 +649,7 @@ impl RawSettings {
                     max_attempts: max_attempts?,
                     retry_backoff: retry_backoff?,
                     retry_backoff_max: retry_backoff_max?,
+                    recheck_every: recheck_every?,
                 },
                 fine: fine?,
                 log_format: log_format?,

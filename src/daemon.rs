@@ -140,7 +140,8 @@ pub fn window_start(settings: &Settings, at: DateTime<Utc>) -> NaiveDate {
 
 /// What the tick status asks about SUCCESS keys at host time `at`: whether rows arrived after their run, for the
 /// keys of each enabled job's catch-up window (with two days of margin for the zone and the clocks' skew).
-pub fn late_probe(settings: &Settings, at: DateTime<Utc>) -> LateProbe {
+/// `accrual` says whether to ask about accrual days too (see `accrual.recheck_every`).
+pub fn late_probe(settings: &Settings, at: DateTime<Utc>, accrual: bool) -> LateProbe {
     let early = calendar::local_date(at, settings.zone)
         .checked_sub_signed(chrono::Duration::days(2))
         .unwrap_or(NaiveDate::MIN);
@@ -150,9 +151,7 @@ pub fn late_probe(settings: &Settings, at: DateTime<Utc>) -> LateProbe {
             .enabled
             .then(|| calendar::settlement_due(early, settings.settlement.catch_up_months))
             .and_then(|dates| dates.first().copied()),
-        accrual_since: settings
-            .accrual
-            .enabled
+        accrual_since: (settings.accrual.enabled && accrual)
             .then(|| accrual::due_days(early, settings.accrual.catch_up_days))
             .and_then(|days| days.first().copied()),
         grace_days: i32::try_from(settings.fine.grace_days()).unwrap_or(i32::MAX),
@@ -219,6 +218,8 @@ pub struct Daemon {
     compensation_failing: bool,
     /// Keys already reported as abandoned by this process (each is logged and counted once).
     abandoned: HashSet<(String, NaiveDate)>,
+    /// When the tick status last asked about late accrual rows (`accrual.recheck_every`).
+    accrual_rechecked: Option<tokio::time::Instant>,
 }
 
 impl Daemon {
@@ -261,6 +262,7 @@ impl Daemon {
             notifier: None,
             compensation_failing: false,
             abandoned: HashSet::new(),
+            accrual_rechecked: None,
         })
     }
 
@@ -440,14 +442,20 @@ impl Daemon {
     pub async fn tick(&mut self) -> Result<Vec<RunReport>, TickError> {
         let shard = self.settings.instance;
         let before = self.wall.now();
+        let recheck_accrual = self
+            .accrual_rechecked
+            .is_none_or(|at| at.elapsed() >= self.settings.accrual.recheck_every);
         let status = self
             .session
             .tick_status(
                 shard,
                 window_start(&self.settings, before),
-                late_probe(&self.settings, before),
+                late_probe(&self.settings, before, recheck_accrual),
             )
             .await?;
+        if recheck_accrual {
+            self.accrual_rechecked = Some(tokio::time::Instant::now());
+        }
         let after = self.wall.now();
         self.observe_skew(before + (after - before) / 2, status.now);
         let now = match self.settings.time_source {
