@@ -304,9 +304,15 @@ async fn a_batch_whose_claim_is_taken_over_while_it_writes_rolls_back(pool: PgPo
         .expect("release")
         .expect("the key exists");
     assert!(released.released, "{released:?}");
-    let claim = job_runs::claim(&pool, &k, "peer", Duration::from_secs(60), job_runs::ClaimMode::Free)
-        .await
-        .expect("takeover");
+    let claim = job_runs::claim(
+        &pool,
+        &k,
+        "peer",
+        Duration::from_secs(60),
+        job_runs::ClaimMode::Free,
+    )
+    .await
+    .expect("takeover");
     assert!(
         matches!(
             claim,

@@ -365,10 +365,21 @@ async fn a_row_libraryd_keeps_locked_is_left_for_later_and_settled_once_released
         (Outcome::Settled, true, 0)
     );
     libraryd.commit().await;
-    let last = runner_with_lock_timeout(&pool, "c", 10).run(&job, k, false).await;
+    let metrics = std::sync::Arc::new(fine_settler::metrics::Metrics::new("0/1".into()));
+    let last = runner_with_lock_timeout(&pool, "c", 10)
+        .with_metrics(metrics.clone())
+        .run(&job, k, false)
+        .await;
     assert_eq!(
         (last.outcome, last.reopened, last.updated),
         (Outcome::Settled, true, 1)
+    );
+    let text = metrics.render();
+    let series = |s: &str| text.lines().any(|l| l == s);
+    assert!(
+        series(r#"fine_settler_late_rows_total{job="fine-settlement",shard="0/1"} 1"#)
+            && series(r#"fine_settler_claims_total{job="fine-settlement",shard="0/1",result="reopened"} 1"#),
+        "{text}"
     );
     assert_eq!(
         settled(&pool, "2026-10-31").await,
