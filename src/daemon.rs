@@ -151,7 +151,8 @@ pub fn late_probe(settings: &Settings, at: DateTime<Utc>, accrual: bool) -> Late
             .enabled
             .then(|| calendar::settlement_due(early, settings.settlement.catch_up_months))
             .and_then(|dates| dates.first().copied()),
-        accrual_since: (settings.accrual.enabled && accrual)
+        // With a daily rate of 0 nothing is ever charged, so every overdue loan would look late.
+        accrual_since: (settings.accrual.enabled && accrual && settings.fine.daily_rate().get() > 0)
             .then(|| accrual::due_days(early, settings.accrual.catch_up_days))
             .and_then(|days| days.first().copied()),
         grace_days: i32::try_from(settings.fine.grace_days()).unwrap_or(i32::MAX),
@@ -536,13 +537,20 @@ impl Daemon {
         Ok(reports)
     }
 
-    /// Retries the shard's due pending charges. A pass that fails — a deferred constraint at commit, a missing
+    /// Retries the shard's due pending charges, for at most `claim.batch_timeout` (the rest at the next tick) and
+    /// never past a shutdown request. A pass that fails — a deferred constraint at commit, a missing
     /// grant on `fine_pending`, the connection — never stops the tick: settlement and accrual go on, the error
     /// is logged once per episode (and when it ends) and counted, and the next tick tries again.
     async fn compensate(&mut self, shard: ShardSpec) {
         let accrual = Accrual::from_settings(&self.settings);
         let max_attempts = self.settings.accrual.max_attempts;
-        match accrual::compensate(&self.pool, &accrual, Some(shard), true, max_attempts).await {
+        let limits = accrual::PassLimits {
+            cancel: Some(self.shutdown.clone()),
+            budget: Some(self.settings.claim.batch_timeout),
+            metrics: Some(self.metrics.clone()),
+        };
+        match accrual::compensate_within(&self.pool, &accrual, Some(shard), true, max_attempts, &limits).await
+        {
             Ok(done) => {
                 if std::mem::take(&mut self.compensation_failing) {
                     tracing::info!("compensation pass works again");

@@ -108,7 +108,17 @@ impl Accrual {
 /// Whether the database rejected the statement (so the row can be isolated and queued), as opposed to the
 /// connection failing (which fails the batch).
 fn rejected(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(_)) && !super::runner::transient(e)
+    let server_trouble = |code: &str| {
+        // Insufficient resources (a full disk, out of memory) and internal errors are about the server, not
+        // the charge: queueing them would burn the charges' attempts during an incident.
+        code.starts_with("53") || code.starts_with("58") || code.starts_with("XX")
+    };
+    match e {
+        sqlx::Error::Database(db) => {
+            !super::runner::transient(e) && !db.code().is_some_and(|c| server_trouble(&c))
+        }
+        _ => false,
+    }
 }
 
 impl BatchJob for Accrual {
@@ -119,6 +129,9 @@ impl BatchJob for Accrual {
     }
 
     async fn late(&self, pool: &PgPool, key: &RunKey) -> Result<bool, JobError> {
+        if self.policy.daily_rate().get() == 0 {
+            return Ok(false);
+        }
         Ok(ledger::day_has_uncharged(pool, key.business_date, key.shard, &self.policy).await?)
     }
 
@@ -163,6 +176,12 @@ impl BatchJob for Accrual {
         }
 
         ledger::set_local_statement_timeout(tx, self.row_timeout.as_millis() as u64).await?;
+        // Each isolated charge keeps its loan's lock until the batch commits: take them in the one lock order.
+        let ids = if self.policy.cap().is_some() {
+            ledger::in_lock_order(tx, &ids).await?
+        } else {
+            ids
+        };
         let (mut written, mut queued) = (0u64, 0u64);
         let delay = millis(retry_delay(1, self.backoff, self.backoff_max));
         for id in ids {
@@ -203,10 +222,17 @@ pub struct Compensation {
     pub dead: u64,
 }
 
-/// Retries pending charges: those of `shard` that are due (or, with `due_only = false`, every PENDING one).
-/// Each charge is its own transaction: lock the pending row (skipping one another replica holds, or one that
-/// changed since the list was read), charge it under the loan's lock and remove it; or, if the charge is
-/// rejected again, count the attempt and schedule the next (DEAD after `max_attempts`).
+/// Bounds on one compensation pass of the daemon's tick: it stops (between charges) on shutdown or once its time
+/// budget is spent — the rest waits for the next tick — and reports each charge as progress, so that a long
+/// backlog neither outlasts the drain timeout nor looks like a stalled loop to `/healthz` and the watchdog.
+#[derive(Debug, Default)]
+pub struct PassLimits {
+    pub cancel: Option<tokio_util::sync::CancellationToken>,
+    pub budget: Option<Duration>,
+    pub metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
+}
+
+/// Retries pending charges without limits (see [`compensate_within`]).
 pub async fn compensate(
     pool: &PgPool,
     accrual: &Accrual,
@@ -214,6 +240,34 @@ pub async fn compensate(
     due_only: bool,
     max_attempts: u32,
 ) -> Result<Compensation, sqlx::Error> {
+    compensate_within(
+        pool,
+        accrual,
+        shard,
+        due_only,
+        max_attempts,
+        &PassLimits::default(),
+    )
+    .await
+}
+
+/// Retries pending charges: those of `shard` that are due (or, with `due_only = false`, every PENDING one).
+/// Each charge is its own transaction: lock the pending row (skipping one another replica holds, or one that
+/// changed since the list was read), charge it under the loan's lock and remove it; or, if the charge is
+/// rejected again, count the attempt and schedule the next (DEAD after `max_attempts`).
+pub async fn compensate_within(
+    pool: &PgPool,
+    accrual: &Accrual,
+    shard: Option<ShardSpec>,
+    due_only: bool,
+    max_attempts: u32,
+    limits: &PassLimits,
+) -> Result<Compensation, sqlx::Error> {
+    let started = tokio::time::Instant::now();
+    let over = || {
+        limits.cancel.as_ref().is_some_and(|c| c.is_cancelled())
+            || limits.budget.is_some_and(|b| started.elapsed() >= b)
+    };
     let mut result = Compensation::default();
     // Due-only passes loop: every row they process leaves the due set (charged, or rescheduled). A retry-now pass
     // takes one snapshot of every PENDING row, since a row that fails again stays PENDING.
@@ -225,6 +279,12 @@ pub async fn compensate(
         }
         let mut progressed = false;
         for p in &batch {
+            if over() {
+                return Ok(result);
+            }
+            if let Some(m) = &limits.metrics {
+                m.progress_now();
+            }
             let mut tx = pool.begin().await?;
             crate::store::set_local_lock_timeout(&mut tx, accrual.lock_timeout).await?;
             let Some(attempts) = ledger::lock_pending(&mut tx, p, due_only).await? else {

@@ -304,7 +304,26 @@ pub async fn finish(
     )
     .fetch_one(pool)
     .await?;
-    Ok(row.finished == 1 || row.already)
+    if row.finished == 1 || row.already {
+        return Ok(true);
+    }
+    // `prior` read the statement's snapshot. If the first attempt was still committing when this one started,
+    // the update waited for it and then matched nothing, while `prior` still saw RUNNING: read the row again,
+    // now that the first attempt is committed.
+    let now = sqlx::query_scalar!(
+        r#"select exists (select 1 from job_runs
+                          where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
+                            and status = $6 and epoch = $5) as "already!""#,
+        key.job.as_str(),
+        key.business_date,
+        key.shard.shards(),
+        key.shard.shard(),
+        epoch,
+        status.as_str(),
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(now)
 }
 
 /// Appends a `lease_lost` history row: this replica found its epoch superseded. History only; the key's row
@@ -449,26 +468,33 @@ pub async fn tick_status(
                               and l.id % $1::int = $2::int))
                     or (r.job_name = 'overdue-accrual' and r.business_date >= $5::date and (
                         exists (
-                            select 1 from loans l
-                            where l.returned_on is null and l.due_on < r.business_date - $6::int
-                              and l.id % $1::int = $2::int
-                              and not exists (select 1 from fine_ledger f
-                                              where f.loan_id = l.id and f.accrual_date = r.business_date)
-                              and not exists (select 1 from fine_pending p
-                                              where p.loan_id = l.id and p.accrual_date = r.business_date)
-                              and ($7::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
-                                                               where f.loan_id = l.id), 0) < $7))
+                            select 1 from (select l.id from loans l
+                                           where l.returned_on is null and l.due_on < r.business_date - $6::int
+                                             and l.id % $1::int = $2::int
+                                             and not exists (select 1 from fine_ledger f
+                                                             where f.loan_id = l.id
+                                                               and f.accrual_date = r.business_date offset 0)
+                                             and not exists (select 1 from fine_pending p
+                                                             where p.loan_id = l.id
+                                                               and p.accrual_date = r.business_date offset 0)
+                                           offset 0) c
+                            where $7::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
+                                                              where f.loan_id = c.id), 0) < $7)
                         or exists (
-                            select 1 from loans l
-                            where l.fine_settled_at is null and l.returned_on is not null
-                              and l.returned_on >= r.business_date and l.due_on < r.business_date - $6::int
-                              and l.id % $1::int = $2::int
-                              and not exists (select 1 from fine_ledger f
-                                              where f.loan_id = l.id and f.accrual_date = r.business_date)
-                              and not exists (select 1 from fine_pending p
-                                              where p.loan_id = l.id and p.accrual_date = r.business_date)
-                              and ($7::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
-                                                               where f.loan_id = l.id), 0) < $7)))))
+                            select 1 from (select l.id from loans l
+                                           where l.fine_settled_at is null and l.returned_on is not null
+                                             and l.returned_on >= r.business_date
+                                             and l.due_on < r.business_date - $6::int
+                                             and l.id % $1::int = $2::int
+                                             and not exists (select 1 from fine_ledger f
+                                                             where f.loan_id = l.id
+                                                               and f.accrual_date = r.business_date offset 0)
+                                             and not exists (select 1 from fine_pending p
+                                                             where p.loan_id = l.id
+                                                               and p.accrual_date = r.business_date offset 0)
+                                           offset 0) c
+                            where $7::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
+                                                              where f.loan_id = c.id), 0) < $7))))
                   ) as "late?"
            from (select now() as now,
                         (select count(*) from fine_pending p

@@ -13,6 +13,12 @@ pub struct Overdue {
 
 /// The next batch of the shard's loans overdue on `day` — `due_on + grace_days < day` and not returned before
 /// `day` — that have no ledger row and no pending charge for `day`, and (with a cap) have not reached it.
+///
+/// Written so that the generic plan the job connections use stays a walk of the primary key with one key probe
+/// of the ledger and of the queue per loan: without the `offset 0` fences the planner turns the two `not
+/// exists` into anti-joins that scan and hash the whole ledger for every batch (seconds per batch once the
+/// ledger holds millions of rows, more than the batch timeout when a re-opened or forced day finds every loan
+/// already charged); and the cap's sum over the loan's ledger is taken only for the loans still to charge.
 pub async fn overdue_batch(
     pool: &PgPool,
     day: NaiveDate,
@@ -24,16 +30,20 @@ pub async fn overdue_batch(
 ) -> Result<Vec<Overdue>, sqlx::Error> {
     sqlx::query_as!(
         Overdue,
-        r#"select l.id
-           from loans l
-           where l.id >= $1 and l.id % $2 = $3
-             and l.due_on + $4::int < $5
-             and (l.returned_on is null or l.returned_on >= $5)
-             and not exists (select 1 from fine_ledger f where f.loan_id = l.id and f.accrual_date = $5)
-             and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $5)
-             and ($6::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
-                                              where f.loan_id = l.id), 0) < $6)
-           order by l.id
+        r#"select c.id as "id!"
+           from (select l.id from loans l
+                 where l.id >= $1 and l.id % $2 = $3
+                   and l.due_on < $5::date - $4::int
+                   and (l.returned_on is null or l.returned_on >= $5)
+                   and not exists (select 1 from fine_ledger f
+                                   where f.loan_id = l.id and f.accrual_date = $5 offset 0)
+                   and not exists (select 1 from fine_pending p
+                                   where p.loan_id = l.id and p.accrual_date = $5 offset 0)
+                 order by l.id
+                 offset 0) c
+           where $6::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
+                                             where f.loan_id = c.id), 0) < $6
+           order by c.id
            limit $7"#,
         from_id,
         i64::from(shard.shards()),
@@ -68,6 +78,17 @@ pub async fn lock_loans(tx: &mut PgConnection, ids: &[i64]) -> Result<(), sqlx::
     .fetch_one(&mut *tx)
     .await?;
     Ok(())
+}
+
+/// `ids` in the order [`lock_loans`] locks them (that of their lock keys), so that a batch isolated row by row
+/// takes its loans' locks in the same order as every other charge and cannot deadlock with one.
+pub async fn in_lock_order(tx: &mut PgConnection, ids: &[i64]) -> Result<Vec<i64>, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select b.id as "id!" from unnest($1::bigint[]) as b (id) order by hashint8(b.id), b.id"#,
+        ids
+    )
+    .fetch_all(&mut *tx)
+    .await
 }
 
 /// Charges each loan of `ids` for `day`: `amount` (the daily rate, or a pending charge's amount), or what is
@@ -139,22 +160,28 @@ pub async fn day_has_uncharged(
 ) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar!(
         r#"select exists (
-                   select 1 from loans l
-                   where l.returned_on is null and l.due_on < $1::date - $4::int
-                     and l.id % $2::int = $3::int
-                     and not exists (select 1 from fine_ledger f where f.loan_id = l.id and f.accrual_date = $1)
-                     and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $1)
-                     and ($5::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
-                                                      where f.loan_id = l.id), 0) < $5))
+                   select 1 from (select l.id from loans l
+                                  where l.returned_on is null and l.due_on < $1::date - $4::int
+                                    and l.id % $2::int = $3::int
+                                    and not exists (select 1 from fine_ledger f
+                                                    where f.loan_id = l.id and f.accrual_date = $1 offset 0)
+                                    and not exists (select 1 from fine_pending p
+                                                    where p.loan_id = l.id and p.accrual_date = $1 offset 0)
+                                  offset 0) c
+                   where $5::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
+                                                     where f.loan_id = c.id), 0) < $5)
                or exists (
-                   select 1 from loans l
-                   where l.fine_settled_at is null and l.returned_on is not null
-                     and l.returned_on >= $1 and l.due_on < $1::date - $4::int
-                     and l.id % $2::int = $3::int
-                     and not exists (select 1 from fine_ledger f where f.loan_id = l.id and f.accrual_date = $1)
-                     and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $1)
-                     and ($5::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
-                                                      where f.loan_id = l.id), 0) < $5)) as "late!""#,
+                   select 1 from (select l.id from loans l
+                                  where l.fine_settled_at is null and l.returned_on is not null
+                                    and l.returned_on >= $1 and l.due_on < $1::date - $4::int
+                                    and l.id % $2::int = $3::int
+                                    and not exists (select 1 from fine_ledger f
+                                                    where f.loan_id = l.id and f.accrual_date = $1 offset 0)
+                                    and not exists (select 1 from fine_pending p
+                                                    where p.loan_id = l.id and p.accrual_date = $1 offset 0)
+                                  offset 0) c
+                   where $5::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
+                                                     where f.loan_id = c.id), 0) < $5) as "late!""#,
         day,
         shard.shards(),
         shard.shard(),

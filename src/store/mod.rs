@@ -91,9 +91,10 @@ pub async fn database_now(pool: &PgPool) -> Result<chrono::DateTime<chrono::Utc>
         .await
 }
 
-/// Whether the statement failed because a row lock was not granted within `lock_timeout`.
+/// Whether the statement failed waiting for a row lock: not granted within `lock_timeout` (55P03), or the wait
+/// closed a cycle with another transaction and PostgreSQL cancelled this side (deadlock, 40P01).
 pub fn lock_not_available(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
+    matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("55P03" | "40P01")))
 }
 
 /// A pool for the jobs. Every statement runs under `statement_timeout = batch_timeout`, so a batch that hangs

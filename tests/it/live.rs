@@ -668,3 +668,197 @@ fn which(program: &str) -> Option<std::path::PathBuf> {
             .find(|p| p.is_file())
     })
 }
+
+#[sqlx::test]
+async fn a_loan_due_at_the_end_of_the_calendar_does_not_stop_the_accrual(pool: PgPool) {
+    insert(&pool, &[loan(1, "2026-10-01", None), loan(3, "2026-10-01", None)]).await;
+    // PostgreSQL's last date: with a grace period, `due_on + grace` is past the calendar.
+    exec(
+        &pool,
+        "insert into loans (id, member_id, book_id, borrowed_on, due_on) values (2, 1, 1, '2026-01-01', '5874897-12-31')",
+    )
+    .await;
+    let job = accrual(
+        FinePolicy::new(100, 1, 0).expect("policy"),
+        Duration::from_secs(1),
+    );
+    let run = runner(&pool, "a", 10)
+        .run(&job, day_key(d("2026-10-20")), false)
+        .await;
+    assert_eq!((run.outcome, run.updated), (Outcome::Settled, 2), "{run:?}");
+}
+
+#[sqlx::test]
+async fn with_a_daily_rate_of_zero_accrual_days_do_not_reopen_at_every_tick(pool: PgPool) {
+    let url = database_url(&pool);
+    let today = db_today(&pool).await;
+    insert(&pool, &[loan(1, &(today - days(30)).to_string(), None)]).await;
+    let free = [
+        ("FINE_SETTLER__ACCRUAL__ENABLED", "true"),
+        ("FINE_SETTLER__SETTLEMENT__ENABLED", "false"),
+        ("FINE_SETTLER__FINE__DAILY_RATE_CENTS", "0"),
+    ];
+    let (first, _) = run_once(&url, &free);
+    assert_eq!(first.len(), 7);
+    let (second, _) = run_once(&url, &free);
+    assert!(
+        second.is_empty(),
+        "nothing is owed, so nothing is late: {second:?}"
+    );
+}
+
+/// The first attempt of a finish still committing when its retry starts: the retry waits for it, matches
+/// nothing, and must still see that the key is SUCCESS under its own epoch.
+#[sqlx::test]
+async fn a_retried_finish_racing_its_own_first_attempt_counts_as_finished(pool: PgPool) {
+    use fine_settler::store::job_runs::{claim, finish, ClaimMode, Ending};
+    let k = key("2026-10-31", 0, 1);
+    claim(&pool, &k, "a", Duration::from_secs(60), ClaimMode::Free)
+        .await
+        .expect("claim");
+    let mut first = pool.begin().await.expect("begin");
+    sqlx::query("update job_runs set status = 'SUCCESS', lease_until = now() where epoch = 1")
+        .execute(&mut *first)
+        .await
+        .expect("first attempt");
+    let retry = tokio::spawn({
+        let pool = pool.clone();
+        async move { finish(&pool, &k, 1, Ending::Success, 0, 0).await }
+    });
+    crate::helpers::wait_until("the retry waits for the first attempt", Duration::from_secs(10), || async {
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_stat_activity
+             where datname = current_database() and wait_event_type = 'Lock' and query like '%with prior as%'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap_or(0)
+            == 1
+    })
+    .await;
+    first.commit().await.expect("commit the first attempt");
+    assert!(
+        retry.await.expect("task").expect("finish"),
+        "finished, not a lost lease"
+    );
+}
+
+/// A replica asked to stop during a long compensation backlog stops between charges and exits 0 within its drain
+/// timeout; the rest of the queue waits for the next replica.
+#[sqlx::test]
+async fn sigterm_during_a_long_compensation_pass_stops_it_cleanly(pool: PgPool) {
+    let url = database_url(&pool);
+    insert(
+        &pool,
+        &(1..=200)
+            .map(|id| loan(id, "2026-06-01", None))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    exec(
+        &pool,
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
+         select id, '2026-06-20', 100, 1, 'x', now() - interval '1 s' from generate_series(1, 200) id;
+         create function slow_ledger() returns trigger language plpgsql as $$
+         begin perform pg_sleep(0.1); return new; end $$;
+         create trigger slow_ledger before insert on fine_ledger for each row execute function slow_ledger();",
+    )
+    .await;
+    let replica = crate::daemon::daemon(
+        &url,
+        0,
+        1,
+        &[
+            ("FINE_SETTLER__ACCRUAL__ENABLED", "true"),
+            ("FINE_SETTLER__SETTLEMENT__ENABLED", "false"),
+            ("FINE_SETTLER__SCHEDULE__DRAIN_TIMEOUT", "3s"),
+        ],
+    );
+    let remaining = || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from fine_pending")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+    };
+    crate::helpers::wait_until(
+        "the compensation pass under way",
+        Duration::from_secs(20),
+        || async { remaining().await < 195 },
+    )
+    .await;
+    crate::daemon::signal(&replica, "TERM");
+    let (code, stderr) = crate::daemon::exit_of(replica, Duration::from_secs(10)).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(remaining().await > 0, "stopped before the end of the backlog");
+}
+
+/// Two runs of different days charging the same capped loans, one of them isolating a rejected batch row by row:
+/// the isolated charges take their loans' locks in the same order as every batch, so the two cannot deadlock.
+#[sqlx::test]
+async fn isolating_a_rejected_batch_cannot_deadlock_with_another_run(pool: PgPool) {
+    use std::str::FromStr;
+    insert(
+        &pool,
+        &(2..=4).map(|id| loan(id, "2026-10-01", None)).collect::<Vec<_>>(),
+    )
+    .await;
+    // Loan 4's charge for the 20th is rejected; every other charge takes 0.4 s.
+    exec(
+        &pool,
+        "create function slow_or_rejected() returns trigger language plpgsql as $$
+         begin
+             if new.loan_id = 4 and new.accrual_date = '2026-10-20' then raise exception 'loan 4 disputed'; end if;
+             perform pg_sleep(0.4);
+             return new;
+         end $$;
+         create trigger slow_or_rejected before insert on fine_ledger
+             for each row execute function slow_or_rejected();",
+    )
+    .await;
+    let job = accrual(
+        FinePolicy::new(100, 0, 1_000_000).expect("policy"),
+        Duration::from_secs(60),
+    );
+    let a = tokio::spawn({
+        let (pool, job) = (pool.clone(), job);
+        async move {
+            runner(&pool, "a", 10)
+                .run(&job, day_key(d("2026-10-20")), false)
+                .await
+        }
+    });
+    // Run a is isolating when it holds exactly one loan lock (its batch attempt held all three).
+    crate::helpers::wait_until("run a isolating its batch", Duration::from_secs(10), || async {
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_locks l join pg_database d on d.oid = l.database
+             where l.locktype = 'advisory' and l.classid = 1718832228 and l.granted
+               and d.datname = current_database()",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap_or(0)
+            == 1
+    })
+    .await;
+    // Run b detects deadlocks late, so that a deadlock, if any, is detected by run a and shows in its queue.
+    let patient = sqlx::postgres::PgPoolOptions::new()
+        .connect_with(
+            sqlx::postgres::PgConnectOptions::from_str(&database_url(&pool))
+                .expect("url")
+                .options([("deadlock_timeout", "10s")]),
+        )
+        .await
+        .expect("connect");
+    let b = runner(&patient, "b", 10)
+        .run(&job, day_key(d("2026-10-21")), false)
+        .await;
+    let a = a.await.expect("run a");
+    assert_eq!((a.outcome, a.updated), (Outcome::Settled, 2), "{a:?}");
+    assert_eq!((b.outcome, b.updated), (Outcome::Settled, 3), "{b:?}");
+    let pending: Vec<(i64, String)> = sqlx::query_as("select loan_id, last_error from fine_pending")
+        .fetch_all(&pool)
+        .await
+        .expect("pending");
+    assert_eq!(pending.len(), 1, "only the rejected charge waits: {pending:?}");
+    assert_eq!(pending[0].0, 4);
+}
