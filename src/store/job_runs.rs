@@ -444,11 +444,12 @@ pub struct TickStatus {
 /// whether rows of it are still to do — and how many of its pending charges are due. An idle tick costs
 /// exactly this one round trip.
 ///
-/// The late-row predicates are the ones [`crate::store::loans::month_has_unsettled`] and
-/// [`crate::store::ledger::day_has_uncharged`] ask for one key (and the ones the batches select). The
-/// settlement probe reads the partial index of unsettled loans by return date: a settled month has no entry in
-/// it, so the probe costs one index descent per key. The accrual probe reads the partial index of open loans by
-/// due date and the unsettled one, then the ledger by key, per overdue loan.
+/// The settlement probe is the predicate [`crate::store::loans::month_has_unsettled`] asks for one key (and the
+/// one the batches select); it reads the partial index of unsettled loans by return date: a settled month has no
+/// entry in it, so the probe costs one index descent per key. The accrual probe is the SQL function
+/// `fine_settler_uncharged_on` (a migration), which [`crate::store::ledger::day_has_uncharged`] asks for one day:
+/// it walks the overdue loans still out and probes the ledger by key for each, which is why the daemon asks it
+/// only every `accrual.recheck_every`.
 pub async fn tick_status(
     conn: &mut PgConnection,
     shard: crate::shard::ShardSpec,
@@ -466,35 +467,8 @@ pub async fn tick_status(
                               and l.returned_on between date_trunc('month', r.business_date)::date
                                                     and r.business_date
                               and l.id % $1::int = $2::int))
-                    or (r.job_name = 'overdue-accrual' and r.business_date >= $5::date and (
-                        exists (
-                            select 1 from (select l.id from loans l
-                                           where l.returned_on is null and l.due_on < r.business_date - $6::int
-                                             and l.id % $1::int = $2::int
-                                             and not exists (select 1 from fine_ledger f
-                                                             where f.loan_id = l.id
-                                                               and f.accrual_date = r.business_date offset 0)
-                                             and not exists (select 1 from fine_pending p
-                                                             where p.loan_id = l.id
-                                                               and p.accrual_date = r.business_date offset 0)
-                                           offset 0) c
-                            where $7::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
-                                                              where f.loan_id = c.id), 0) < $7)
-                        or exists (
-                            select 1 from (select l.id from loans l
-                                           where l.fine_settled_at is null and l.returned_on is not null
-                                             and l.returned_on >= r.business_date
-                                             and l.due_on < r.business_date - $6::int
-                                             and l.id % $1::int = $2::int
-                                             and not exists (select 1 from fine_ledger f
-                                                             where f.loan_id = l.id
-                                                               and f.accrual_date = r.business_date offset 0)
-                                             and not exists (select 1 from fine_pending p
-                                                             where p.loan_id = l.id
-                                                               and p.accrual_date = r.business_date offset 0)
-                                           offset 0) c
-                            where $7::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
-                                                              where f.loan_id = c.id), 0) < $7))))
+                    or (r.job_name = 'overdue-accrual' and r.business_date >= $5::date
+                        and fine_settler_uncharged_on(r.business_date, $1::int, $2::int, $6::int, $7::bigint)))
                   ) as "late?"
            from (select now() as now,
                         (select count(*) from fine_pending p

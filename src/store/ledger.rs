@@ -151,7 +151,8 @@ pub async fn set_local_statement_timeout(tx: &mut PgConnection, millis: u64) -> 
 
 /// Whether `day` has a loan of `shard` still to charge: not settled, overdue on the day, neither charged nor
 /// queued for it, and under the cap — the accrual's re-open question for one key, as the tick status asks it
-/// for every key ([`crate::store::job_runs::tick_status`]).
+/// for every key ([`crate::store::job_runs::tick_status`]); both call the SQL function
+/// `fine_settler_uncharged_on` (migrations/20261201000008), where the question is written once.
 pub async fn day_has_uncharged(
     pool: &PgPool,
     day: NaiveDate,
@@ -159,29 +160,7 @@ pub async fn day_has_uncharged(
     policy: &FinePolicy,
 ) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar!(
-        r#"select exists (
-                   select 1 from (select l.id from loans l
-                                  where l.returned_on is null and l.due_on < $1::date - $4::int
-                                    and l.id % $2::int = $3::int
-                                    and not exists (select 1 from fine_ledger f
-                                                    where f.loan_id = l.id and f.accrual_date = $1 offset 0)
-                                    and not exists (select 1 from fine_pending p
-                                                    where p.loan_id = l.id and p.accrual_date = $1 offset 0)
-                                  offset 0) c
-                   where $5::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
-                                                     where f.loan_id = c.id), 0) < $5)
-               or exists (
-                   select 1 from (select l.id from loans l
-                                  where l.fine_settled_at is null and l.returned_on is not null
-                                    and l.returned_on >= $1 and l.due_on < $1::date - $4::int
-                                    and l.id % $2::int = $3::int
-                                    and not exists (select 1 from fine_ledger f
-                                                    where f.loan_id = l.id and f.accrual_date = $1 offset 0)
-                                    and not exists (select 1 from fine_pending p
-                                                    where p.loan_id = l.id and p.accrual_date = $1 offset 0)
-                                  offset 0) c
-                   where $5::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
-                                                     where f.loan_id = c.id), 0) < $5) as "late!""#,
+        r#"select fine_settler_uncharged_on($1, $2, $3, $4, $5) as "late!""#,
         day,
         shard.shards(),
         shard.shard(),
