@@ -32,7 +32,7 @@ use crate::{
     shard::ShardSpec,
     store::{
         self,
-        job_runs::{KeyState, LateProbe},
+        job_runs::{ClaimMode, KeyState, LateProbe},
         Session, StoreError,
     },
 };
@@ -158,6 +158,14 @@ pub fn late_probe(settings: &Settings, at: DateTime<Utc>, accrual: bool) -> Late
         grace_days: i32::try_from(settings.fine.grace_days()).unwrap_or(i32::MAX),
         cap_cents: settings.fine.cap().map_or(0, |c| c.get()),
     }
+}
+
+/// Whether a tick at `now` (database time) has settlement keys to run: due and not SUCCESS, or SUCCESS with late
+/// rows.
+fn settlement_work(settings: &Settings, now: DateTime<Utc>, states: &[KeyState]) -> bool {
+    plan(settings, now, states)
+        .iter()
+        .any(|d| d.job == JobName::FineSettlement.as_str() && d.action != "skip")
 }
 
 /// Keys of this shard that are not SUCCESS although their business date has left its job's catch-up window at
@@ -446,7 +454,7 @@ impl Daemon {
         let recheck_accrual = self
             .accrual_rechecked
             .is_none_or(|at| at.elapsed() >= self.settings.accrual.recheck_every);
-        let status = self
+        let mut status = self
             .session
             .tick_status(
                 shard,
@@ -455,6 +463,20 @@ impl Daemon {
             )
             .await?;
         if recheck_accrual {
+            self.accrual_rechecked = Some(tokio::time::Instant::now());
+        } else if self.settings.accrual.enabled && settlement_work(&self.settings, status.now, &status.keys) {
+            // This tick is about to settle loans. A loan recorded late and returned inside the accrual window
+            // drops out of the accrual's late-row question once it is settled (settled loans are not
+            // re-accrued), so ask that question now, before settling — a second statement, only in a tick that
+            // settles something. The days it finds late are re-opened as such, without asking again.
+            status = self
+                .session
+                .tick_status(
+                    shard,
+                    window_start(&self.settings, before),
+                    late_probe(&self.settings, before, true),
+                )
+                .await?;
             self.accrual_rechecked = Some(tokio::time::Instant::now());
         }
         let after = self.wall.now();
@@ -597,6 +619,13 @@ impl Daemon {
 
     /// Runs one due key of this shard.
     async fn run_due(&self, due: &Due, shard: ShardSpec) -> RunReport {
+        // A key the status statement found late is re-opened as such: asking again now could miss rows that
+        // another run of this tick has just settled (a late return is settled before its accrual days run).
+        let mode = if due.action == "reopen" {
+            ClaimMode::Reopen
+        } else {
+            ClaimMode::Free
+        };
         if due.job == JobName::OverdueAccrual.as_str() {
             let key = RunKey {
                 job: JobName::OverdueAccrual,
@@ -605,7 +634,7 @@ impl Daemon {
             };
             let accrual = Accrual::from_settings(&self.settings);
             self.runner(self.settings.accrual.batch_size)
-                .run(&accrual, key, false)
+                .run_as(&accrual, key, mode)
                 .await
         } else {
             let key = RunKey {
@@ -617,7 +646,7 @@ impl Daemon {
                 policy: self.settings.fine,
             };
             self.runner(self.settings.settlement.batch_size)
-                .run(&settlement, key, false)
+                .run_as(&settlement, key, mode)
                 .await
         }
     }

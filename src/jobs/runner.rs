@@ -228,6 +228,13 @@ impl Runner {
     /// Runs `key` to completion (or until it is lost, fails or is cancelled). Never panics on a database
     /// error: every path ends in a report, and every error is logged here, once.
     pub async fn run<J: BatchJob>(&self, job: &J, key: RunKey, force: bool) -> RunReport {
+        let mode = if force { ClaimMode::Force } else { ClaimMode::Free };
+        self.run_as(job, key, mode).await
+    }
+
+    /// Runs `key` claimed in `mode`: `Free` re-opens a SUCCESS key only if the job finds late rows in it,
+    /// `Reopen` re-opens it without asking (the caller has seen late rows), `Force` restarts it.
+    pub async fn run_as<J: BatchJob>(&self, job: &J, key: RunKey, mode: ClaimMode) -> RunReport {
         let span = tracing::info_span!(
             "run",
             job = %key.job,
@@ -239,7 +246,7 @@ impl Runner {
         );
         let started = Instant::now();
         let report = self
-            .claim_and_run(job, key, force, &span)
+            .claim_and_run(job, key, mode, &span)
             .instrument(span.clone())
             .await;
         let report = RunReport {
@@ -300,7 +307,7 @@ impl Runner {
         &self,
         job: &J,
         key: RunKey,
-        force: bool,
+        mode: ClaimMode,
         span: &tracing::Span,
     ) -> RunReport {
         let report = |outcome, epoch, scanned, updated, detail| RunReport {
@@ -318,11 +325,10 @@ impl Runner {
             reopened: false,
         };
 
-        let mode = if force { ClaimMode::Force } else { ClaimMode::Free };
         let mut claimed = job_runs::claim(&self.pool, &key, &self.owner, self.lease, mode).await;
-        // A SUCCESS key with rows still to do is re-opened (not with --force, which takes SUCCESS anyway).
+        // A SUCCESS key with rows still to do is re-opened (--force and Reopen take SUCCESS anyway).
         if let Ok(Claim::Skipped(holder)) = &claimed {
-            if holder.status == "SUCCESS" {
+            if holder.status == "SUCCESS" && mode == ClaimMode::Free {
                 match job.late(&self.pool, &key).await {
                     Ok(true) => {
                         claimed =

@@ -862,3 +862,63 @@ async fn isolating_a_rejected_batch_cannot_deadlock_with_another_run(pool: PgPoo
     assert_eq!(pending.len(), 1, "only the rejected charge waits: {pending:?}");
     assert_eq!(pending[0].0, 4);
 }
+
+/// A loan recorded late and returned inside both a settled month and the accrual window: the tick that settles
+/// it first asks the accrual's late-row question, so the loan's overdue days are charged too — even though the
+/// accrual recheck interval has not come round (once settled, a loan is no longer re-accrued).
+#[sqlx::test]
+async fn a_late_return_settled_by_a_running_replica_is_also_accrued(pool: PgPool) {
+    let url = database_url(&pool);
+    let today = db_today(&pool).await;
+    let month_end = calendar::month_start(today).pred_opt().expect("date");
+    let replica = crate::daemon::daemon(
+        &url,
+        0,
+        1,
+        &[
+            ("FINE_SETTLER__ACCRUAL__ENABLED", "true"),
+            ("FINE_SETTLER__ACCRUAL__CATCH_UP_DAYS", "40"),
+            ("FINE_SETTLER__ACCRUAL__RECHECK_EVERY", "1h"),
+        ],
+    );
+    let success = || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'SUCCESS'")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+    };
+    crate::helpers::wait_until(
+        "3 months and 40 days SUCCESS",
+        Duration::from_secs(30),
+        || async { success().await == 43 },
+    )
+    .await;
+    // Returned on the last day of last month, five days late, recorded now.
+    insert(
+        &pool,
+        &[loan(
+            77,
+            &(month_end - days(5)).to_string(),
+            Some(&month_end.to_string()),
+        )],
+    )
+    .await;
+    crate::helpers::wait_until(
+        "the late loan settled and accrued",
+        Duration::from_secs(15),
+        || async {
+            let (settled, charged): (bool, i64) = sqlx::query_as(
+                "select (select fine_settled_at is not null from loans where id = 77),
+                    (select count(*) from fine_ledger where loan_id = 77)",
+            )
+            .fetch_one(&pool)
+            .await
+            .expect("state");
+            settled && charged == 5
+        },
+    )
+    .await;
+    crate::daemon::signal(&replica, "TERM");
+    let (code, stderr) = crate::daemon::exit_of(replica, Duration::from_secs(10)).await;
+    assert_eq!(code, Some(0), "{stderr}");
+}
