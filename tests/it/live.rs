@@ -661,6 +661,31 @@ async fn accrue_checks_its_date_against_the_database_clock(pool: PgPool) {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--date"));
 }
 
+/// A replica process that is killed if the test fails before stopping it.
+struct Replica(Option<std::process::Child>);
+
+impl Replica {
+    fn start(url: &str, extra: &[(&str, &str)]) -> Replica {
+        Replica(Some(crate::daemon::daemon(url, 0, 1, extra)))
+    }
+
+    /// SIGTERM, then its exit code and stderr.
+    async fn stop(mut self) -> (Option<i32>, String) {
+        let child = self.0.take().expect("running");
+        crate::daemon::signal(&child, "TERM");
+        crate::daemon::exit_of(child, Duration::from_secs(10)).await
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 fn which(program: &str) -> Option<std::path::PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
@@ -764,10 +789,8 @@ async fn sigterm_during_a_long_compensation_pass_stops_it_cleanly(pool: PgPool) 
          create trigger slow_ledger before insert on fine_ledger for each row execute function slow_ledger();",
     )
     .await;
-    let replica = crate::daemon::daemon(
+    let replica = Replica::start(
         &url,
-        0,
-        1,
         &[
             ("FINE_SETTLER__ACCRUAL__ENABLED", "true"),
             ("FINE_SETTLER__SETTLEMENT__ENABLED", "false"),
@@ -786,8 +809,7 @@ async fn sigterm_during_a_long_compensation_pass_stops_it_cleanly(pool: PgPool) 
         || async { remaining().await < 195 },
     )
     .await;
-    crate::daemon::signal(&replica, "TERM");
-    let (code, stderr) = crate::daemon::exit_of(replica, Duration::from_secs(10)).await;
+    let (code, stderr) = replica.stop().await;
     assert_eq!(code, Some(0), "{stderr}");
     assert!(remaining().await > 0, "stopped before the end of the backlog");
 }
@@ -871,10 +893,8 @@ async fn a_late_return_settled_by_a_running_replica_is_also_accrued(pool: PgPool
     let url = database_url(&pool);
     let today = db_today(&pool).await;
     let month_end = calendar::month_start(today).pred_opt().expect("date");
-    let replica = crate::daemon::daemon(
+    let replica = Replica::start(
         &url,
-        0,
-        1,
         &[
             ("FINE_SETTLER__ACCRUAL__ENABLED", "true"),
             ("FINE_SETTLER__ACCRUAL__CATCH_UP_DAYS", "40"),
@@ -918,7 +938,6 @@ async fn a_late_return_settled_by_a_running_replica_is_also_accrued(pool: PgPool
         },
     )
     .await;
-    crate::daemon::signal(&replica, "TERM");
-    let (code, stderr) = crate::daemon::exit_of(replica, Duration::from_secs(10)).await;
+    let (code, stderr) = replica.stop().await;
     assert_eq!(code, Some(0), "{stderr}");
 }
