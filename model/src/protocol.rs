@@ -863,3 +863,174 @@ impl Model for Protocol {
         crate::properties::properties(&self.setup)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settlement() -> Protocol {
+        Protocol::new(Setup::settlement(), None)
+    }
+
+    fn running(epoch: u8, lease: i8, cursor: Option<u8>) -> JobRun {
+        JobRun {
+            status: Status::Running,
+            epoch,
+            lease,
+            cursor,
+        }
+    }
+
+    #[test]
+    fn a_live_owner_is_never_displaced_not_even_by_force() {
+        let m = settlement();
+        let mut db = m.initial().db;
+        db.runs[0] = running(1, 0, Some(2));
+        assert_eq!(m.claim(&db, 0, false, true), None);
+        assert_eq!(m.claim(&db, 0, true, true), None);
+    }
+
+    #[test]
+    fn a_takeover_resumes_after_the_cursor_and_force_starts_over() {
+        let m = settlement();
+        let mut db = m.initial().db;
+        db.runs[0] = running(1, -1, Some(2));
+        let (row, kind) = m.claim(&db, 0, false, true).expect("expired lease");
+        assert_eq!(
+            (row.epoch, row.cursor, kind),
+            (2, Some(2), ClaimKind::TakenOver { resumed: true })
+        );
+        let (row, kind) = m.claim(&db, 0, true, true).expect("forced");
+        assert_eq!(
+            (row.epoch, row.cursor, kind),
+            (2, None, ClaimKind::Forced { from_success: false })
+        );
+    }
+
+    #[test]
+    fn a_success_key_is_reopened_only_with_rows_left() {
+        let m = settlement();
+        let mut db = m.initial().db;
+        db.runs[0] = JobRun {
+            status: Status::Success,
+            epoch: 1,
+            lease: 0,
+            cursor: Some(6),
+        };
+        for loan in &mut db.loans {
+            loan.settled = loan.eligible;
+        }
+        assert_eq!(m.claim(&db, 0, false, true), None, "nothing left");
+        db.loans[2].eligible = true; // loan 4 returned late
+        let (row, kind) = m.claim(&db, 0, false, true).expect("re-opened");
+        assert_eq!((row.epoch, row.cursor, kind), (2, None, ClaimKind::Reopened));
+        db.runs[0].epoch = m.setup.max_epoch;
+        assert_eq!(m.claim(&db, 0, false, true), None, "the epoch bound");
+        assert!(m.claim(&db, 0, false, false).is_some(), "unbounded");
+    }
+
+    #[test]
+    fn a_batch_of_a_lost_claim_rolls_back() {
+        let m = settlement();
+        let mut s = m.initial();
+        let run = Run {
+            key: 0,
+            epoch: 1,
+            cursor: None,
+            kind: ClaimKind::Inserted,
+        };
+        let batch = m.fetch(&s.db, &run).expect("loan 2");
+        let tx = m.write(&s, 0, &run, &batch).expect("no lock wait");
+        assert_eq!(tx.locked, 0b0010);
+        s.actors[0].phase = Phase::InTx(run, batch, tx);
+        s.db.runs[0] = running(2, 2, None); // taken over meanwhile
+        let after = m.step(&s, Action::Commit(0), true).expect("commit step");
+        assert_eq!(after.actors[0].phase, Phase::Idle);
+        assert!(!after.db.loans[1].settled && !after.stale_commit);
+        assert_eq!(after.db.runs[0], s.db.runs[0]);
+    }
+
+    #[test]
+    fn a_locked_row_is_skipped_and_left_for_the_reopen() {
+        let m = settlement();
+        let mut s = m.initial();
+        s.db.libraryd = Libraryd::Holds(1);
+        s.db.runs[0] = running(1, 2, None);
+        let run = Run {
+            key: 0,
+            epoch: 1,
+            cursor: None,
+            kind: ClaimKind::Inserted,
+        };
+        let batch = m.fetch(&s.db, &run).expect("loan 2 is unsettled, locked or not");
+        let tx = m.write(&s, 0, &run, &batch).expect("skip locked never waits");
+        assert_eq!((tx.locked, tx.skipped), (0, 0b0010));
+        s.actors[0].phase = Phase::InTx(run, batch, tx);
+        let after = m.step(&s, Action::Commit(0), true).expect("commit step");
+        assert_eq!(after.db.runs[0].cursor, Some(2));
+        assert!(after.db.loans[1].left_for_reopen && !after.db.loans[1].settled);
+    }
+
+    #[test]
+    fn the_clock_waits_for_running_processes_and_for_a_due_abort() {
+        let m = settlement();
+        let mut s = m.initial();
+        s.db.runs[0] = running(1, 2, None);
+        let run = Run {
+            key: 0,
+            epoch: 1,
+            cursor: None,
+            kind: ClaimKind::Inserted,
+        };
+        s.actors[0].phase = Phase::Between(run);
+        assert_eq!(
+            m.step(&s, Action::ClockTick, true),
+            None,
+            "a live process between batches"
+        );
+        s.actors[0].frozen = true;
+        let later = m.step(&s, Action::ClockTick, true).expect("frozen: time passes");
+        assert_eq!(later.db.runs[0].lease, 1);
+        let batch = Batch { last: 2, amount: 0 };
+        let tx = Tx {
+            locked: 0b0010,
+            skipped: 0,
+            charge: None,
+            advisory: false,
+            idle: 0,
+        };
+        s.actors[0].phase = Phase::InTx(run, batch, tx);
+        assert_eq!(
+            m.step(&s, Action::ClockTick, true),
+            None,
+            "the server's abort comes first"
+        );
+        let aborted = m.step(&s, Action::IdleAbort(0), true).expect("due");
+        assert!(matches!(
+            aborted.actors[0].phase,
+            Phase::Finishing(_, Ending::Failed, false)
+        ));
+    }
+
+    #[test]
+    fn the_second_charge_under_the_lock_is_what_the_cap_leaves() {
+        let m = Protocol::new(Setup::accrual(), None);
+        let mut s = m.initial();
+        let run = |key| Run {
+            key,
+            epoch: 1,
+            cursor: None,
+            kind: ClaimKind::Inserted,
+        };
+        let first = m.fetch(&s.db, &run(0)).expect("overdue");
+        assert_eq!(first.amount, 50);
+        s.db.ledger[1] = Some(50); // the other day charged first
+        let tx = m.write(&s, 0, &run(0), &first).expect("lock free");
+        assert_eq!((tx.advisory, tx.charge), (true, None));
+        s.actors[2].phase = Phase::InTx(run(1), first, tx);
+        assert!(
+            m.write(&s, 0, &run(0), &first).is_none(),
+            "waits for the advisory lock"
+        );
+    }
+}
