@@ -2,11 +2,14 @@
 //! bound, lease and batch timeout in clock steps), and the deliberate mistakes (mutations) the checker must catch.
 //!
 //! Two scenarios share one model. *Settlement* is the claim protocol at full width: three replicas on two shards
-//! (`shard = id % 2`), an operator who may force a rerun or release a key, four loans of which one is returned late
-//! (back-dated into the month after the cursor passed it or after the key succeeded), loan 2, which libraryd may hold
-//! locked for a while. *Accrual* is two accrual days on one capped loan (cap 250, rate 100, 200 already charged), the case the
-//! per-loan lock exists for. Keeping them apart keeps each exhaustive: their state spaces would multiply, and the
-//! two jobs share nothing but the mechanism, which both scenarios check.
+//! (`shard = id % 2`), an operator who may force a rerun or release a key, and four loans, one of them returned
+//! late (back-dated into the month after the cursor passed it or after the key succeeded) and one that libraryd
+//! may hold locked for a while. *Accrual* is two accrual days on one capped loan (cap 250, rate 100, 200 already
+//! charged), the case the per-loan lock exists for. Keeping them apart keeps each exhaustive: their state spaces
+//! would multiply, and the two jobs share nothing but the mechanism, which both scenarios check. The bounds are
+//! what runs in about half a minute: two faults per behaviour in settlement (three cost ten times the states),
+//! three in the much smaller accrual scenario, and epochs up to 6 (what two faults, a late return and a re-open
+//! need; only the re-open loop while libraryd holds its lock goes further).
 
 /// The job a key belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
