@@ -1,0 +1,109 @@
+//! The model check as tests: the protocol holds every property in every scenario, and each deliberate mistake
+//! breaks the property it must break — so the properties can fail, and a green run means something.
+
+use fine_settler_model::{
+    check::{self, check_mutation, check_scenario, ScenarioReport},
+    properties, Mutation, Protocol, Setup,
+};
+
+fn assert_clean(report: &ScenarioReport) {
+    let violated: Vec<&str> = report
+        .properties
+        .iter()
+        .filter(|p| p.violated())
+        .map(|p| p.name)
+        .collect();
+    assert!(violated.is_empty(), "{}: violated {violated:?}", report.name);
+    assert!(report.states > 1 && report.depth > 1, "{report:?}");
+}
+
+#[test]
+fn settlement_holds_every_property() {
+    assert_clean(&check_scenario(Setup::settlement(), 1));
+}
+
+#[test]
+fn accrual_holds_every_property() {
+    assert_clean(&check_scenario(Setup::accrual(), 1));
+}
+
+/// The mutation is caught by the property it must break, with a counterexample whose last step is `last`.
+fn assert_caught(mutation: Mutation, last: &str) {
+    let report = check_mutation(mutation);
+    let trace = report.counterexample.unwrap_or_else(|| {
+        panic!(
+            "{mutation:?}: \"{}\" holds in {} states",
+            mutation.breaks(),
+            report.states
+        )
+    });
+    let final_step = trace.steps.last().map(String::as_str).unwrap_or_default();
+    assert!(final_step.contains(last), "{mutation:?}: {trace:#?}");
+}
+
+#[test]
+fn a_fence_without_the_epoch_lets_a_stale_batch_commit() {
+    assert_caught(Mutation::FenceWithoutEpoch, "fence of fine-settlement/0 commits");
+}
+
+#[test]
+fn a_cursor_in_its_own_transaction_runs_ahead_of_the_writes() {
+    assert_caught(
+        Mutation::CursorInOwnTransaction,
+        "fence of fine-settlement/0 commits",
+    );
+}
+
+#[test]
+fn an_unconditional_write_settles_a_loan_twice() {
+    assert_caught(Mutation::UnconditionalWrite, "fence of fine-settlement/0 commits");
+}
+
+#[test]
+fn a_charge_read_outside_the_lock_exceeds_the_cap() {
+    assert_caught(Mutation::CapReadOutsideLock, "fence of overdue-accrual");
+}
+
+#[test]
+fn without_the_reopen_a_skipped_row_is_never_settled() {
+    let report = check_mutation(Mutation::NoReopen);
+    let trace = report.counterexample.expect("caught");
+    let (_, stuck) = trace
+        .stuck
+        .expect("a liveness counterexample shows the fault-free run");
+    assert!(
+        stuck
+            .last()
+            .is_some_and(|s| s.contains("finishes fine-settlement/0 Success")),
+        "{stuck:#?}"
+    );
+}
+
+#[test]
+fn the_summary_line_counts_what_was_checked() {
+    let summary = check::Summary {
+        scenarios: vec![check_scenario(Setup::accrual(), 1)],
+        mutations: vec![check_mutation(Mutation::CapReadOutsideLock)],
+    };
+    let line = summary.line();
+    let expected = format!(
+        "model: states={} depth={} properties={} violations=0 mutations=1/1 caught",
+        summary.scenarios[0].states,
+        summary.scenarios[0].depth,
+        summary.scenarios[0].properties.len()
+    );
+    assert_eq!(line, expected);
+    assert!(summary.passed());
+}
+
+#[test]
+fn from_the_start_the_daemon_settles_everything_in_either_order() {
+    for setup in [Setup::settlement(), Setup::accrual()] {
+        let model = Protocol::new(setup, None);
+        for turns in [properties::Turns::Ascending, properties::Turns::Descending] {
+            let run = properties::fault_free_run(&model, &model.initial(), turns);
+            assert!(run.settled, "{}: {turns:?}", model.setup.name);
+            assert!(!run.steps.is_empty());
+        }
+    }
+}
