@@ -194,6 +194,17 @@ impl Replica {
     }
 }
 
+/// A replica still running when its slot goes away — the test failed half-way — is killed, so that no replica
+/// outlives the test.
+impl Drop for Replica {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// The real binary with the deployment's shared settings, as every replica, manual run and the operator's retry
 /// have them: the fine policy (with its cap), the claim timings, the batch sizes, the zone and the compensation
 /// queue's backoff.
