@@ -219,6 +219,9 @@ fn deployment(url: &str) -> Command {
         .env("FINE_SETTLER__ACCRUAL__MAX_ATTEMPTS", "3")
         .env("FINE_SETTLER__ACCRUAL__RETRY_BACKOFF", "200ms")
         .env("FINE_SETTLER__ACCRUAL__RETRY_BACKOFF_MAX", "1s")
+        // Late overdue loans are found by the accrual's recheck; at the default 15 minutes the run would wait
+        // that long for them.
+        .env("FINE_SETTLER__ACCRUAL__RECHECK_EVERY", "2s")
         .env("FINE_SETTLER__TIME__ZONE", ZONE);
     cmd
 }
