@@ -32,7 +32,7 @@ use crate::{
     shard::ShardSpec,
     store::{
         self,
-        job_runs::{ClaimMode, KeyState, LateProbe},
+        job_runs::{ClaimMode, KeyState, LateProbe, TickStatus},
         Session, StoreError,
     },
 };
@@ -454,14 +454,7 @@ impl Daemon {
         let recheck_accrual = self
             .accrual_rechecked
             .is_none_or(|at| at.elapsed() >= self.settings.accrual.recheck_every);
-        let mut status = self
-            .session
-            .tick_status(
-                shard,
-                window_start(&self.settings, before),
-                late_probe(&self.settings, before, recheck_accrual),
-            )
-            .await?;
+        let mut status = self.read_status(before, recheck_accrual).await?;
         if recheck_accrual {
             self.accrual_rechecked = Some(tokio::time::Instant::now());
         } else if self.settings.accrual.enabled && settlement_work(&self.settings, status.now, &status.keys) {
@@ -469,14 +462,7 @@ impl Daemon {
             // drops out of the accrual's late-row question once it is settled (settled loans are not
             // re-accrued), so ask that question now, before settling — a second statement, only in a tick that
             // settles something. The days it finds late are re-opened as such, without asking again.
-            status = self
-                .session
-                .tick_status(
-                    shard,
-                    window_start(&self.settings, before),
-                    late_probe(&self.settings, before, true),
-                )
-                .await?;
+            status = self.read_status(before, true).await?;
             self.accrual_rechecked = Some(tokio::time::Instant::now());
         }
         let after = self.wall.now();
@@ -557,6 +543,16 @@ impl Daemon {
             );
         }
         Ok(reports)
+    }
+
+    /// The tick's status statement at host time `before`, asking about late accrual rows too if `accrual`.
+    async fn read_status(&mut self, before: DateTime<Utc>, accrual: bool) -> Result<TickStatus, TickError> {
+        let since = window_start(&self.settings, before);
+        let late = late_probe(&self.settings, before, accrual);
+        Ok(self
+            .session
+            .tick_status(self.settings.instance, since, late)
+            .await?)
     }
 
     /// Retries the shard's due pending charges, for at most `claim.batch_timeout` (the rest at the next tick) and

@@ -447,9 +447,9 @@ pub struct TickStatus {
 /// The settlement probe is the predicate [`crate::store::loans::month_has_unsettled`] asks for one key (and the
 /// one the batches select); it reads the partial index of unsettled loans by return date: a settled month has no
 /// entry in it, so the probe costs one index descent per key. The accrual probe is the SQL function
-/// `fine_settler_uncharged_on` (a migration), which [`crate::store::ledger::day_has_uncharged`] asks for one day:
-/// it walks the overdue loans still out and probes the ledger by key for each, which is why the daemon asks it
-/// only every `accrual.recheck_every`.
+/// `fine_settler_uncharged_days` (a migration), asked once for the whole window (and by
+/// [`crate::store::ledger::day_has_uncharged`] for one day): it walks the overdue loans still out and counts each
+/// one's ledger rows in the window, which is why the daemon asks it only every `accrual.recheck_every`.
 pub async fn tick_status(
     conn: &mut PgConnection,
     shard: crate::shard::ShardSpec,
@@ -457,7 +457,16 @@ pub async fn tick_status(
     late: LateProbe,
 ) -> Result<TickStatus, sqlx::Error> {
     let rows = sqlx::query!(
-        r#"select t.now as "now!", t.due_pending as "due_pending!", t.pending as "pending!", t.dead as "dead!",
+        r#"with late_days as (
+               -- Up to the latest accrual day that succeeded: the days after it have not been accrued at all.
+               select fine_settler_uncharged_days(
+                          $5::date,
+                          (select max(business_date) from job_runs
+                           where job_name = 'overdue-accrual' and shards = $1::int and shard = $2::int
+                             and status = 'SUCCESS' and business_date >= $5::date),
+                          $1::int, $2::int, $6::int, $7::bigint) as d
+           )
+           select t.now as "now!", t.due_pending as "due_pending!", t.pending as "pending!", t.dead as "dead!",
                   r.job_name as "job_name?", r.business_date as "business_date?",
                   r.status as "status?", r.owner as "owner?", (r.lease_until < t.now) as "expired?",
                   (r.status = 'SUCCESS' and (
@@ -467,8 +476,7 @@ pub async fn tick_status(
                               and l.returned_on between date_trunc('month', r.business_date)::date
                                                     and r.business_date
                               and l.id % $1::int = $2::int))
-                    or (r.job_name = 'overdue-accrual' and r.business_date >= $5::date
-                        and fine_settler_uncharged_on(r.business_date, $1::int, $2::int, $6::int, $7::bigint)))
+                    or (r.job_name = 'overdue-accrual' and r.business_date in (select d from late_days)))
                   ) as "late?"
            from (select now() as now,
                         (select count(*) from fine_pending p

@@ -152,7 +152,7 @@ pub async fn set_local_statement_timeout(tx: &mut PgConnection, millis: u64) -> 
 /// Whether `day` has a loan of `shard` still to charge: not settled, overdue on the day, neither charged nor
 /// queued for it, and under the cap — the accrual's re-open question for one key, as the tick status asks it
 /// for every key ([`crate::store::job_runs::tick_status`]); both call the SQL function
-/// `fine_settler_uncharged_on` (migrations/20261201000008), where the question is written once.
+/// `fine_settler_uncharged_days` (migrations/20261201000008), where the question is written once.
 pub async fn day_has_uncharged(
     pool: &PgPool,
     day: NaiveDate,
@@ -160,7 +160,7 @@ pub async fn day_has_uncharged(
     policy: &FinePolicy,
 ) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar!(
-        r#"select fine_settler_uncharged_on($1, $2, $3, $4, $5) as "late!""#,
+        r#"select exists (select 1 from fine_settler_uncharged_days($1, $1, $2, $3, $4, $5)) as "late!""#,
         day,
         shard.shards(),
         shard.shard(),

@@ -68,6 +68,14 @@ async fn history_events(pool: &PgPool, job: &str, date: NaiveDate) -> Vec<String
     .expect("history")
 }
 
+/// A `count(*)` (or any bigint) the test polls; 0 while the database is busy restarting.
+async fn count(pool: &PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar::<_, i64>(sql)
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0)
+}
+
 async fn exec(pool: &PgPool, sql: &str) {
     sqlx::raw_sql(sql).execute(pool).await.expect(sql);
 }
@@ -797,12 +805,7 @@ async fn sigterm_during_a_long_compensation_pass_stops_it_cleanly(pool: PgPool) 
             ("FINE_SETTLER__SCHEDULE__DRAIN_TIMEOUT", "3s"),
         ],
     );
-    let remaining = || async {
-        sqlx::query_scalar::<_, i64>("select count(*) from fine_pending")
-            .fetch_one(&pool)
-            .await
-            .unwrap_or(0)
-    };
+    let remaining = || count(&pool, "select count(*) from fine_pending");
     crate::helpers::wait_until(
         "the compensation pass under way",
         Duration::from_secs(20),
@@ -901,12 +904,7 @@ async fn a_late_return_settled_by_a_running_replica_is_also_accrued(pool: PgPool
             ("FINE_SETTLER__ACCRUAL__RECHECK_EVERY", "1h"),
         ],
     );
-    let success = || async {
-        sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'SUCCESS'")
-            .fetch_one(&pool)
-            .await
-            .unwrap_or(0)
-    };
+    let success = || count(&pool, "select count(*) from job_runs where status = 'SUCCESS'");
     crate::helpers::wait_until(
         "3 months and 40 days SUCCESS",
         Duration::from_secs(30),
