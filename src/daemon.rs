@@ -160,14 +160,6 @@ pub fn late_probe(settings: &Settings, at: DateTime<Utc>, accrual: bool) -> Late
     }
 }
 
-/// Whether a tick at `now` (database time) has settlement keys to run: due and not SUCCESS, or SUCCESS with late
-/// rows.
-fn settlement_work(settings: &Settings, now: DateTime<Utc>, states: &[KeyState]) -> bool {
-    plan(settings, now, states)
-        .iter()
-        .any(|d| d.job == JobName::FineSettlement.as_str() && d.action != "skip")
-}
-
 /// Keys of this shard that are not SUCCESS although their business date has left its job's catch-up window at
 /// `now`: nothing runs them by itself any more (`verify` reports the month; `settle`/`accrue` by hand fixes it).
 pub fn abandoned<'a>(settings: &Settings, now: DateTime<Utc>, states: &'a [KeyState]) -> Vec<&'a KeyState> {
@@ -454,15 +446,8 @@ impl Daemon {
         let recheck_accrual = self
             .accrual_rechecked
             .is_none_or(|at| at.elapsed() >= self.settings.accrual.recheck_every);
-        let mut status = self.read_status(before, recheck_accrual).await?;
+        let status = self.read_status(before, recheck_accrual).await?;
         if recheck_accrual {
-            self.accrual_rechecked = Some(tokio::time::Instant::now());
-        } else if self.settings.accrual.enabled && settlement_work(&self.settings, status.now, &status.keys) {
-            // This tick is about to settle loans. A loan recorded late and returned inside the accrual window
-            // drops out of the accrual's late-row question once it is settled (settled loans are not
-            // re-accrued), so ask that question now, before settling — a second statement, only in a tick that
-            // settles something. The days it finds late are re-opened as such, without asking again.
-            status = self.read_status(before, true).await?;
             self.accrual_rechecked = Some(tokio::time::Instant::now());
         }
         let after = self.wall.now();
@@ -615,8 +600,7 @@ impl Daemon {
 
     /// Runs one due key of this shard.
     async fn run_due(&self, due: &Due, shard: ShardSpec) -> RunReport {
-        // A key the status statement found late is re-opened as such: asking again now could miss rows that
-        // another run of this tick has just settled (a late return is settled before its accrual days run).
+        // A key the status statement found late is re-opened as such, without asking the question again.
         let mode = if due.action == "reopen" {
             ClaimMode::Reopen
         } else {

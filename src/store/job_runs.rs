@@ -417,8 +417,8 @@ pub struct KeyState {
 pub struct LateProbe {
     /// Settlement keys from this business date on: any unsettled loan of the shard returned in the month.
     pub settlement_since: Option<NaiveDate>,
-    /// Accrual keys from this day on: any loan of the shard, not settled yet, overdue on the day and neither
-    /// charged nor queued for it, and under the cap.
+    /// Accrual keys from this day on: any loan of the shard overdue on the day and neither charged nor queued
+    /// for it, and under the cap.
     pub accrual_since: Option<NaiveDate>,
     pub grace_days: i32,
     /// 0 = no cap.

@@ -149,7 +149,7 @@ pub async fn set_local_statement_timeout(tx: &mut PgConnection, millis: u64) -> 
     Ok(())
 }
 
-/// Whether `day` has a loan of `shard` still to charge: not settled, overdue on the day, neither charged nor
+/// Whether `day` has a loan of `shard` still to charge: overdue on the day, neither charged nor
 /// queued for it, and under the cap — the accrual's re-open question for one key, as the tick status asks it
 /// for every key ([`crate::store::job_runs::tick_status`]); both call the SQL function
 /// `fine_settler_uncharged_days` (migrations/20261201000008), where the question is written once.

@@ -888,9 +888,9 @@ async fn isolating_a_rejected_batch_cannot_deadlock_with_another_run(pool: PgPoo
     assert_eq!(pending[0].0, 4);
 }
 
-/// A loan recorded late and returned inside both a settled month and the accrual window: the tick that settles
-/// it first asks the accrual's late-row question, so the loan's overdue days are charged too — even though the
-/// accrual recheck interval has not come round (once settled, a loan is no longer re-accrued).
+/// A loan recorded late and returned inside both a settled month and the accrual window: the running replica's
+/// next tick settles it (settlement's question runs at every tick), and its overdue days are charged by the next
+/// accrual recheck although the loan is settled by then.
 #[sqlx::test]
 async fn a_late_return_settled_by_a_running_replica_is_also_accrued(pool: PgPool) {
     let url = database_url(&pool);
@@ -901,7 +901,7 @@ async fn a_late_return_settled_by_a_running_replica_is_also_accrued(pool: PgPool
         &[
             ("FINE_SETTLER__ACCRUAL__ENABLED", "true"),
             ("FINE_SETTLER__ACCRUAL__CATCH_UP_DAYS", "40"),
-            ("FINE_SETTLER__ACCRUAL__RECHECK_EVERY", "1h"),
+            ("FINE_SETTLER__ACCRUAL__RECHECK_EVERY", "1s"),
         ],
     );
     let success = || count(&pool, "select count(*) from job_runs where status = 'SUCCESS'");
@@ -938,4 +938,27 @@ async fn a_late_return_settled_by_a_running_replica_is_also_accrued(pool: PgPool
     .await;
     let (code, stderr) = replica.stop().await;
     assert_eq!(code, Some(0), "{stderr}");
+}
+
+/// The accrual's late-row question counts a day once when it is both charged and queued (a charge rejected by a
+/// trigger after another run had written that day), so a day really missing from the same loan is still found.
+#[sqlx::test]
+async fn a_day_both_charged_and_queued_does_not_hide_a_missing_day(pool: PgPool) {
+    insert(&pool, &[loan(2, "2026-01-01", None)]).await;
+    exec(
+        &pool,
+        "insert into fine_ledger (loan_id, accrual_date, amount_cents)
+         select 2, d::date, 100 from generate_series('2026-01-02'::date, '2026-01-10', '1 day') d
+         where d::date <> '2026-01-07';
+         insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at, status)
+         values (2, '2026-01-06', 100, 10, 'rejected', now(), 'DEAD');",
+    )
+    .await;
+    let late: Vec<NaiveDate> = sqlx::query_scalar(
+        "select d from fine_settler_uncharged_days('2026-01-02', '2026-01-10', 1, 0, 0, 0) d order by 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("late days");
+    assert_eq!(late, [d("2026-01-07")]);
 }
