@@ -4,7 +4,7 @@
 -- and `accrue` for its one day, so it is written once, here.
 --
 -- One pass over the candidates answers for every day at once: the overdue loans still out
--- (loans_open_by_due_idx) and the loans returned on or after `first` (loans_returned_by_date_idx — settled ones
+-- (loans_open_by_due_idx) and the loans returned on or after `first` (loans_returned_late_idx — settled ones
 -- too: a return recorded late may be settled before its days are re-accrued), each with its span of overdue days
 -- in the window; a loan whose span has as many days charged or queued as days is done (two key-range probes per
 -- loan; a queued day that is also charged counts once). Only for the few loans that are not are the missing days
@@ -17,7 +17,7 @@ returns setof date language sql stable parallel safe as $$
         where first <= last and l.returned_on is null and l.due_on < last - grace and l.id % shards = shard
         union all
         select l.id, l.due_on, l.returned_on from loans l
-        where first <= last and l.returned_on is not null
+        where first <= last and l.returned_on > l.due_on
           and l.returned_on >= first and l.due_on < last - grace and l.id % shards = shard
     ), spans as (
         select id, greatest(first, due_on + grace + 1) as d0, least(last, coalesce(returned_on, last)) as d1

@@ -24,7 +24,7 @@ const CONCURRENT_INDEXES: &[(&str, &str)] = &[
     ("loans_unsettled_returned_idx", "loans unsettled index"),
     ("loans_unsettled_by_return_idx", "loans unsettled by return index"),
     ("loans_open_by_due_idx", "loans open by due index"),
-    ("loans_returned_by_date_idx", "loans returned index"),
+    ("loans_returned_late_idx", "loans returned late index"),
 ];
 
 /// Why a database operation failed.
