@@ -274,11 +274,8 @@ pub async fn finish(
         Ending::Success => (RunStatus::Success, "success", None),
         Ending::Failed(e) => (RunStatus::Failed, "failed", Some(e)),
     };
-    let row = sqlx::query!(
-        r#"with prior as (
-               select status, epoch from job_runs
-               where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
-           ), done as (
+    let finished = sqlx::query_scalar!(
+        r#"with done as (
                update job_runs set status = $6, last_error = $8, finished_at = now(), heartbeat_at = now(),
                                    lease_until = now()
                where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
@@ -289,8 +286,7 @@ pub async fn finish(
                                              scanned, updated, error)
                select job_name, business_date, shards, shard, epoch, owner, $7, $9, $10, $8 from done
            )
-           select (select count(*) from done) as "finished!",
-                  exists (select 1 from prior where status = $6 and epoch = $5) as "already!""#,
+           select count(*) as "finished!" from done"#,
         key.job.as_str(),
         key.business_date,
         key.shard.shards(),
@@ -304,12 +300,12 @@ pub async fn finish(
     )
     .fetch_one(pool)
     .await?;
-    if row.finished == 1 || row.already {
+    if finished == 1 {
         return Ok(true);
     }
-    // `prior` read the statement's snapshot. If the first attempt was still committing when this one started,
-    // the update waited for it and then matched nothing, while `prior` still saw RUNNING: read the row again,
-    // now that the first attempt is committed.
+    // Nothing matched: either another epoch owns the key, or an earlier attempt of this finish committed (and,
+    // if it was still committing when this one started, the update waited for it). A new statement sees the row
+    // as committed now.
     let now = sqlx::query_scalar!(
         r#"select exists (select 1 from job_runs
                           where job_name = $1 and business_date = $2 and shards = $3 and shard = $4

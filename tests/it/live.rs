@@ -761,7 +761,7 @@ async fn a_retried_finish_racing_its_own_first_attempt_counts_as_finished(pool: 
     crate::helpers::wait_until("the retry waits for the first attempt", Duration::from_secs(10), || async {
         sqlx::query_scalar::<_, i64>(
             "select count(*) from pg_stat_activity
-             where datname = current_database() and wait_event_type = 'Lock' and query like '%with prior as%'",
+             where datname = current_database() and wait_event_type = 'Lock' and query like '%with done as%'",
         )
         .fetch_one(&pool)
         .await
