@@ -758,16 +758,20 @@ async fn a_retried_finish_racing_its_own_first_attempt_counts_as_finished(pool: 
         let pool = pool.clone();
         async move { finish(&pool, &k, 1, Ending::Success, 0, 0).await }
     });
-    crate::helpers::wait_until("the retry waits for the first attempt", Duration::from_secs(10), || async {
-        sqlx::query_scalar::<_, i64>(
-            "select count(*) from pg_stat_activity
+    crate::helpers::wait_until(
+        "the retry waits for the first attempt",
+        Duration::from_secs(10),
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "select count(*) from pg_stat_activity
              where datname = current_database() and wait_event_type = 'Lock' and query like '%with done as%'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap_or(0)
-            == 1
-    })
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+                == 1
+        },
+    )
     .await;
     first.commit().await.expect("commit the first attempt");
     assert!(
