@@ -126,13 +126,8 @@ impl FinePolicy {
 }
 
 impl Default for FinePolicy {
-    /// The documented defaults: 100 cents a day, no grace, no cap.
     fn default() -> Self {
-        FinePolicy {
-            daily_rate: Cents(100),
-            grace_days: 0,
-            cap: None,
-        }
+        FinePolicy::DEFAULT
     }
 }
 

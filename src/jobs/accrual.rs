@@ -21,7 +21,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 
 use super::{
     runner::{BatchJob, JobError},
-    JobName, RunKey,
+    RunKey,
 };
 use crate::{
     fine::FinePolicy,
@@ -123,10 +123,6 @@ fn rejected(e: &sqlx::Error) -> bool {
 
 impl BatchJob for Accrual {
     type Batch = Vec<Overdue>;
-
-    fn name(&self) -> JobName {
-        JobName::OverdueAccrual
-    }
 
     async fn late(&self, pool: &PgPool, key: &RunKey) -> Result<bool, JobError> {
         if self.policy.daily_rate().get() == 0 {

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{JobName, Outcome, RunKey, RunReport};
+use super::{Outcome, RunKey, RunReport};
 use crate::{
     calendar::CalendarError,
     config::redact_secrets_in,
@@ -30,8 +30,6 @@ use crate::{
 pub trait BatchJob: Send + Sync {
     /// One batch of work, as `fetch` found it.
     type Batch: Send + Sync;
-
-    fn name(&self) -> JobName;
 
     /// The next batch: up to `limit` items of `key`'s work with `id >= from_id` that still need work, in
     /// ascending id order; `None` when nothing is left.

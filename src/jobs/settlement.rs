@@ -5,7 +5,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 
 use super::{
     runner::{BatchJob, JobError},
-    JobName, RunKey,
+    RunKey,
 };
 use crate::{
     calendar,
@@ -24,10 +24,6 @@ pub struct Settlement {
 
 impl BatchJob for Settlement {
     type Batch = SettleBatch;
-
-    fn name(&self) -> JobName {
-        JobName::FineSettlement
-    }
 
     async fn fetch(
         &self,

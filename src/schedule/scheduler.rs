@@ -85,10 +85,6 @@ impl Scheduler {
         self.stats
     }
 
-    pub fn schedule(&self) -> &Schedule {
-        &self.schedule
-    }
-
     /// Waits for the next admitted tick; `None` once `cancel` fires.
     pub async fn next(&mut self, run_now: &Notify, cancel: &CancellationToken) -> Option<Tick> {
         loop {

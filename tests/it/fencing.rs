@@ -13,7 +13,7 @@ use fine_settler::{
     jobs::{
         runner::{BatchJob, JobError},
         settlement::Settlement,
-        JobName, Outcome, RunKey,
+        Outcome, RunKey,
     },
     store::{
         job_runs::{self, Claim, ClaimKind},
@@ -65,10 +65,6 @@ impl PausesBeforeBatch {
 
 impl BatchJob for PausesBeforeBatch {
     type Batch = SettleBatch;
-
-    fn name(&self) -> JobName {
-        self.inner.name()
-    }
 
     fn extent(batch: &SettleBatch) -> (i64, i64) {
         Settlement::extent(batch)
