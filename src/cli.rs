@@ -313,13 +313,13 @@ fn service_manager(settings: &Settings) -> Result<ServiceManager, CliError> {
     let notifier = Arc::new(notifier);
     let dog = Watchdog::from_env(&env, notifier.clone()).map_err(CliError::Usage)?;
     if let Some(dog) = &dog {
-        let min = settings.claim.batch_timeout * 2;
+        let min = settings.claim.lease.batch_timeout() * 2;
         if dog.timeout < min {
             return Err(CliError::Usage(format!(
                 "WatchdogSec ({}) must be at least twice claim.batch_timeout ({}): a batch may take that long \
                  without progress",
                 humantime::format_duration(dog.timeout),
-                humantime::format_duration(settings.claim.batch_timeout)
+                humantime::format_duration(settings.claim.lease.batch_timeout())
             )));
         }
     }
@@ -373,7 +373,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 Arc::new(SystemWall),
                 signals.shutdown.clone(),
                 signals.run_now.clone(),
-            )?
+            )
             .with_notifier(notifier);
             if let Some(dog) = watchdog {
                 daemon.metrics().attach_watchdog(dog);
@@ -437,7 +437,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             let pool = store::connect(
                 &settings.database,
                 "fine-settler pending",
-                settings.claim.batch_timeout,
+                settings.claim.lease.batch_timeout(),
             )
             .await?;
             match action {
@@ -471,8 +471,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             let mut session = store::Session::new(
                 &settings.database,
                 "fine-settler plan",
-                settings.claim.batch_timeout,
-            )?;
+                settings.claim.lease.batch_timeout(),
+            );
             let around = at.map_or_else(Utc::now, |at| at.with_timezone(&Utc));
             let status = session
                 .tick_status(
@@ -513,7 +513,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             let pool = store::connect(
                 &settings.database,
                 "fine-settler runs",
-                settings.claim.batch_timeout,
+                settings.claim.lease.batch_timeout(),
             )
             .await?;
             let job = job.map(JobName::as_str);
@@ -540,7 +540,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             let pool = store::connect(
                 &settings.database,
                 "fine-settler release",
-                settings.claim.batch_timeout,
+                settings.claim.lease.batch_timeout(),
             )
             .await?;
             let key = RunKey {
@@ -578,7 +578,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             let pool = store::connect(
                 &settings.database,
                 "fine-settler verify",
-                settings.claim.batch_timeout,
+                settings.claim.lease.batch_timeout(),
             )
             .await?;
             let audit = store::audit::month(&pool, month, &settings.fine).await?;
@@ -621,7 +621,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             let pool = store::connect(
                 &settings.database,
                 "fine-settler demo-data",
-                settings.claim.batch_timeout,
+                settings.claim.lease.batch_timeout(),
             )
             .await?;
             let spec = demo::DemoSpec {
@@ -670,7 +670,7 @@ fn not_started(key: RunKey, started: tokio::time::Instant, error: String) -> Run
 /// A runner for a one-shot command, handing its key back cleanly on SIGINT/SIGTERM.
 async fn one_shot_runner(settings: &Settings, key: RunKey, batch_size: u32) -> Result<Runner, String> {
     let app = format!("fine-settler {} {}", key.job, key.shard);
-    let pool = store::connect(&settings.database, &app, settings.claim.batch_timeout)
+    let pool = store::connect(&settings.database, &app, settings.claim.lease.batch_timeout())
         .await
         .map_err(|e| {
             tracing::error!(error = %e, "cannot connect to the database");

@@ -61,7 +61,7 @@ pub fn backoff(failures: u32) -> Duration {
 pub enum TickError {
     /// The tick's status query (or its compensation pass) failed: the database is unreachable, restarting, or
     /// not migrated.
-    #[error("cannot read the tick status: {}", crate::config::redact_secrets_in(&.0.to_string()))]
+    #[error("cannot read the tick status: {}", crate::redact::secrets_in(&.0.to_string()))]
     Database(#[from] sqlx::Error),
 }
 
@@ -198,7 +198,7 @@ pub fn health_window(settings: &Settings) -> Duration {
             }
         }
     };
-    (period * 2 + settings.claim.batch_timeout).max(Duration::from_secs(60))
+    (period * 2 + settings.claim.lease.batch_timeout()).max(Duration::from_secs(60))
 }
 
 /// A replica.
@@ -230,15 +230,15 @@ impl Daemon {
         wall: Arc<dyn WallClock>,
         shutdown: CancellationToken,
         run_now: Arc<Notify>,
-    ) -> Result<Self, StoreError> {
+    ) -> Self {
         let owner = process_owner();
         let app = format!("fine-settler run {}", settings.instance);
-        let pool = store::connect_lazy(&settings.database, &app, settings.claim.batch_timeout)?;
+        let pool = store::connect_lazy(&settings.database, &app, settings.claim.lease.batch_timeout());
         let session = Session::new(
             &settings.database,
             &format!("{app} tick"),
-            settings.claim.batch_timeout,
-        )?;
+            settings.claim.lease.batch_timeout(),
+        );
         let metrics = Arc::new(Metrics::new(settings.instance.to_string()));
         // Counters an alert watches start at 0, so that their first increase is seen.
         for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
@@ -250,7 +250,7 @@ impl Daemon {
             }
         }
         metrics.add("fine_settler_compensation_errors_total", None, None, 0.0);
-        Ok(Daemon {
+        Daemon {
             settings,
             pool,
             session,
@@ -264,7 +264,7 @@ impl Daemon {
             compensation_failing: false,
             abandoned: HashSet::new(),
             accrual_rechecked: None,
-        })
+        }
     }
 
     /// Tells the service manager about readiness and status through `notifier`.
@@ -549,7 +549,7 @@ impl Daemon {
         let max_attempts = self.settings.accrual.max_attempts;
         let limits = accrual::PassLimits {
             cancel: Some(self.shutdown.clone()),
-            budget: Some(self.settings.claim.batch_timeout),
+            budget: Some(self.settings.claim.lease.batch_timeout()),
             metrics: Some(self.metrics.clone()),
         };
         match accrual::compensate_within(&self.pool, &accrual, Some(shard), true, max_attempts, &limits).await

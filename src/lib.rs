@@ -21,6 +21,7 @@ pub mod fine;
 pub mod http;
 pub mod jobs;
 pub mod metrics;
+pub mod redact;
 pub mod schedule;
 pub mod sdnotify;
 pub mod shard;

@@ -18,14 +18,14 @@ use tracing_subscriber::{
     EnvFilter,
 };
 
-use crate::config::LogFormat;
+use crate::config::{LogFilter, LogFormat};
 
 /// Installs the global subscriber. Call once, after the configuration is valid.
-pub fn init(format: LogFormat, level: &str) {
+pub fn init(format: LogFormat, level: &LogFilter) {
     // PostgreSQL's NOTICEs ("column already exists, skipping" from idempotent migrations) are not news.
     let quiet = "sqlx::postgres::notice=warn";
     let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(format!("{level},{quiet}")))
+        .or_else(|_| EnvFilter::try_new(format!("{},{quiet}", level.as_str())))
         .unwrap_or_else(|_| EnvFilter::new("info"));
     // A log line that cannot be written (stderr closed: a pipe whose reader went away) is dropped. Reporting that
     // failure would itself write to stderr — with `eprintln!`, which panics — and a panic in the signal task

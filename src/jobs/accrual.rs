@@ -65,10 +65,10 @@ impl Accrual {
             backoff: settings.accrual.retry_backoff,
             backoff_max: settings.accrual.retry_backoff_max,
             // Short enough that isolating a whole batch of locked rows stays inside the batch timeout.
-            row_timeout: (settings.claim.batch_timeout / 20)
+            row_timeout: (settings.claim.lease.batch_timeout() / 20)
                 .clamp(Duration::from_millis(50), Duration::from_secs(2)),
-            isolation_budget: settings.claim.batch_timeout / 2,
-            lock_timeout: settings.claim.lock_timeout,
+            isolation_budget: settings.claim.lease.batch_timeout() / 2,
+            lock_timeout: settings.claim.lease.lock_timeout(),
         }
     }
 

@@ -16,9 +16,9 @@ use tracing::Instrument;
 use super::{Outcome, RunKey, RunReport};
 use crate::{
     calendar::CalendarError,
-    config::redact_secrets_in,
-    config::ClaimSettings,
+    config::{ClaimSettings, Lease},
     metrics::Metrics,
+    redact::secrets_in as redact_secrets_in,
     store::{
         self,
         job_runs::{self, Claim, ClaimKind, ClaimMode, Ending, Progress},
@@ -160,13 +160,9 @@ pub fn process_owner() -> String {
 pub struct Runner {
     pub pool: PgPool,
     pub owner: String,
-    /// How long a claim stays valid without progress; every committed batch renews it.
-    pub lease: Duration,
-    /// The longest a batch transaction may take; shorter than `lease`, so a live replica's lease never lapses
-    /// mid-batch.
-    pub batch_timeout: Duration,
-    /// How long a batch statement waits for a row lock; shorter than `batch_timeout`.
-    pub lock_timeout: Duration,
+    /// The lease every committed batch renews, the longest a batch transaction may take and how long a batch
+    /// statement waits for a row lock.
+    pub lease: Lease,
     pub batch_size: u32,
     /// Cancelled on shutdown: the run stops between batches and hands its key back.
     pub cancel: CancellationToken,
@@ -209,8 +205,6 @@ impl Runner {
             pool,
             owner,
             lease: claim.lease,
-            batch_timeout: claim.batch_timeout,
-            lock_timeout: claim.lock_timeout,
             batch_size,
             cancel,
             metrics: None,
@@ -323,15 +317,20 @@ impl Runner {
             reopened: false,
         };
 
-        let mut claimed = job_runs::claim(&self.pool, &key, &self.owner, self.lease, mode).await;
+        let mut claimed = job_runs::claim(&self.pool, &key, &self.owner, self.lease.duration(), mode).await;
         // A SUCCESS key with rows still to do is re-opened (--force and Reopen take SUCCESS anyway).
         if let Ok(Claim::Skipped(holder)) = &claimed {
             if holder.status == "SUCCESS" && mode == ClaimMode::Free {
                 match job.late(&self.pool, &key).await {
                     Ok(true) => {
-                        claimed =
-                            job_runs::claim(&self.pool, &key, &self.owner, self.lease, ClaimMode::Reopen)
-                                .await
+                        claimed = job_runs::claim(
+                            &self.pool,
+                            &key,
+                            &self.owner,
+                            self.lease.duration(),
+                            ClaimMode::Reopen,
+                        )
+                        .await
                     }
                     Ok(false) => {}
                     Err(e) => {
@@ -400,9 +399,10 @@ impl Runner {
                 }
             }
             let Some(from_id) = next else { break Ok(Stop::Done) };
-            let batch = tokio::time::timeout(self.batch_timeout, self.batch(job, &key, epoch, from_id)).await;
+            let batch =
+                tokio::time::timeout(self.lease.batch_timeout(), self.batch(job, &key, epoch, from_id)).await;
             match batch {
-                Err(_) => break Err(JobError::BatchTimeout(self.batch_timeout)),
+                Err(_) => break Err(JobError::BatchTimeout(self.lease.batch_timeout())),
                 Ok(Err(e)) => break Err(e),
                 Ok(Ok(BatchResult::Empty)) => break Ok(Stop::Done),
                 Ok(Ok(BatchResult::Fenced)) => break Ok(Stop::LeaseLost),
@@ -529,14 +529,14 @@ impl Runner {
         };
         let (last_id, scanned) = J::extent(&batch);
         let mut tx = self.pool.begin().await?;
-        store::set_local_lock_timeout(&mut tx, self.lock_timeout).await?;
+        store::set_local_lock_timeout(&mut tx, self.lease.lock_timeout()).await?;
         let updated = i64::try_from(job.write(&mut tx, key, &batch).await?).unwrap_or(i64::MAX);
         let progress = Progress {
             cursor: last_id,
             scanned,
             updated,
         };
-        if !job_runs::advance(&mut tx, key, epoch, progress, self.lease).await? {
+        if !job_runs::advance(&mut tx, key, epoch, progress, self.lease.duration()).await? {
             tx.rollback().await?;
             return Ok(BatchResult::Fenced);
         }

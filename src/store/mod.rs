@@ -6,14 +6,14 @@ pub mod job_runs;
 pub mod ledger;
 pub mod loans;
 
-use std::{str::FromStr, time::Duration};
+use std::time::Duration;
 
 use sqlx::{
     postgres::{PgConnectOptions, PgPoolOptions},
     Connection, PgConnection, PgPool,
 };
 
-use crate::config::{redact_secrets_in, DatabaseSettings};
+use crate::{config::DatabaseSettings, redact::secrets_in as redact_secrets_in};
 
 /// The migrations in `migrations/`, embedded in the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -30,9 +30,6 @@ const CONCURRENT_INDEXES: &[(&str, &str)] = &[
 /// Why a database operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The URL could not be turned into connection options.
-    #[error("database.url is not usable: {0}")]
-    Url(String),
     /// A statement or connection failed; the message has the URL's password redacted.
     #[error("database error: {}", redact_secrets_in(&.0.to_string()))]
     Sql(#[from] sqlx::Error),
@@ -42,10 +39,11 @@ pub enum StoreError {
 }
 
 /// Connection settings shared by every pool: the application name shows the replica in `pg_stat_activity`.
-fn connect_options(db: &DatabaseSettings, application_name: &str) -> Result<PgConnectOptions, StoreError> {
-    let options = PgConnectOptions::from_str(&db.url)
-        .map_err(|e| StoreError::Url(redact_secrets_in(&e.to_string())))?;
-    Ok(options.application_name(application_name))
+fn connect_options(db: &DatabaseSettings, application_name: &str) -> PgConnectOptions {
+    db.url
+        .connect_options()
+        .clone()
+        .application_name(application_name)
 }
 
 /// The options every job connection uses: the application name; the batch timeout as both
@@ -57,18 +55,14 @@ fn connect_options(db: &DatabaseSettings, application_name: &str) -> Result<PgCo
 /// planner read the month's whole range from the index ordered by return date, or the whole table, and sort it
 /// for each batch, 80–150 ms each; the generic plan walks the id-ordered index, as a keyset batch should
 /// (measured with auto_explain; see bench/RESULTS.md).
-fn job_options(
-    db: &DatabaseSettings,
-    application_name: &str,
-    batch_timeout: Duration,
-) -> Result<PgConnectOptions, StoreError> {
+fn job_options(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> PgConnectOptions {
     let timeout = batch_timeout.as_millis().to_string();
-    Ok(connect_options(db, application_name)?.options([
+    connect_options(db, application_name).options([
         ("statement_timeout", timeout.as_str()),
         ("idle_in_transaction_session_timeout", timeout.as_str()),
         ("max_parallel_workers_per_gather", "0"),
         ("plan_cache_mode", "force_generic_plan"),
-    ]))
+    ])
 }
 
 /// Sets this transaction's `lock_timeout` (`claim.lock_timeout`): a statement that waits longer for a row lock
@@ -108,7 +102,7 @@ pub async fn connect(
     batch_timeout: Duration,
 ) -> Result<PgPool, StoreError> {
     let pool = pool_options(db)
-        .connect_with(job_options(db, application_name, batch_timeout)?)
+        .connect_with(job_options(db, application_name, batch_timeout))
         .await?;
     Ok(pool)
 }
@@ -121,12 +115,8 @@ fn pool_options(db: &DatabaseSettings) -> PgPoolOptions {
 
 /// Like [`connect`], but opens no connection until one is needed: the daemon starts (and keeps running) while
 /// the database is down.
-pub fn connect_lazy(
-    db: &DatabaseSettings,
-    application_name: &str,
-    batch_timeout: Duration,
-) -> Result<PgPool, StoreError> {
-    Ok(pool_options(db).connect_lazy_with(job_options(db, application_name, batch_timeout)?))
+pub fn connect_lazy(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> PgPool {
+    pool_options(db).connect_lazy_with(job_options(db, application_name, batch_timeout))
 }
 
 /// One dedicated connection, re-opened after any error. The daemon reads its tick status through it, so an idle
@@ -139,16 +129,12 @@ pub struct Session {
 }
 
 impl Session {
-    pub fn new(
-        db: &DatabaseSettings,
-        application_name: &str,
-        batch_timeout: Duration,
-    ) -> Result<Self, StoreError> {
-        Ok(Session {
-            options: job_options(db, application_name, batch_timeout)?,
+    pub fn new(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> Self {
+        Session {
+            options: job_options(db, application_name, batch_timeout),
             connect_timeout: db.connect_timeout,
             conn: None,
-        })
+        }
     }
 
     /// The database clock, this shard's recent `job_runs` rows and due pending charges (see
@@ -209,7 +195,7 @@ pub async fn readiness(pool: &PgPool) -> Result<(), String> {
 /// Applies the migrations; applying them twice is a no-op. Uses one connection without a statement timeout,
 /// because building an index concurrently on millions of loans takes longer than any batch.
 pub async fn migrate(db: &DatabaseSettings) -> Result<(), StoreError> {
-    let options = connect_options(db, "fine-settler migrate")?;
+    let options = connect_options(db, "fine-settler migrate");
     let pool = PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(db.connect_timeout)

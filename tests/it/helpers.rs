@@ -7,7 +7,7 @@ use std::{
 
 use chrono::NaiveDate;
 use fine_settler::{
-    config::ClaimSettings,
+    config::{ClaimSettings, Lease},
     jobs::{runner::Runner, JobName, RunKey},
     shard::ShardSpec,
     store::loans::{insert_new, NewLoan},
@@ -151,19 +151,27 @@ pub async fn settled_outside(pool: &PgPool, month_end: &str) -> i64 {
     .expect("outside")
 }
 
-/// The claim settings of in-process test runners: a minute's lease, 10 s batches, 2 s lock waits.
-pub const CLAIM: ClaimSettings = ClaimSettings {
-    lease: Duration::from_secs(60),
-    batch_timeout: Duration::from_secs(10),
-    lock_timeout: Duration::from_secs(2),
-    history_retention: Duration::from_secs(86_400),
-};
+/// The claim settings of in-process test runners: a minute's lease, 10 s batches, lock waits of `lock_timeout`.
+pub fn claim_settings(lock_timeout: Duration) -> ClaimSettings {
+    ClaimSettings {
+        lease: Lease::new(
+            Duration::from_secs(60),
+            Some(Duration::from_secs(10)),
+            Some(lock_timeout),
+        )
+        .expect("a valid lease"),
+        history_retention: Duration::from_secs(86_400),
+    }
+}
+
+/// The lock wait of in-process test runners.
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub fn runner(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
     Runner::new(
         pool.clone(),
         owner.to_string(),
-        &CLAIM,
+        &claim_settings(LOCK_TIMEOUT),
         batch_size,
         CancellationToken::new(),
     )

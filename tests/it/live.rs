@@ -7,7 +7,6 @@ use std::{process::Stdio, time::Duration};
 use chrono::{DateTime, NaiveDate, Utc};
 use fine_settler::{
     calendar,
-    config::ClaimSettings,
     fine::FinePolicy,
     jobs::{
         accrual::{compensate, Accrual},
@@ -23,8 +22,8 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     daemon::due_now,
     helpers::{
-        assert_success, d, database_url, fine_settler, insert, key, loan, oracle, output, report, runner,
-        seed_run, settled, CLAIM,
+        assert_success, claim_settings, d, database_url, fine_settler, insert, key, loan, oracle, output,
+        report, runner, seed_run, settled, LOCK_TIMEOUT,
     },
 };
 
@@ -252,7 +251,7 @@ fn accrual(policy: FinePolicy, backoff: Duration) -> Accrual {
         backoff_max: backoff * 4,
         row_timeout: Duration::from_millis(500),
         isolation_budget: Duration::from_secs(5),
-        lock_timeout: CLAIM.lock_timeout,
+        lock_timeout: LOCK_TIMEOUT,
     }
 }
 
@@ -327,10 +326,7 @@ impl Libraryd {
 }
 
 fn runner_with_lock_timeout(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
-    let claim = ClaimSettings {
-        lock_timeout: Duration::from_millis(300),
-        ..CLAIM
-    };
+    let claim = claim_settings(Duration::from_millis(300));
     Runner::new(
         pool.clone(),
         owner.into(),

@@ -1,0 +1,264 @@
+//! The validated configuration, in the types the code uses: holding a [`Settings`] means every value is in range
+//! and every invariant between values holds.
+
+use std::{fmt, net::SocketAddr, str::FromStr, time::Duration};
+
+use chrono_tz::Tz;
+use sqlx::postgres::PgConnectOptions;
+use tracing_subscriber::EnvFilter;
+
+use crate::{fine::FinePolicy, redact, shard::ShardSpec};
+
+/// How the daemon's scheduler produces ticks.
+#[derive(Debug, Clone)]
+pub enum ScheduleMode {
+    /// Ticks on a UTC grid of this period, anchored at the Unix epoch.
+    FixedRate(Duration),
+    /// Waits this long after each tick ends.
+    FixedDelay(Duration),
+    /// Ticks when the expression matches, in the configured zone.
+    Cron(Box<croner::Cron>),
+}
+
+#[derive(Debug, Clone)]
+pub struct ScheduleSettings {
+    pub mode: ScheduleMode,
+    pub max_catch_up: u32,
+    /// After a shutdown signal, how long the daemon may take to finish its batch and hand its key back.
+    pub drain_timeout: Duration,
+}
+
+/// Where a tick reads the time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimeSource {
+    Database,
+    System,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Json,
+    Pretty,
+}
+
+#[derive(Debug, Clone)]
+pub struct DatabaseSettings {
+    pub url: DatabaseUrl,
+    pub max_connections: u32,
+    pub connect_timeout: Duration,
+}
+
+/// `database.url`, parsed once into the options every connection is opened with. Its `Debug` and `Display`
+/// show the URL with the password redacted, so a settings dump in a log cannot leak it.
+#[derive(Clone)]
+pub struct DatabaseUrl {
+    options: PgConnectOptions,
+    shown: String,
+}
+
+impl DatabaseUrl {
+    /// Parses a `postgres://` or `postgresql://` URL; the error (redacted) says what is wrong with it.
+    pub fn parse(url: &str) -> Result<Self, String> {
+        let url = url.trim();
+        let shown = redact::url(url);
+        if url.is_empty() {
+            return Err("is empty; set it in the config file or in DATABASE_URL".into());
+        }
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            return Err(format!("{shown} must start with postgres:// or postgresql://"));
+        }
+        let options = PgConnectOptions::from_str(url).map_err(|e| {
+            format!(
+                "{shown} is not a valid URL: {}",
+                redact::secrets_in(&e.to_string())
+            )
+        })?;
+        Ok(DatabaseUrl { options, shown })
+    }
+
+    /// The connection options the URL names (each connection adds its application name).
+    pub fn connect_options(&self) -> &PgConnectOptions {
+        &self.options
+    }
+
+    /// The URL with its password replaced by `***`.
+    pub fn redacted(&self) -> &str {
+        &self.shown
+    }
+}
+
+impl fmt::Debug for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("DatabaseUrl").field(&self.shown).finish()
+    }
+}
+
+impl fmt::Display for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.shown)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimSettings {
+    /// The lease and the timeouts that must fit inside it.
+    pub lease: Lease,
+    /// How long `job_run_attempts` rows are kept.
+    pub history_retention: Duration,
+}
+
+/// How long a claim stays valid without progress, and the two timeouts that keep a live replica from losing it:
+/// `lock_timeout < batch_timeout < duration`, by construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    duration: Duration,
+    batch_timeout: Duration,
+    lock_timeout: Duration,
+}
+
+/// Why three durations do not make a [`Lease`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseError {
+    /// A batch renews the lease when it commits; a lease no longer than the longest batch would let a peer take
+    /// over a replica that is still working.
+    #[error("{} must be longer than claim.batch_timeout ({})", fmt_duration(*lease), fmt_duration(*batch_timeout))]
+    NotLongerThanBatch {
+        lease: Duration,
+        batch_timeout: Duration,
+    },
+    /// A lock wait must end well inside the batch, so that the batch can leave the row and commit the rest.
+    #[error("{} must be shorter than claim.batch_timeout ({})", fmt_duration(*lock_timeout), fmt_duration(*batch_timeout))]
+    LockNotShorterThanBatch {
+        lock_timeout: Duration,
+        batch_timeout: Duration,
+    },
+}
+
+fn fmt_duration(d: Duration) -> humantime::FormattedDuration {
+    humantime::format_duration(d)
+}
+
+impl Lease {
+    /// A lease of `duration`; an unset timeout is derived ([`derived_batch_timeout`], [`derived_lock_timeout`]).
+    /// The error lists every invariant the values break.
+    pub fn new(
+        duration: Duration,
+        batch_timeout: Option<Duration>,
+        lock_timeout: Option<Duration>,
+    ) -> Result<Self, Vec<LeaseError>> {
+        let batch_timeout = batch_timeout.unwrap_or_else(|| derived_batch_timeout(duration));
+        let lock_timeout = lock_timeout.unwrap_or_else(|| derived_lock_timeout(batch_timeout));
+        let mut broken = Vec::new();
+        if duration <= batch_timeout {
+            broken.push(LeaseError::NotLongerThanBatch {
+                lease: duration,
+                batch_timeout,
+            });
+        }
+        if lock_timeout >= batch_timeout {
+            broken.push(LeaseError::LockNotShorterThanBatch {
+                lock_timeout,
+                batch_timeout,
+            });
+        }
+        if !broken.is_empty() {
+            return Err(broken);
+        }
+        Ok(Lease {
+            duration,
+            batch_timeout,
+            lock_timeout,
+        })
+    }
+
+    /// How long a claim stays valid without progress; every committed batch renews it.
+    pub fn duration(self) -> Duration {
+        self.duration
+    }
+
+    /// The statement timeout of every batch (and the longest a batch transaction may take); shorter than the
+    /// lease, so a live replica's lease never lapses mid-batch.
+    pub fn batch_timeout(self) -> Duration {
+        self.batch_timeout
+    }
+
+    /// How long a batch statement waits for a row lock (libraryd's, or another run's) before it leaves the row
+    /// for later; shorter than the batch timeout, so a lock wait never fails a batch.
+    pub fn lock_timeout(self) -> Duration {
+        self.lock_timeout
+    }
+}
+
+/// `claim.batch_timeout` when it is not set: a quarter of the lease, at most 30 s — so that a lease of any length
+/// works on its own, and a healthy replica renews its lease several times before it could run out.
+pub fn derived_batch_timeout(lease: Duration) -> Duration {
+    whole_millis(lease / 4).min(Duration::from_secs(30))
+}
+
+fn whole_millis(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// `claim.lock_timeout` when it is not set: a sixth of the batch timeout, at most 5 s (and at least 10 ms) —
+/// long enough to ride out libraryd's short transactions, short enough that a batch that meets a row libraryd
+/// keeps locked still has the time to leave that row and commit the rest.
+pub fn derived_lock_timeout(batch_timeout: Duration) -> Duration {
+    whole_millis(batch_timeout / 6).clamp(Duration::from_millis(10), Duration::from_secs(5))
+}
+
+/// `log.level`: a filter `tracing-subscriber` accepts (e.g. `info`, `fine_settler=debug,sqlx=warn`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogFilter(String);
+
+impl LogFilter {
+    pub fn parse(filter: &str) -> Result<Self, String> {
+        EnvFilter::try_new(filter)
+            .map(|_| LogFilter(filter.to_string()))
+            .map_err(|e| format!("{filter:?} is not a valid filter: {e}"))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct SettlementSettings {
+    pub enabled: bool,
+    pub batch_size: u32,
+    pub catch_up_months: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct AccrualSettings {
+    pub enabled: bool,
+    pub batch_size: u32,
+    pub catch_up_days: u32,
+    pub max_attempts: u32,
+    /// Delay before the first retry of a failed charge; doubled per attempt up to `retry_backoff_max`.
+    pub retry_backoff: Duration,
+    pub retry_backoff_max: Duration,
+    /// How often a tick also asks whether loans became overdue on accrual days that already succeeded (a loan
+    /// recorded late, a due date shortened). The question walks the overdue loans still out, so unlike
+    /// settlement's it is not asked at every tick.
+    pub recheck_every: Duration,
+}
+
+/// The validated configuration. Holding one means every value is in range.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub database: DatabaseSettings,
+    pub instance: ShardSpec,
+    pub schedule: ScheduleSettings,
+    pub zone: Tz,
+    pub time_source: TimeSource,
+    /// Warn when the host clock and the database clock differ by more than this.
+    pub max_skew: Duration,
+    pub claim: ClaimSettings,
+    pub settlement: SettlementSettings,
+    pub accrual: AccrualSettings,
+    pub fine: FinePolicy,
+    pub log_format: LogFormat,
+    pub log_level: LogFilter,
+    pub http_listen: Option<SocketAddr>,
+}
