@@ -15,6 +15,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
+    backoff::Backoff,
     calendar,
     config::{Settings, TimeSource},
     jobs::{
@@ -37,10 +38,9 @@ use crate::{
     },
 };
 
-/// First retry delay after a failed tick; doubled per failure up to [`MAX_BACKOFF`].
-pub const FIRST_BACKOFF: Duration = Duration::from_millis(250);
-/// The longest wait between retries while the database is unreachable.
-pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// The wait before each retry of a tick (or of the readiness check) while the database is unreachable: 250 ms,
+/// doubled per failure, at most 30 s.
+pub const TICK_BACKOFF: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(30));
 
 /// The first history pruning runs this long after start (so that restarts do not add load), then every
 /// [`PRUNE_EVERY`].
@@ -49,12 +49,6 @@ pub const PRUNE_EVERY: Duration = Duration::from_secs(3600);
 /// Rows deleted per pruning statement, and statements per pruning pass at most.
 const PRUNE_BATCH: i64 = 1000;
 const PRUNE_BATCHES: u32 = 50;
-
-/// The capped exponential backoff before retry number `failures` (1-based).
-pub fn backoff(failures: u32) -> Duration {
-    let factor = 2u32.saturating_pow(failures.saturating_sub(1));
-    FIRST_BACKOFF.saturating_mul(factor).min(MAX_BACKOFF)
-}
 
 /// Why a tick could not look at its work.
 #[derive(Debug, thiserror::Error)]
@@ -318,7 +312,7 @@ impl Daemon {
                         tracing::error!(reason = %reason, "not ready: waiting for the database and migrations");
                         self.status(&format!("STATUS=not ready: {reason}"));
                     }
-                    self.nap(backoff(failures)).await;
+                    self.nap(TICK_BACKOFF.delay(failures)).await;
                     if self.shutdown.is_cancelled() {
                         return false;
                     }
@@ -427,7 +421,7 @@ impl Daemon {
                         tracing::error!(error = %e, slot = tick.slot, "database unreachable; retrying with backoff");
                         self.status("STATUS=database unreachable; retrying with backoff");
                     }
-                    let wait = backoff(failures);
+                    let wait = TICK_BACKOFF.delay(failures);
                     tracing::debug!(error = %e, attempt = failures, backoff_ms = wait.as_millis() as u64, "tick failed");
                     self.nap(wait).await;
                     if self.shutdown.is_cancelled() {
@@ -682,11 +676,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backoff_doubles_and_is_capped() {
-        assert_eq!(backoff(1), Duration::from_millis(250));
-        assert_eq!(backoff(2), Duration::from_millis(500));
-        assert_eq!(backoff(5), Duration::from_secs(4));
-        assert_eq!(backoff(8), MAX_BACKOFF);
-        assert_eq!(backoff(u32::MAX), MAX_BACKOFF);
+    fn the_tick_backoff_doubles_and_is_capped() {
+        assert_eq!(TICK_BACKOFF.delay(1), Duration::from_millis(250));
+        assert_eq!(TICK_BACKOFF.delay(2), Duration::from_millis(500));
+        assert_eq!(TICK_BACKOFF.delay(5), Duration::from_secs(4));
+        assert_eq!(TICK_BACKOFF.delay(8), Duration::from_secs(30));
+        assert_eq!(TICK_BACKOFF.delay(u32::MAX), Duration::from_secs(30));
     }
 }

@@ -12,6 +12,7 @@
 //! - [`cli`]: the command line; `main.rs` only calls [`cli::main`].
 //! - [`telemetry`]: structured logs.
 
+pub mod backoff;
 pub mod calendar;
 pub mod cli;
 pub mod config;

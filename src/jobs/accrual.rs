@@ -24,6 +24,7 @@ use super::{
     RunKey,
 };
 use crate::{
+    backoff::Backoff,
     fine::FinePolicy,
     shard::ShardSpec,
     store::ledger::{self, Overdue},
@@ -33,9 +34,8 @@ use crate::{
 #[derive(Debug, Clone, Copy)]
 pub struct Accrual {
     pub policy: FinePolicy,
-    /// First retry delay of a failed charge; doubled per attempt up to `backoff_max`.
-    pub backoff: Duration,
-    pub backoff_max: Duration,
+    /// When a failed charge is retried: after its n-th failure, `backoff.delay(n)`.
+    pub backoff: Backoff,
     /// Statement timeout of each charge while a failed batch is isolated row by row.
     pub row_timeout: Duration,
     /// How long isolating a rejected batch row by row may take; charges not tried by then are queued untried,
@@ -44,13 +44,6 @@ pub struct Accrual {
     /// How long a compensation retry waits for a row lock (`claim.lock_timeout`); a batch's charges run under
     /// the runner's.
     pub lock_timeout: Duration,
-}
-
-/// The delay before retry number `attempts + 1` of a charge that has failed `attempts` times (1-based):
-/// `base * 2^(attempts - 1)`, capped at `max`.
-pub fn retry_delay(attempts: i32, base: Duration, max: Duration) -> Duration {
-    let exponent = u32::try_from(attempts.saturating_sub(1)).unwrap_or(0).min(32);
-    base.saturating_mul(2u32.saturating_pow(exponent)).min(max)
 }
 
 fn millis(d: Duration) -> i64 {
@@ -62,8 +55,7 @@ impl Accrual {
     pub fn from_settings(settings: &crate::config::Settings) -> Self {
         Accrual {
             policy: settings.fine,
-            backoff: settings.accrual.retry_backoff,
-            backoff_max: settings.accrual.retry_backoff_max,
+            backoff: Backoff::new(settings.accrual.retry_backoff, settings.accrual.retry_backoff_max),
             // Short enough that isolating a whole batch of locked rows stays inside the batch timeout.
             row_timeout: (settings.claim.lease.batch_timeout() / 20)
                 .clamp(Duration::from_millis(50), Duration::from_secs(2)),
@@ -179,7 +171,7 @@ impl BatchJob for Accrual {
             ids
         };
         let (mut written, mut queued) = (0u64, 0u64);
-        let delay = millis(retry_delay(1, self.backoff, self.backoff_max));
+        let delay = millis(self.backoff.delay(1));
         for id in ids {
             let error = if started.elapsed() < self.isolation_budget {
                 match self.try_charge(tx, day, &[id], rate).await? {
@@ -306,7 +298,7 @@ pub async fn compensate_within(
                 Err(e) => {
                     let attempts = attempts.saturating_add(1);
                     let dead = u32::try_from(attempts).unwrap_or(u32::MAX) >= max_attempts;
-                    let delay = retry_delay(attempts, accrual.backoff, accrual.backoff_max);
+                    let delay = accrual.backoff.delay(u32::try_from(attempts).unwrap_or(0));
                     ledger::retry_failed(
                         &mut tx,
                         p.loan_id,
@@ -351,15 +343,6 @@ pub fn due_days(today: NaiveDate, n: u32) -> Vec<NaiveDate> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn retry_delays_double_and_are_capped() {
-        let (base, max) = (Duration::from_secs(60), Duration::from_secs(3600));
-        let delays: Vec<u64> = (1..=9).map(|a| retry_delay(a, base, max).as_secs()).collect();
-        assert_eq!(delays, vec![60, 120, 240, 480, 960, 1920, 3600, 3600, 3600]);
-        assert_eq!(retry_delay(i32::MAX, base, max), max);
-        assert_eq!(retry_delay(0, base, max), base);
-    }
 
     #[test]
     fn due_days_are_yesterday_and_before() {

@@ -15,6 +15,7 @@ use tracing::Instrument;
 
 use super::{Outcome, RunKey, RunReport};
 use crate::{
+    backoff::Backoff,
     calendar::CalendarError,
     config::{ClaimSettings, Lease},
     metrics::Metrics,
@@ -88,14 +89,10 @@ pub enum JobError {
     BatchTimeout(Duration),
 }
 
-/// Waits before each retry of a statement that ends a run, when the connection (not the statement) failed.
-const END_RETRIES: [Duration; 5] = [
-    Duration::from_millis(100),
-    Duration::from_millis(250),
-    Duration::from_millis(500),
-    Duration::from_secs(1),
-    Duration::from_secs(2),
-];
+/// Waits before each retry of a statement that ends a run, when the connection (not the statement) failed:
+/// [`END_RETRIES`] retries, 125 ms doubled up to 2 s (3.9 s in all).
+const END_BACKOFF: Backoff = Backoff::new(Duration::from_millis(125), Duration::from_secs(2));
+const END_RETRIES: u32 = 5;
 
 /// Whether `e` is about the connection rather than the statement — the server restarting or shutting down, a
 /// broken socket, no connection to be had — so the same statement may succeed on a new connection.
@@ -120,13 +117,13 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, sqlx::Error>>,
 {
-    let mut waits = END_RETRIES.iter();
+    let mut waits = END_BACKOFF.delays(END_RETRIES);
     loop {
         match statement().await {
             Err(e) if transient(&e) => match waits.next() {
                 Some(wait) => {
                     tracing::debug!(error = %JobError::from(e), what, wait_ms = wait.as_millis() as u64, "retrying");
-                    tokio::time::sleep(*wait).await;
+                    tokio::time::sleep(wait).await;
                 }
                 None => return Err(e),
             },

@@ -5,6 +5,7 @@ use std::{process::Stdio, time::Duration};
 
 use chrono::NaiveDate;
 use fine_settler::{
+    backoff::Backoff,
     fine::FinePolicy,
     jobs::{
         accrual::{compensate, Accrual},
@@ -23,8 +24,7 @@ use crate::helpers::{
 fn accrual(policy: FinePolicy) -> Accrual {
     Accrual {
         policy,
-        backoff: Duration::from_millis(100),
-        backoff_max: Duration::from_millis(250),
+        backoff: Backoff::new(Duration::from_millis(100), Duration::from_millis(250)),
         row_timeout: Duration::from_millis(500),
         isolation_budget: Duration::from_secs(5),
         lock_timeout: Duration::from_secs(2),

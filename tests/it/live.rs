@@ -6,6 +6,7 @@ use std::{process::Stdio, time::Duration};
 
 use chrono::{DateTime, NaiveDate, Utc};
 use fine_settler::{
+    backoff::Backoff,
     calendar,
     fine::FinePolicy,
     jobs::{
@@ -247,8 +248,7 @@ async fn a_loan_recorded_late_as_overdue_is_charged_when_the_tick_reopens_its_da
 fn accrual(policy: FinePolicy, backoff: Duration) -> Accrual {
     Accrual {
         policy,
-        backoff,
-        backoff_max: backoff * 4,
+        backoff: Backoff::new(backoff, backoff * 4),
         row_timeout: Duration::from_millis(500),
         isolation_budget: Duration::from_secs(5),
         lock_timeout: LOCK_TIMEOUT,
