@@ -60,22 +60,6 @@ pub fn previous_month_end(today: NaiveDate) -> NaiveDate {
     month_start(today).pred_opt().unwrap_or(NaiveDate::MIN)
 }
 
-/// The settlement business dates due on local date `today`, oldest first: the last `n` month ends before
-/// today's month (the catch-up window). Each must settle on its own; they are never merged.
-pub fn settlement_due(today: NaiveDate, n: u32) -> Vec<NaiveDate> {
-    let mut dates = Vec::with_capacity(n as usize);
-    let mut end = previous_month_end(today);
-    for _ in 0..n {
-        dates.push(end);
-        match month_start(end).pred_opt() {
-            Some(previous) => end = previous,
-            None => break,
-        }
-    }
-    dates.reverse();
-    dates
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,40 +115,7 @@ mod tests {
         );
     }
 
-    #[test]
-    fn the_catch_up_window_is_the_last_n_month_ends_oldest_first() {
-        assert_eq!(
-            settlement_due(d("2027-01-01"), 3),
-            vec![d("2026-10-31"), d("2026-11-30"), d("2026-12-31")]
-        );
-        assert_eq!(
-            settlement_due(d("2028-03-15"), 2),
-            vec![d("2028-01-31"), d("2028-02-29")]
-        );
-        // A tick at 00:30 on January 1st in Shanghai is due for December 31st.
-        let tick = d("2026-12-31").and_hms_opt(16, 30, 0).expect("time").and_utc();
-        let today = local_date(tick, chrono_tz::Asia::Shanghai);
-        assert_eq!(settlement_due(today, 1), vec![d("2026-12-31")]);
-        // The same instant in UTC is still December: the latest due month end is November's.
-        assert_eq!(
-            settlement_due(local_date(tick, chrono_tz::UTC), 1),
-            vec![d("2026-11-30")]
-        );
-    }
-
     proptest! {
-        #[test]
-        fn catch_up_windows_are_consecutive_month_ends(days in 0i64..2_000_000, n in 1u32..40) {
-            let today = d("1000-01-01") + chrono::Duration::days(days);
-            let due = settlement_due(today, n);
-            prop_assert_eq!(due.len(), n as usize);
-            prop_assert_eq!(due.last().copied(), Some(previous_month_end(today)));
-            for w in due.windows(2) {
-                prop_assert_eq!(month_end(w[0]), w[0]);
-                prop_assert_eq!(previous_month_end(w[1]), w[0]);
-            }
-        }
-
         #[test]
         fn previous_month_end_is_a_month_end_before_today(days in 0i64..3_000_000) {
             let today = d("0002-01-01") + chrono::Duration::days(days);

@@ -367,7 +367,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             let signals = Signals::install_notifying(notifier.clone())?;
             let drain_timeout = settings.schedule.drain_timeout;
             let http_listen = settings.http_listen;
-            let health_window = daemon::health_window(&settings);
+            let health_window = crate::schedule::due::health_window(&settings, Utc::now());
             let mut daemon = Daemon::new(
                 settings,
                 Arc::new(SystemWall),
@@ -477,8 +477,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             let status = session
                 .tick_status(
                     settings.instance,
-                    daemon::window_start(&settings, around),
-                    daemon::late_probe(&settings, around, true),
+                    crate::schedule::due::window_start(&settings, around),
+                    crate::schedule::due::late_probe(&settings, around, true),
                 )
                 .await
                 .map_err(daemon::TickError::from)?;
@@ -487,7 +487,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 (None, TimeSource::Database) => status.now,
                 (None, TimeSource::System) => Utc::now(),
             };
-            for due in daemon::plan(&settings, now, &status.keys) {
+            for due in crate::schedule::due::plan(&settings, now, &status.keys) {
                 println!("{}", serde_json::to_string(&due).unwrap_or_default());
             }
             Ok(ExitCode::SUCCESS)
@@ -553,7 +553,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 "job": job.as_str(), "business_date": business_date, "shard": spec.shard(), "shards": spec.shards(),
                 "found": released.is_some(),
                 "released": released.as_ref().is_some_and(|r| r.released),
-                "status": released.as_ref().map(|r| r.status.clone()),
+                "status": released.as_ref().map(|r| r.status),
                 "epoch": released.as_ref().map(|r| r.epoch),
                 "previous_owner": released.as_ref().map(|r| r.previous_owner.clone()),
                 "by": by,

@@ -16,7 +16,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     backoff::Backoff,
-    calendar,
     config::{Settings, TimeSource},
     jobs::{
         accrual::{self, Accrual},
@@ -26,6 +25,7 @@ use crate::{
     },
     metrics::Metrics,
     schedule::{
+        due::{self, Due, Pass},
         scheduler::{Scheduler, Tick},
         Schedule, WallClock,
     },
@@ -33,7 +33,7 @@ use crate::{
     shard::ShardSpec,
     store::{
         self,
-        job_runs::{ClaimMode, KeyState, LateProbe, TickStatus},
+        job_runs::{Action, ClaimMode, KeyState, TickStatus},
         Session, StoreError,
     },
 };
@@ -57,142 +57,6 @@ pub enum TickError {
     /// not migrated.
     #[error("cannot read the tick status: {}", crate::redact::secrets_in(&.0.to_string()))]
     Database(#[from] sqlx::Error),
-}
-
-/// One due business date of one job, and what the tick saw of it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct Due {
-    pub job: &'static str,
-    pub business_date: NaiveDate,
-    pub shard: i32,
-    pub shards: i32,
-    /// `none` when no row exists yet, else the row's status.
-    pub status: String,
-    /// `claim` (no row), `takeover` (FAILED, or RUNNING with an expired lease), `reopen` (SUCCESS, but rows
-    /// arrived after its run), `skip` (SUCCESS, or a live owner).
-    pub action: &'static str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub owner: Option<String>,
-}
-
-/// The due business dates at `now`, oldest first per job, with what a tick would do with each.
-pub fn plan(settings: &Settings, now: DateTime<Utc>, states: &[KeyState]) -> Vec<Due> {
-    let today = calendar::local_date(now, settings.zone);
-    let mut due = Vec::new();
-    if settings.settlement.enabled {
-        for date in calendar::settlement_due(today, settings.settlement.catch_up_months) {
-            due.push(classify(settings, JobName::FineSettlement, date, states));
-        }
-    }
-    if settings.accrual.enabled {
-        for date in accrual::due_days(today, settings.accrual.catch_up_days) {
-            due.push(classify(settings, JobName::OverdueAccrual, date, states));
-        }
-    }
-    due
-}
-
-fn classify(settings: &Settings, job: JobName, date: NaiveDate, states: &[KeyState]) -> Due {
-    let state = states
-        .iter()
-        .find(|s| s.job_name == job.as_str() && s.business_date == date);
-    let (status, action, owner) = match state {
-        None => ("none".to_string(), "claim", None),
-        Some(s) => {
-            let action = match s.status.as_str() {
-                "SUCCESS" if s.late => "reopen",
-                "SUCCESS" => "skip",
-                "FAILED" => "takeover",
-                _ if s.expired => "takeover",
-                _ => "skip",
-            };
-            (s.status.clone(), action, Some(s.owner.clone()))
-        }
-    };
-    Due {
-        job: job.as_str(),
-        business_date: date,
-        shard: settings.instance.shard(),
-        shards: settings.instance.shards(),
-        status,
-        action,
-        owner,
-    }
-}
-
-/// The earliest business date a tick at `at` can be due for: every job's catch-up window back from `at`, plus a
-/// margin (33 days) that covers the zone offset and any plausible difference between this host's clock and the
-/// database's.
-pub fn window_start(settings: &Settings, at: DateTime<Utc>) -> NaiveDate {
-    let months = i64::from(settings.settlement.catch_up_months);
-    let days = i64::from(settings.accrual.catch_up_days);
-    let back = months.saturating_mul(31).max(days).saturating_add(33);
-    at.date_naive()
-        .checked_sub_signed(chrono::Duration::days(back))
-        .unwrap_or(NaiveDate::MIN)
-}
-
-/// What the tick status asks about SUCCESS keys at host time `at`: whether rows arrived after their run, for the
-/// keys of each enabled job's catch-up window (with two days of margin for the zone and the clocks' skew).
-/// `accrual` says whether to ask about accrual days too (see `accrual.recheck_every`).
-pub fn late_probe(settings: &Settings, at: DateTime<Utc>, accrual: bool) -> LateProbe {
-    let early = calendar::local_date(at, settings.zone)
-        .checked_sub_signed(chrono::Duration::days(2))
-        .unwrap_or(NaiveDate::MIN);
-    LateProbe {
-        settlement_since: settings
-            .settlement
-            .enabled
-            .then(|| calendar::settlement_due(early, settings.settlement.catch_up_months))
-            .and_then(|dates| dates.first().copied()),
-        // With a daily rate of 0 nothing is ever charged, so every overdue loan would look late.
-        accrual_since: (settings.accrual.enabled && accrual && settings.fine.daily_rate().get() > 0)
-            .then(|| accrual::due_days(early, settings.accrual.catch_up_days))
-            .and_then(|days| days.first().copied()),
-        grace_days: i32::try_from(settings.fine.grace_days()).unwrap_or(i32::MAX),
-        cap_cents: settings.fine.cap().map_or(0, |c| c.get()),
-    }
-}
-
-/// Keys of this shard that are not SUCCESS although their business date has left its job's catch-up window at
-/// `now`: nothing runs them by itself any more (`verify` reports the month; `settle`/`accrue` by hand fixes it).
-pub fn abandoned<'a>(settings: &Settings, now: DateTime<Utc>, states: &'a [KeyState]) -> Vec<&'a KeyState> {
-    let today = calendar::local_date(now, settings.zone);
-    let oldest_settlement = calendar::settlement_due(today, settings.settlement.catch_up_months)
-        .first()
-        .copied();
-    let oldest_accrual = accrual::due_days(today, settings.accrual.catch_up_days)
-        .first()
-        .copied();
-    states
-        .iter()
-        .filter(|s| s.status != "SUCCESS")
-        .filter(|s| {
-            let oldest = if s.job_name == JobName::FineSettlement.as_str() {
-                oldest_settlement.filter(|_| settings.settlement.enabled)
-            } else {
-                oldest_accrual.filter(|_| settings.accrual.enabled)
-            };
-            oldest.is_some_and(|oldest| s.business_date < oldest)
-        })
-        .collect()
-}
-
-/// How long the replica may go without progress before `/healthz` fails: two periods of its schedule (for cron,
-/// two intervals between its next occurrences), plus the batch timeout, and at least a minute.
-pub fn health_window(settings: &Settings) -> Duration {
-    let period = match &settings.schedule.mode {
-        crate::config::ScheduleMode::FixedRate(p) | crate::config::ScheduleMode::FixedDelay(p) => *p,
-        crate::config::ScheduleMode::Cron(cron) => {
-            let now = Utc::now().with_timezone(&settings.zone);
-            let mut next = cron.iter_after(now);
-            match (next.next(), next.next()) {
-                (Some(a), Some(b)) => (b - a).to_std().unwrap_or(Duration::from_secs(86_400)),
-                _ => Duration::from_secs(86_400),
-            }
-        }
-    };
-    (period * 2 + settings.claim.lease.batch_timeout()).max(Duration::from_secs(60))
 }
 
 /// A replica.
@@ -458,15 +322,9 @@ impl Daemon {
             self.compensate(shard).await;
         }
         self.report_abandoned(now, &status.keys);
-        let done: HashSet<(&str, NaiveDate)> = status
-            .keys
-            .iter()
-            .filter(|s| s.status == "SUCCESS" && !s.late)
-            .map(|s| (s.job_name.as_str(), s.business_date))
-            .collect();
-        let todo: Vec<Due> = plan(&self.settings, now, &status.keys)
+        let todo: Vec<Due> = due::plan(&self.settings, now, &status.keys)
             .into_iter()
-            .filter(|d| !done.contains(&(d.job, d.business_date)))
+            .filter(|d| d.runs)
             .collect();
         if todo.is_empty() {
             for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
@@ -477,33 +335,17 @@ impl Daemon {
             return Ok(Vec::new());
         }
         let mut reports = Vec::with_capacity(todo.len());
-        // Keys a live owner held when this pass reached them, with the end of that owner's lease (database
-        // time). A pass can be long (a backlog of keys, each with many batches); when such a lease runs out
-        // meanwhile, its owner may be gone, so the key is tried again before the next key of the pass instead
-        // of waiting for the next tick.
+        // The pass's estimate of the database clock, for the revisits of held keys.
         let pass_started = tokio::time::Instant::now();
-        let mut held: Vec<(&Due, DateTime<Utc>)> = Vec::new();
-        let mut queue = todo.iter();
-        loop {
-            if self.shutdown.is_cancelled() {
-                break;
-            }
+        let mut pass = Pass::new(&todo);
+        while !self.shutdown.is_cancelled() {
             let db_now = status.now + chrono::Duration::from_std(pass_started.elapsed()).unwrap_or_default();
-            let (due, before) = match held.iter().position(|(_, until)| *until < db_now) {
-                Some(i) => {
-                    let (due, until) = held.remove(i);
-                    (due, Some(until))
-                }
-                None => match queue.next() {
-                    Some(due) => (due, None),
-                    None => break,
-                },
+            let Some(visit) = pass.next_at(db_now) else {
+                break;
             };
-            let report = self.run_due(due, shard).await;
-            // Held again: wait for the renewed lease — but never retry a lease that was not renewed (the
-            // estimate of the database clock ran a little ahead), which would spin.
-            if let Some(until) = report.held_until.filter(|u| before.is_none_or(|b| *u > b)) {
-                held.push((due, until));
+            let report = self.run_due(visit.key, shard).await;
+            if let Some(until) = report.held_until {
+                pass.held(visit, until);
             }
             reports.push(report);
         }
@@ -514,7 +356,7 @@ impl Daemon {
                 .iter()
                 .filter(|r| r.job == job.as_str() && r.outcome == Outcome::Settled)
                 .count();
-            let due = todo.iter().filter(|d| d.job == job.as_str()).count();
+            let due = todo.iter().filter(|d| d.job == job).count();
             self.metrics.set(
                 "fine_settler_due_unsettled",
                 Some(job.as_str()),
@@ -526,8 +368,8 @@ impl Daemon {
 
     /// The tick's status statement at host time `before`, asking about late accrual rows too if `accrual`.
     async fn read_status(&mut self, before: DateTime<Utc>, accrual: bool) -> Result<TickStatus, TickError> {
-        let since = window_start(&self.settings, before);
-        let late = late_probe(&self.settings, before, accrual);
+        let since = due::window_start(&self.settings, before);
+        let late = due::late_probe(&self.settings, before, accrual);
         Ok(self
             .session
             .tick_status(self.settings.instance, since, late)
@@ -576,7 +418,7 @@ impl Daemon {
     /// Logs (at error) and counts each key that left its catch-up window without succeeding, once per process:
     /// without this such a key would drop out of `fine_settler_due_unsettled` and its alert would clear.
     fn report_abandoned(&mut self, now: DateTime<Utc>, states: &[KeyState]) {
-        for s in abandoned(&self.settings, now, states) {
+        for s in due::abandoned(&self.settings, now, states) {
             if self.abandoned.insert((s.job_name.clone(), s.business_date)) {
                 self.metrics
                     .add("fine_settler_keys_abandoned_total", Some(&s.job_name), None, 1.0);
@@ -595,12 +437,12 @@ impl Daemon {
     /// Runs one due key of this shard.
     async fn run_due(&self, due: &Due, shard: ShardSpec) -> RunReport {
         // A key the status statement found late is re-opened as such, without asking the question again.
-        let mode = if due.action == "reopen" {
+        let mode = if due.action == Action::Reopen {
             ClaimMode::Reopen
         } else {
             ClaimMode::Free
         };
-        if due.job == JobName::OverdueAccrual.as_str() {
+        if due.job == JobName::OverdueAccrual {
             let key = RunKey {
                 job: JobName::OverdueAccrual,
                 business_date: due.business_date,

@@ -331,25 +331,3 @@ pub async fn compensate_within(
     }
     Ok(result)
 }
-
-/// The accrual days due on local date `today`: yesterday and the `n - 1` days before it, oldest first.
-pub fn due_days(today: NaiveDate, n: u32) -> Vec<NaiveDate> {
-    (1..=i64::from(n))
-        .rev()
-        .filter_map(|back| today.checked_sub_signed(chrono::Duration::days(back)))
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn due_days_are_yesterday_and_before() {
-        let d = |s: &str| s.parse::<NaiveDate>().expect("date");
-        assert_eq!(
-            due_days(d("2027-01-01"), 3),
-            vec![d("2026-12-29"), d("2026-12-30"), d("2026-12-31")]
-        );
-    }
-}

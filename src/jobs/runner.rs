@@ -22,7 +22,7 @@ use crate::{
     redact::secrets_in as redact_secrets_in,
     store::{
         self,
-        job_runs::{self, Claim, ClaimKind, ClaimMode, Ending, Progress},
+        job_runs::{self, Claim, ClaimKind, ClaimMode, Ending, Progress, RunStatus},
     },
 };
 
@@ -317,7 +317,7 @@ impl Runner {
         let mut claimed = job_runs::claim(&self.pool, &key, &self.owner, self.lease.duration(), mode).await;
         // A SUCCESS key with rows still to do is re-opened (--force and Reopen take SUCCESS anyway).
         if let Ok(Claim::Skipped(holder)) = &claimed {
-            if holder.status == "SUCCESS" && mode == ClaimMode::Free {
+            if holder.status == RunStatus::Success && mode == ClaimMode::Free {
                 match job.late(&self.pool, &key).await {
                     Ok(true) => {
                         claimed = job_runs::claim(
@@ -351,7 +351,7 @@ impl Runner {
             }
             Ok(Claim::Skipped(holder)) => {
                 self.count_claim(key, "skipped");
-                let detail = if holder.status == "RUNNING" {
+                let detail = if holder.status == RunStatus::Running {
                     format!(
                         "held by {} until {}",
                         holder.owner,
@@ -361,7 +361,7 @@ impl Runner {
                     format!("already {}", holder.status)
                 };
                 return RunReport {
-                    held_until: (holder.status == "RUNNING").then_some(holder.lease_until),
+                    held_until: (holder.status == RunStatus::Running).then_some(holder.lease_until),
                     ..report(Outcome::Skipped, Some(holder.epoch), 0, 0, Some(detail))
                 };
             }

@@ -6,6 +6,7 @@
 //! suspended host or a clock step is noticed within one nap, and nothing ever bursts to catch up.
 
 pub mod drift;
+pub mod due;
 pub mod guard;
 pub mod scheduler;
 

@@ -8,7 +8,11 @@
 use std::time::Duration;
 
 use chrono::{DateTime, NaiveDate, Utc};
-use sqlx::{PgConnection, PgPool};
+use sqlx::{
+    encode::IsNull,
+    postgres::{PgArgumentBuffer, PgTypeInfo, PgValueRef},
+    PgConnection, PgPool, Postgres,
+};
 
 use crate::jobs::RunKey;
 
@@ -41,7 +45,7 @@ pub enum ClaimMode {
 /// The current holder of a key this replica did not get.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holder {
-    pub status: String,
+    pub status: RunStatus,
     pub owner: String,
     pub epoch: i64,
     pub lease_until: DateTime<Utc>,
@@ -134,7 +138,7 @@ pub async fn claim(
                            else 'takeover' end
                from taken
            )
-           select prior.status as "status!", prior.owner as "owner!", prior.epoch as "epoch!",
+           select prior.status as "status!: RunStatus", prior.owner as "owner!", prior.epoch as "epoch!",
                   prior.lease_until as "lease_until!",
                   taken.epoch as "new_epoch?", taken.cursor as "cursor?"
            from prior left join taken on true"#,
@@ -156,9 +160,9 @@ pub async fn claim(
                 epoch,
                 // A SUCCESS row taken again (re-opened or forced) starts over: its cursor was reset.
                 cursor: r.cursor,
-                kind: match (force, RunStatus::parse(&r.status)) {
+                kind: match (force, r.status) {
                     (true, _) => ClaimKind::Forced,
-                    (false, Some(RunStatus::Success)) => ClaimKind::Reopened,
+                    (false, RunStatus::Success) => ClaimKind::Reopened,
                     (false, _) => ClaimKind::TakenOver,
                 },
             }),
@@ -175,11 +179,15 @@ pub async fn claim(
     }
 }
 
-/// The status column of `job_runs`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The status column of `job_runs` (the table's check constraint admits only these). Decoded from and encoded
+/// to its text; serialized as the column spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "UPPERCASE")]
 pub enum RunStatus {
+    /// Claimed; the owner's lease says until when.
     Running,
     Success,
+    /// Ended on an error, a shutdown or a release; any run may take it over.
     Failed,
 }
 
@@ -192,11 +200,68 @@ impl RunStatus {
         }
     }
 
-    /// The status a `job_runs` row holds (the table's check constraint admits only these).
     pub fn parse(s: &str) -> Option<Self> {
         [RunStatus::Running, RunStatus::Success, RunStatus::Failed]
             .into_iter()
             .find(|r| r.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for RunStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
+impl sqlx::Type<Postgres> for RunStatus {
+    fn type_info() -> PgTypeInfo {
+        <str as sqlx::Type<Postgres>>::type_info()
+    }
+
+    fn compatible(ty: &PgTypeInfo) -> bool {
+        <str as sqlx::Type<Postgres>>::compatible(ty)
+    }
+}
+
+impl sqlx::Decode<'_, Postgres> for RunStatus {
+    fn decode(value: PgValueRef<'_>) -> Result<Self, sqlx::error::BoxDynError> {
+        let text = <&str as sqlx::Decode<Postgres>>::decode(value)?;
+        RunStatus::parse(text).ok_or_else(|| format!("{text:?} is not a job_runs status").into())
+    }
+}
+
+impl sqlx::Encode<'_, Postgres> for RunStatus {
+    fn encode_by_ref(&self, buf: &mut PgArgumentBuffer) -> Result<IsNull, sqlx::error::BoxDynError> {
+        <&str as sqlx::Encode<Postgres>>::encode_by_ref(&self.as_str(), buf)
+    }
+}
+
+/// What a tick does with a due key, by what it saw of the key's row. [`KeyState::action`] is the only place
+/// that decides it, and it decides as [`claim`] does: `claim` (in [`ClaimMode::Free`]) wins exactly the
+/// keys whose action is `Claim` or `Takeover`, and [`ClaimMode::Reopen`] the `Reopen` ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    /// No row yet: insert it under epoch 1.
+    Claim,
+    /// FAILED, or RUNNING with an expired lease: take it over under a new epoch.
+    Takeover,
+    /// SUCCESS, but rows of its business date are still to do: re-open it.
+    Reopen,
+    /// SUCCESS with nothing left, or a live owner holds it.
+    Skip,
+}
+
+impl Action {
+    /// The action for a key whose row is `state` (`None`: no row).
+    pub fn of(state: Option<&KeyState>) -> Self {
+        state.map_or(Action::Claim, KeyState::action)
+    }
+
+    /// Whether a tick runs the key: anything but a SUCCESS key with nothing left. (A key a live owner holds is
+    /// tried too: its claim is skipped, and the tick learns when the lease ends.)
+    pub fn runs(state: Option<&KeyState>) -> bool {
+        !state.is_some_and(KeyState::done)
     }
 }
 
@@ -357,7 +422,7 @@ pub struct JobRun {
     pub business_date: NaiveDate,
     pub shards: i32,
     pub shard: i32,
-    pub status: String,
+    pub status: RunStatus,
     pub owner: String,
     pub epoch: i64,
     pub started_at: DateTime<Utc>,
@@ -380,7 +445,8 @@ pub async fn list(
 ) -> Result<Vec<JobRun>, sqlx::Error> {
     sqlx::query_as!(
         JobRun,
-        r#"select job_name, business_date, shards, shard, status, owner, epoch, started_at, heartbeat_at,
+        r#"select job_name, business_date, shards, shard, status as "status: RunStatus", owner, epoch,
+                  started_at, heartbeat_at,
                   lease_until,
                   greatest(0, extract(epoch from lease_until - now()))::float8 as "lease_left_s!",
                   finished_at, cursor, scanned, updated, last_error
@@ -399,12 +465,31 @@ pub async fn list(
 pub struct KeyState {
     pub job_name: String,
     pub business_date: NaiveDate,
-    pub status: String,
+    pub status: RunStatus,
     pub owner: String,
     /// The lease has run out (by the database clock).
     pub expired: bool,
     /// A SUCCESS key whose business date has rows still to do (see [`LateProbe`]): it is re-opened.
     pub late: bool,
+}
+
+impl KeyState {
+    /// What a tick does with the key: the rule of [`claim`]'s `where` clause (FAILED, or RUNNING with an
+    /// expired lease, is taken over; a live owner is never displaced), plus re-opening late SUCCESS keys.
+    pub fn action(&self) -> Action {
+        match self.status {
+            RunStatus::Success if self.late => Action::Reopen,
+            RunStatus::Success => Action::Skip,
+            RunStatus::Failed => Action::Takeover,
+            RunStatus::Running if self.expired => Action::Takeover,
+            RunStatus::Running => Action::Skip,
+        }
+    }
+
+    /// SUCCESS with nothing left to do.
+    pub fn done(&self) -> bool {
+        self.status == RunStatus::Success && !self.late
+    }
 }
 
 /// Which SUCCESS keys the tick status also checks for rows still to do, and the policy that says what is still
@@ -464,7 +549,7 @@ pub async fn tick_status(
            )
            select t.now as "now!", t.due_pending as "due_pending!", t.pending as "pending!", t.dead as "dead!",
                   r.job_name as "job_name?", r.business_date as "business_date?",
-                  r.status as "status?", r.owner as "owner?", (r.lease_until < t.now) as "expired?",
+                  r.status as "status?: RunStatus", r.owner as "owner?", (r.lease_until < t.now) as "expired?",
                   (r.status = 'SUCCESS' and (
                        (r.job_name = 'fine-settlement' and r.business_date >= $4::date and exists (
                             select 1 from loans l
@@ -526,7 +611,7 @@ pub async fn tick_status(
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Released {
     /// The key's status before the release.
-    pub status: String,
+    pub status: RunStatus,
     pub epoch: i64,
     /// The owner whose lease was ended (or the last owner, if nothing was released).
     pub previous_owner: String,
@@ -556,7 +641,7 @@ pub async fn release(
                insert into job_run_attempts (job_name, business_date, shards, shard, epoch, owner, event, error)
                select job_name, business_date, shards, shard, epoch, $5, 'released', $6 from ended
            )
-           select prior.status as "status!", prior.owner as "owner!", prior.epoch as "epoch!",
+           select prior.status as "status!: RunStatus", prior.owner as "owner!", prior.epoch as "epoch!",
                   exists (select 1 from ended) as "released!"
            from prior"#,
         key.job.as_str(),

@@ -319,3 +319,99 @@ async fn the_fence_renews_the_lease_from_the_moment_it_runs(pool: PgPool) {
         "the renewed lease has {left:.3} s left, not 2 s - 1.5 s"
     );
 }
+
+/// The tick's action for a key (`KeyState::action`, from the row the tick status read) and the claim agree on
+/// every state a row can be in: a free claim wins exactly the keys a tick would claim or take over, and a
+/// re-open exactly the late SUCCESS ones.
+#[sqlx::test]
+async fn the_tick_s_action_and_the_claim_agree_on_every_state(pool: PgPool) {
+    use fine_settler::{
+        shard::ShardSpec,
+        store::job_runs::{tick_status, Action, LateProbe},
+    };
+    let k = key("2026-10-31", 0, 1);
+    let no_probe = LateProbe {
+        settlement_since: None,
+        accrual_since: None,
+        grace_days: 0,
+        cap_cents: 0,
+    };
+    // Late: an unsettled loan returned in the month, so that the probe finds rows left in a SUCCESS key.
+    crate::helpers::insert(
+        &pool,
+        &[crate::helpers::loan(1, "2026-10-01", Some("2026-10-10"))],
+    )
+    .await;
+    let late_probe = LateProbe {
+        settlement_since: Some(crate::helpers::d("2026-01-01")),
+        ..no_probe
+    };
+    let states: [(&str, &str, LateProbe, Action); 6] = [
+        ("none", "", no_probe, Action::Claim),
+        ("live", "", no_probe, Action::Skip),
+        (
+            "expired",
+            "update job_runs set lease_until = now() - interval '1 second'",
+            no_probe,
+            Action::Takeover,
+        ),
+        (
+            "failed",
+            "update job_runs set status = 'FAILED', lease_until = now()",
+            no_probe,
+            Action::Takeover,
+        ),
+        (
+            "success",
+            "update job_runs set status = 'SUCCESS', lease_until = now()",
+            no_probe,
+            Action::Skip,
+        ),
+        (
+            "late",
+            "update job_runs set status = 'SUCCESS', lease_until = now()",
+            late_probe,
+            Action::Reopen,
+        ),
+    ];
+    for (name, setup, probe, expected) in states {
+        sqlx::query("delete from job_runs")
+            .execute(&pool)
+            .await
+            .expect("reset");
+        if name != "none" {
+            claim(&pool, &k, "holder", LEASE, ClaimMode::Free)
+                .await
+                .expect("seed claim");
+        }
+        if !setup.is_empty() {
+            sqlx::query(setup).execute(&pool).await.expect("setup");
+        }
+        let mut conn = pool.acquire().await.expect("connection");
+        let seen = tick_status(
+            &mut conn,
+            ShardSpec::SINGLE,
+            crate::helpers::d("2026-01-01"),
+            probe,
+        )
+        .await
+        .expect("tick status");
+        drop(conn);
+        let action = Action::of(seen.keys.first());
+        assert_eq!(action, expected, "{name}");
+        let mode = if action == Action::Reopen {
+            ClaimMode::Reopen
+        } else {
+            ClaimMode::Free
+        };
+        let won = matches!(
+            claim(&pool, &k, "tick", LEASE, mode).await.expect("claim"),
+            Claim::Won { .. }
+        );
+        assert_eq!(
+            won,
+            matches!(action, Action::Claim | Action::Takeover | Action::Reopen),
+            "{name}: the claim and the action {action:?} disagree"
+        );
+    }
+}

@@ -25,7 +25,7 @@ pub(crate) async fn due_now(pool: &PgPool, months: u32) -> Vec<NaiveDate> {
         .fetch_one(pool)
         .await
         .expect("now");
-    calendar::settlement_due(calendar::local_date(now, chrono_tz::Asia::Shanghai), months)
+    fine_settler::schedule::due::settlement_due(calendar::local_date(now, chrono_tz::Asia::Shanghai), months)
 }
 
 /// Demo loans around each month, with disjoint ids.
@@ -451,7 +451,7 @@ async fn a_tick_compensates_first_then_accrues_the_last_seven_days(pool: PgPool)
     let reports = String::from_utf8_lossy(&out.stdout).lines().count();
     assert_eq!(reports, 7, "one run per due day");
 
-    let days = fine_settler::jobs::accrual::due_days(today, 7);
+    let days = fine_settler::schedule::due::accrual_due(today, 7);
     let per_day: Vec<(NaiveDate, i64)> =
         sqlx::query_as("select accrual_date, count(*) from fine_ledger group by 1 order by 1")
             .fetch_all(&pool)
