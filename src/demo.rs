@@ -67,6 +67,22 @@ pub fn loans(spec: DemoSpec) -> impl Iterator<Item = NewLoan> {
     })
 }
 
+/// Inserts the loans of `spec` (`demo-data`), 10,000 per statement; loans whose id exists are left alone.
+/// Returns how many were inserted.
+pub async fn insert(pool: &sqlx::PgPool, spec: DemoSpec) -> Result<u64, sqlx::Error> {
+    let mut inserted = 0;
+    let mut chunk = Vec::with_capacity(10_000);
+    for loan in loans(spec) {
+        chunk.push(loan);
+        if chunk.len() == 10_000 {
+            inserted += crate::store::loans::insert_new(pool, &chunk).await?;
+            chunk.clear();
+        }
+    }
+    inserted += crate::store::loans::insert_new(pool, &chunk).await?;
+    Ok(inserted)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

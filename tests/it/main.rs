@@ -10,6 +10,7 @@ mod daemon;
 mod deploy;
 mod fencing;
 mod helpers;
+mod lifecycle;
 mod live;
 mod server;
 mod settlement;

@@ -7,6 +7,8 @@
 //! [`store::Session`]). When PostgreSQL is unreachable the tick is retried with capped exponential backoff; the
 //! outage is logged once when it starts and once when it ends, and the daemon never exits because of it.
 
+pub mod lifecycle;
+
 use std::{collections::HashSet, sync::Arc, time::Duration};
 
 use chrono::{DateTime, NaiveDate, Utc};
@@ -38,6 +40,8 @@ use crate::{
     },
 };
 
+pub use lifecycle::{run, run_once, Control, StartError, Stopped};
+
 /// The wait before each retry of a tick (or of the readiness check) while the database is unreachable: 250 ms,
 /// doubled per failure, at most 30 s.
 pub const TICK_BACKOFF: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(30));
@@ -57,6 +61,30 @@ pub enum TickError {
     /// not migrated.
     #[error("cannot read the tick status: {}", crate::redact::secrets_in(&.0.to_string()))]
     Database(#[from] sqlx::Error),
+}
+
+/// What a tick at `at` would do (default: now, by the configured clock), one line per due key, as `plan`
+/// prints it. Reads the tick status; writes nothing.
+pub async fn plan(settings: &Settings, at: Option<DateTime<Utc>>) -> Result<Vec<Due>, TickError> {
+    let mut session = Session::new(
+        &settings.database,
+        "fine-settler plan",
+        settings.claim.lease.batch_timeout(),
+    );
+    let around = at.unwrap_or_else(Utc::now);
+    let status = session
+        .tick_status(
+            settings.instance,
+            due::window_start(settings, around),
+            due::late_probe(settings, around, true),
+        )
+        .await?;
+    let now = match (at, settings.time_source) {
+        (Some(at), _) => at,
+        (None, TimeSource::Database) => status.now,
+        (None, TimeSource::System) => Utc::now(),
+    };
+    Ok(due::plan(settings, now, &status.keys))
 }
 
 /// A replica.

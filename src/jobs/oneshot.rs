@@ -1,0 +1,208 @@
+//! The one-shot commands' runs (`settle`, `accrue`, `pending retry`): connect, run one key (or one
+//! compensation pass) under a fresh owner that hands its key back cleanly on SIGINT/SIGTERM, close. Each always
+//! produces a report; an error that keeps a run from starting is the report's `detail`.
+
+use chrono::Utc;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    accrual::{compensate, Accrual, Compensation},
+    runner::{process_owner, Runner},
+    settlement::Settlement,
+    Outcome, RunKey, RunReport,
+};
+use crate::{
+    calendar,
+    config::{Settings, TimeSource},
+    signals::Signals,
+    store::{self, StoreError},
+};
+
+/// A report for a run that could not start (no database).
+fn not_started(key: RunKey, started: tokio::time::Instant, error: String) -> RunReport {
+    RunReport {
+        job: key.job.as_str(),
+        business_date: key.business_date,
+        shard: key.shard.shard(),
+        shards: key.shard.shards(),
+        outcome: Outcome::Failed,
+        epoch: None,
+        scanned: 0,
+        updated: 0,
+        elapsed_ms: started.elapsed().as_millis() as u64,
+        detail: Some(error),
+        held_until: None,
+        reopened: false,
+    }
+}
+
+/// A runner for a one-shot command, handing its key back cleanly on SIGINT/SIGTERM.
+async fn one_shot_runner(settings: &Settings, key: RunKey, batch_size: u32) -> Result<Runner, String> {
+    let app = format!("fine-settler {} {}", key.job, key.shard);
+    let pool = store::connect(&settings.database, &app, settings.claim.lease.batch_timeout())
+        .await
+        .map_err(|e| {
+            tracing::error!(error = %e, "cannot connect to the database");
+            e.to_string()
+        })?;
+    let cancel = match Signals::install() {
+        Ok(signals) => signals.shutdown,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot install signal handlers; SIGTERM will not release the key");
+            CancellationToken::new()
+        }
+    };
+    Ok(Runner::new(
+        pool,
+        process_owner(),
+        &settings.claim,
+        batch_size,
+        cancel,
+    ))
+}
+
+/// Settles one key (`settle`).
+pub async fn settle(settings: &Settings, key: RunKey, force: bool) -> RunReport {
+    let started = tokio::time::Instant::now();
+    match one_shot_runner(settings, key, settings.settlement.batch_size).await {
+        Ok(runner) => {
+            let settlement = Settlement {
+                policy: settings.fine,
+            };
+            let report = runner.run(&settlement, key, force).await;
+            runner.pool.close().await;
+            report
+        }
+        Err(e) => not_started(key, started, e),
+    }
+}
+
+/// The report of `accrue`: the run's, plus what the compensation pass did and the shard's queue.
+#[derive(Debug, serde::Serialize)]
+pub struct AccrualReport {
+    #[serde(flatten)]
+    pub run: RunReport,
+    /// Pending charges of this shard written by the compensation pass before the run.
+    pub compensated: u64,
+    /// Why the compensation pass failed, if it did (the run went ahead).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compensation_error: Option<String>,
+    /// This shard's PENDING charges after the run.
+    pub pending: Option<i64>,
+    /// This shard's DEAD charges after the run.
+    pub dead: Option<i64>,
+}
+
+/// The day asked for is not over yet; nothing was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{date} is not before today ({today} in {zone}); a day is accrued once it is over")]
+pub struct NotOver {
+    pub date: chrono::NaiveDate,
+    pub today: chrono::NaiveDate,
+    pub zone: &'static str,
+}
+
+/// Accrues one day for one shard (`accrue`), after retrying the shard's due pending charges. Refuses a day that
+/// is not over yet by the configured clock (the database's by default, as for the daemon).
+pub async fn accrue(settings: &Settings, key: RunKey, force: bool) -> Result<AccrualReport, NotOver> {
+    let started = tokio::time::Instant::now();
+    let not_started = |e: String| AccrualReport {
+        run: not_started(key, started, e),
+        compensated: 0,
+        compensation_error: None,
+        pending: None,
+        dead: None,
+    };
+    let runner = match one_shot_runner(settings, key, settings.accrual.batch_size).await {
+        Ok(runner) => runner,
+        Err(e) => return Ok(not_started(e)),
+    };
+    let now = match settings.time_source {
+        TimeSource::System => Ok(Utc::now()),
+        TimeSource::Database => store::database_now(&runner.pool).await,
+    };
+    let today = match now {
+        Ok(now) => calendar::local_date(now, settings.zone),
+        Err(e) => {
+            let e = StoreError::from(e);
+            tracing::error!(error = %e, "cannot read the database clock");
+            runner.pool.close().await;
+            return Ok(not_started(e.to_string()));
+        }
+    };
+    if key.business_date >= today {
+        runner.pool.close().await;
+        return Err(NotOver {
+            date: key.business_date,
+            today,
+            zone: settings.zone.name(),
+        });
+    }
+    let job = Accrual::from_settings(settings);
+    let max_attempts = settings.accrual.max_attempts;
+    // A failing compensation pass (a missing grant, a broken trigger) does not keep the day from being accrued.
+    let compensation = compensate(&runner.pool, &job, Some(key.shard), true, max_attempts)
+        .await
+        .map_err(|e| {
+            let e = StoreError::from(e);
+            tracing::error!(error = %e, "compensation pass failed; accruing the day anyway");
+            e.to_string()
+        });
+    let run = runner.run(&job, key, force).await;
+    let counts = store::ledger::counts(&runner.pool, Some(key.shard)).await.ok();
+    runner.pool.close().await;
+    Ok(AccrualReport {
+        run,
+        compensated: compensation.as_ref().map_or(0, |c| c.charged),
+        compensation_error: compensation.err(),
+        pending: counts.map(|c| c.0),
+        dead: counts.map(|c| c.1),
+    })
+}
+
+/// What `pending retry` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct RetryReport {
+    /// DEAD charges given a fresh set of attempts first (`--dead`).
+    pub resurrected: u64,
+    pub charged: u64,
+    pub not_owed: u64,
+    pub retried: u64,
+    /// Charges that used their last attempt in this pass.
+    pub dead_now: u64,
+    /// The queue afterwards, every shard.
+    pub pending: i64,
+    pub dead: i64,
+}
+
+/// Retries every PENDING charge of every shard now, whatever its next attempt time (`pending retry`); with
+/// `dead`, DEAD charges get a fresh set of attempts first.
+pub async fn retry_pending(
+    settings: &Settings,
+    pool: &PgPool,
+    dead: bool,
+) -> Result<RetryReport, StoreError> {
+    let resurrected = if dead {
+        store::ledger::resurrect(pool).await?
+    } else {
+        0
+    };
+    let job = Accrual::from_settings(settings);
+    let Compensation {
+        charged,
+        not_owed,
+        retried,
+        dead: dead_now,
+    } = compensate(pool, &job, None, false, settings.accrual.max_attempts).await?;
+    let (pending, dead) = store::ledger::counts(pool, None).await?;
+    Ok(RetryReport {
+        resurrected,
+        charged,
+        not_owed,
+        retried,
+        dead_now,
+        pending,
+        dead,
+    })
+}

@@ -1,0 +1,132 @@
+//! A replica's lifecycle in-process, through `daemon::run`: a clean drain that also stops the HTTP listener, and
+//! the drain timeout cutting a batch short.
+
+use std::time::{Duration, Instant};
+
+use fine_settler::{
+    config::{self, Settings},
+    daemon::{self, Control, Stopped},
+};
+use sqlx::PgPool;
+use tokio::{io::AsyncWriteExt, net::TcpStream};
+
+use crate::helpers::{database_url, insert, loan, slow_down, wait_until};
+
+fn settings(pool: &PgPool, extra: &[(&str, &str)]) -> Settings {
+    let mut env: std::collections::HashMap<String, String> = [
+        ("DATABASE_URL", database_url(pool)),
+        ("FINE_SETTLER__SCHEDULE__PERIOD", "300ms".into()),
+        ("FINE_SETTLER__CLAIM__LEASE", "10s".into()),
+        ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "5s".into()),
+        ("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "5".into()),
+        ("FINE_SETTLER__LOG__FORMAT", "json".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    config::load(None, &env)
+        .and_then(|raw| raw.validate(&env))
+        .expect("valid settings")
+}
+
+/// A port nothing listens on now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+async fn healthz_answers(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .is_ok()
+}
+
+#[sqlx::test]
+async fn a_replica_told_to_stop_drains_and_frees_its_port(pool: PgPool) {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let settings = settings(&pool, &[("FINE_SETTLER__HTTP__LISTEN", &listen)]);
+    let control = Control::new();
+    let replica = tokio::spawn(daemon::run(settings, control.clone()));
+    wait_until("the replica serves /healthz", Duration::from_secs(20), || {
+        healthz_answers(port)
+    })
+    .await;
+    wait_until("the replica has ticked", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'SUCCESS'")
+            .fetch_one(&pool)
+            .await
+            .expect("count")
+            > 0
+    })
+    .await;
+    control.shutdown.cancel();
+    let stopped = tokio::time::timeout(Duration::from_secs(10), replica)
+        .await
+        .expect("stopped within 10 s")
+        .expect("no panic")
+        .expect("started");
+    assert_eq!(stopped, Stopped::Drained);
+    assert_eq!(stopped.exit_code(), 0);
+    // The listener was awaited: its port is free as soon as `run` has returned.
+    std::net::TcpListener::bind(("127.0.0.1", port)).expect("the port is free again");
+}
+
+#[sqlx::test]
+async fn a_drain_longer_than_the_drain_timeout_exits_with_the_batch_in_flight(pool: PgPool) {
+    // Loans returned late in the month a tick settles now; each row's update takes a second, so a batch of 5
+    // takes 5 s.
+    let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("select now()")
+        .fetch_one(&pool)
+        .await
+        .expect("now");
+    let today = fine_settler::calendar::local_date(now, chrono_tz::Asia::Shanghai);
+    let month_end = fine_settler::calendar::previous_month_end(today);
+    let (due, back) = (
+        (month_end - chrono::Duration::days(20)).to_string(),
+        (month_end - chrono::Duration::days(5)).to_string(),
+    );
+    let loans: Vec<_> = (1..=20).map(|id| loan(id, &due, Some(&back))).collect();
+    insert(&pool, &loans).await;
+    slow_down(&pool, "update on loans", 1.0).await;
+    let settings = settings(
+        &pool,
+        &[
+            ("FINE_SETTLER__SCHEDULE__DRAIN_TIMEOUT", "300ms"),
+            ("FINE_SETTLER__ACCRUAL__ENABLED", "false"),
+            ("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1"),
+        ],
+    );
+    let control = Control::new();
+    let replica = tokio::spawn(daemon::run(settings, control.clone()));
+    wait_until("a batch is in flight", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, bool>(
+            "select exists (select 1 from pg_stat_activity
+                            where query like '%update loans%' and state = 'active'
+                              and datname = current_database() and pid <> pg_backend_pid())",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("activity")
+    })
+    .await;
+    let asked = Instant::now();
+    control.shutdown.cancel();
+    let stopped = tokio::time::timeout(Duration::from_secs(10), replica)
+        .await
+        .expect("stopped within 10 s")
+        .expect("no panic")
+        .expect("started");
+    let took = asked.elapsed();
+    assert_eq!(stopped, Stopped::DrainTimeout);
+    assert_eq!(stopped.exit_code(), 1);
+    // It did not wait for the batch (5 s): it left after the drain timeout.
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+}
