@@ -1,15 +1,23 @@
 //! fine-settler: a cron-style daemon that settles library fines in PostgreSQL, sharded across replicas, safe to
 //! run twice, concurrently, after a crash or by hand.
 //!
-//! Module map:
-//! - [`config`]: layered settings validated into typed [`config::Settings`].
-//! - [`calendar`], [`fine`], [`shard`]: the pure domain (business months, the fine policy, shard membership).
-//! - [`store`]: every SQL statement (claims, fences, loans, audit) and the migrations.
-//! - [`jobs`]: the generic claim → fenced batches → finish runner and the jobs on top of it.
-//! - [`schedule`]: slots, the slot guard, the scheduler loop and the drift measurement.
-//! - [`daemon`]: the long-running replica (ticks, catch-up window, outages); [`signals`]: signal handling.
+//! Module map (each holds one job):
+//! - [`config`]: layered settings ([`config::raw`]) validated, one function per section ([`config::validate`]),
+//!   into the types the code uses ([`config::settings`]); [`redact`] keeps the password out of everything printed.
+//! - [`calendar`], [`fine`], [`shard`]: the pure domain (business months, the fine policy, shard membership);
+//!   [`backoff`]: the one retry policy.
+//! - [`store`]: every SQL statement and the migrations — [`store::job_runs`] the claim protocol, the fence and the
+//!   tick's status statement; [`store::loans`] settlement; [`store::ledger`] accrual and the compensation queue;
+//!   [`store::audit`] `verify`.
+//! - [`jobs`]: the generic claim → fenced batches → finish runner ([`jobs::runner`]), the two jobs on top of it
+//!   ([`jobs::settlement`], [`jobs::accrual`]) and the one-shot commands' runs ([`jobs::oneshot`]).
+//! - [`schedule`]: slots and their arithmetic, the slot guard, the scheduler loop, the drift measurement, and
+//!   what is due at a given time ([`schedule::due`]).
+//! - [`daemon`]: the long-running replica (ticks, outages, abandoned keys) and its lifecycle from start to exit
+//!   ([`daemon::run`]); [`signals`]: signal handling; [`sdnotify`]: systemd's notify protocol and watchdog;
+//!   [`http`]: `/healthz`, `/readyz`, `/metrics`; [`metrics`]: the replica's counters and gauges.
 //! - [`demo`]: deterministic demo loans.
-//! - [`cli`]: the command line; `main.rs` only calls [`cli::main`].
+//! - [`cli`]: the command line (arguments, dispatch, output); `main.rs` only calls [`cli::main`].
 //! - [`telemetry`]: structured logs.
 
 pub mod backoff;
