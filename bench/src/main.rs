@@ -4,6 +4,9 @@
 //! (and with two concurrent sessions), `fine-settler settle` with 1 and 2 shards, a plain and a forced rerun,
 //! the statements of an idle daemon tick, the process's peak RSS, a batch-size sweep and, optionally, scaling
 //! and scheduler drift. It prints a Markdown report and writes it to `--out`.
+//!
+//! It runs the `fine-settler` binary found beside its own executable (both are built into the workspace's
+//! `target/`), which also generates the loans (`fine-settler demo-data`); it does not link the product library.
 
 use std::{
     fmt::Write as _,
