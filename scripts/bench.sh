@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The settlement benchmark, in one command. Builds the release binaries, starts the private bench cluster
-# (target/pg-bench, with pg_stat_statements; BENCH_DATABASE_URL names another server instead), and runs
-# fine-settler-bench, which writes bench/RESULTS.md.
+# The settlement benchmark, in one command. Builds the release binaries (fine-settler, and fine-settler-bench from
+# the bench/ crate, both into target/release), starts the private bench cluster (target/pg-bench, with
+# pg_stat_statements; BENCH_DATABASE_URL names another server instead), and runs fine-settler-bench, which writes
+# bench/RESULTS.md.
 #   scripts/bench.sh           the full run: 1M loans, batch-size sweep, scaling (100k, 4M; 4 shards), drift
 #   scripts/bench.sh --quick   a smoke run (20k loans) that writes target/bench-smoke.md instead
 #   scripts/bench.sh ARGS...   any fine-settler-bench arguments (see --help)
@@ -9,7 +10,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
-cargo build --release --locked --quiet --bins
+cargo build --release --locked --quiet -p fine-settler -p fine-settler-bench
 DATABASE_URL=${BENCH_DATABASE_URL:-$(scripts/pg.sh start bench)}
 export DATABASE_URL
 if [ "${1:-}" = "--quick" ]; then

@@ -4,6 +4,9 @@
 //! (and with two concurrent sessions), `fine-settler settle` with 1 and 2 shards, a plain and a forced rerun,
 //! the statements of an idle daemon tick, the process's peak RSS, a batch-size sweep and, optionally, scaling
 //! and scheduler drift. It prints a Markdown report and writes it to `--out`.
+//!
+//! It runs the `fine-settler` binary found beside its own executable (both are built into the workspace's
+//! `target/`), which also generates the loans (`fine-settler demo-data`); it does not link the product library.
 
 use std::{
     fmt::Write as _,
@@ -13,12 +16,10 @@ use std::{
 };
 
 use clap::Parser;
-use fine_settler::{
-    demo::{self, DemoSpec},
-    store::loans::insert_new,
-};
 use sqlx::{postgres::PgPoolOptions, PgPool};
 
+/// The month the generated loans cluster around (`fine-settler demo-data --month`), and its last day.
+const MONTH: &str = "2026-10";
 const MONTH_END: &str = "2026-10-31";
 
 #[derive(Debug, Parser)]
@@ -97,22 +98,22 @@ impl Bench {
         if !status.success() {
             return Err("migrate failed".into());
         }
-        let pool = self.pool(&name, 2).await?;
-        let spec = DemoSpec {
-            loans: n,
-            seed: 42,
-            month: "2026-10-01".parse()?,
-            first_id: 1,
-        };
-        let mut chunk = Vec::with_capacity(20_000);
-        for loan in demo::loans(spec) {
-            chunk.push(loan);
-            if chunk.len() == 20_000 {
-                insert_new(&pool, &chunk).await?;
-                chunk.clear();
-            }
+        // The deterministic demo loans (seed 42, ids from 1), inserted by the product's own generator.
+        let out = Command::new(binary()?)
+            .args(["demo-data", "--loans", &n.to_string(), "--seed", "42"])
+            .args(["--month", MONTH, "--first-id", "1"])
+            .env("DATABASE_URL", format!("{}/{name}", self.server))
+            .env("FINE_SETTLER__LOG__LEVEL", "warn")
+            .stderr(Stdio::inherit())
+            .output()?;
+        if !out.status.success() {
+            return Err("demo-data failed".into());
         }
-        insert_new(&pool, &chunk).await?;
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        if report["inserted"].as_u64() != Some(n) {
+            return Err(format!("demo-data inserted {} of {n} loans", report["inserted"]).into());
+        }
+        let pool = self.pool(&name, 2).await?;
         sqlx::raw_sql("vacuum analyze loans").execute(&pool).await?;
         pool.close().await;
         Ok(name)
