@@ -148,19 +148,13 @@ impl Lease {
     ) -> Result<Self, Vec<LeaseError>> {
         let batch_timeout = batch_timeout.unwrap_or_else(|| derived_batch_timeout(duration));
         let lock_timeout = lock_timeout.unwrap_or_else(|| derived_lock_timeout(batch_timeout));
-        let mut broken = Vec::new();
-        if duration <= batch_timeout {
-            broken.push(LeaseError::NotLongerThanBatch {
-                lease: duration,
-                batch_timeout,
-            });
-        }
-        if lock_timeout >= batch_timeout {
-            broken.push(LeaseError::LockNotShorterThanBatch {
-                lock_timeout,
-                batch_timeout,
-            });
-        }
+        let broken: Vec<LeaseError> = [
+            Lease::check_batch(duration, batch_timeout),
+            Lease::check_lock(batch_timeout, lock_timeout),
+        ]
+        .into_iter()
+        .filter_map(Result::err)
+        .collect();
         if !broken.is_empty() {
             return Err(broken);
         }
@@ -169,6 +163,25 @@ impl Lease {
             batch_timeout,
             lock_timeout,
         })
+    }
+
+    /// The lease must be longer than the longest batch.
+    pub fn check_batch(lease: Duration, batch_timeout: Duration) -> Result<(), LeaseError> {
+        if lease <= batch_timeout {
+            return Err(LeaseError::NotLongerThanBatch { lease, batch_timeout });
+        }
+        Ok(())
+    }
+
+    /// A lock wait must be shorter than the batch it happens in.
+    pub fn check_lock(batch_timeout: Duration, lock_timeout: Duration) -> Result<(), LeaseError> {
+        if lock_timeout >= batch_timeout {
+            return Err(LeaseError::LockNotShorterThanBatch {
+                lock_timeout,
+                batch_timeout,
+            });
+        }
+        Ok(())
     }
 
     /// How long a claim stays valid without progress; every committed batch renews it.

@@ -6,6 +6,7 @@ use std::{collections::HashMap, net::SocketAddr, str::FromStr, time::Duration};
 use chrono_tz::Tz;
 
 use super::{
+    derived_batch_timeout, derived_lock_timeout,
     raw::{
         RawAccrual, RawClaim, RawDatabase, RawFine, RawHttp, RawInstance, RawLog, RawSchedule, RawSettlement,
         RawTime,
@@ -249,38 +250,33 @@ fn time(c: &mut Checker, raw: &RawTime) -> Option<(Tz, TimeSource, Duration)> {
 
 fn claim(c: &mut Checker, raw: &RawClaim) -> Option<ClaimSettings> {
     let lease = c.duration("claim.lease", &raw.lease);
-    // An explicit value that does not parse stops here (its problem is recorded); an unset one is derived.
-    let batch_timeout = raw
+    // An explicit value that does not parse is unknown (its problem is recorded); an unset one is derived from
+    // the value it depends on, when that is known.
+    let explicit_batch = raw
         .batch_timeout
         .as_deref()
-        .map(|t| c.duration("claim.batch_timeout", t).ok_or(()))
-        .transpose();
-    let lock_timeout = raw
+        .map(|t| c.duration("claim.batch_timeout", t));
+    let explicit_lock = raw
         .lock_timeout
         .as_deref()
-        .map(|t| c.duration("claim.lock_timeout", t).ok_or(()))
-        .transpose();
+        .map(|t| c.duration("claim.lock_timeout", t));
     let history_retention = c.duration("claim.history_retention", &raw.history_retention);
     if history_retention.is_some_and(|r| r < Duration::from_secs(3600)) {
         c.fail("claim.history_retention", "must be at least 1h");
     }
-    let (Some(lease), Ok(batch_timeout), Ok(lock_timeout)) = (lease, batch_timeout, lock_timeout) else {
-        // With the lease unknown, explicit timeouts can still contradict each other.
-        if let (Ok(Some(batch)), Ok(Some(lock))) = (batch_timeout, lock_timeout) {
-            if let Err(broken) = Lease::new(Duration::MAX, Some(batch), Some(lock)) {
-                lease_problems(c, &broken);
-            }
-        }
-        return None;
-    };
-    // Only explicit values can contradict each other: the derived ones always fit.
-    let lease = match Lease::new(lease, batch_timeout, lock_timeout) {
-        Ok(lease) => lease,
-        Err(broken) => {
-            lease_problems(c, &broken);
-            return None;
-        }
-    };
+    let batch_timeout = explicit_batch.unwrap_or_else(|| lease.map(derived_batch_timeout));
+    let lock_timeout = explicit_lock.unwrap_or_else(|| batch_timeout.map(derived_lock_timeout));
+    // Each invariant is checked whenever its two values are known, so that every contradiction is reported even
+    // when a third value is bad. Only explicit values can contradict each other: the derived ones always fit.
+    let mut broken = Vec::new();
+    if let (Some(lease), Some(batch)) = (lease, batch_timeout) {
+        broken.extend(Lease::check_batch(lease, batch).err());
+    }
+    if let (Some(batch), Some(lock)) = (batch_timeout, lock_timeout) {
+        broken.extend(Lease::check_lock(batch, lock).err());
+    }
+    lease_problems(c, &broken);
+    let lease = Lease::new(lease?, Some(batch_timeout?), Some(lock_timeout?)).ok()?;
     Some(ClaimSettings {
         lease,
         history_retention: history_retention?,
@@ -544,6 +540,25 @@ mod tests {
             ("FINE_SETTLER__TIME__ZONE", "Nowhere"),
         ]);
         assert_eq!(lines.len(), 2, "{lines:?}");
+        // A bad claim timeout does not hide a contradiction between the two others.
+        let lines = problems(&[
+            ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "2m"),
+            ("FINE_SETTLER__CLAIM__LOCK_TIMEOUT", "soon"),
+        ]);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(
+            lines[1].contains("claim.lease: 2m must be longer than claim.batch_timeout (2m)"),
+            "{lines:?}"
+        );
+        let lines = problems(&[
+            ("FINE_SETTLER__CLAIM__LEASE", "soon"),
+            ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "5ms"),
+        ]);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(
+            lines[1].contains("claim.lock_timeout: 10ms must be shorter than claim.batch_timeout (5ms)"),
+            "{lines:?}"
+        );
     }
 
     #[test]

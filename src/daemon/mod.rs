@@ -545,6 +545,25 @@ impl Daemon {
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn a_replica_s_debug_never_shows_the_password() {
+        let env = crate::testing::env(&[("DATABASE_URL", "postgres://u:hunter2@h/db?password=hunter3")]);
+        let settings = crate::config::load(None, &env)
+            .and_then(|raw| raw.validate(&env))
+            .expect("valid");
+        let daemon = Daemon::new(
+            settings,
+            Arc::new(crate::schedule::SystemWall),
+            CancellationToken::new(),
+            Arc::new(Notify::new()),
+        );
+        let shown = format!("{daemon:?}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("hunter3") && shown.contains("u:***@h/db"),
+            "{shown}"
+        );
+    }
+
     #[test]
     fn the_tick_backoff_doubles_and_is_capped() {
         assert_eq!(TICK_BACKOFF.delay(1), Duration::from_millis(250));

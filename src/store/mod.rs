@@ -121,11 +121,21 @@ pub fn connect_lazy(db: &DatabaseSettings, application_name: &str, batch_timeout
 
 /// One dedicated connection, re-opened after any error. The daemon reads its tick status through it, so an idle
 /// tick is a single round trip (a pooled connection adds a health-check ping at every checkout and release).
-#[derive(Debug)]
 pub struct Session {
+    /// Holds the password: never printed (see the `Debug` below).
     options: PgConnectOptions,
     connect_timeout: Duration,
     conn: Option<PgConnection>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("host", &self.options.get_host())
+            .field("database", &self.options.get_database())
+            .field("connected", &self.conn.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Session {
