@@ -10,8 +10,8 @@ use sqlx::PgPool;
 use tokio::net::UnixDatagram;
 
 use crate::{
-    daemon::{daemon, due_now, exit_of, signal},
-    helpers::{database_url, fine_settler, migrate, output, slow_down, wait_until},
+    daemon::due_now,
+    helpers::{daemon, database_url, exit_of, fine_settler, migrate, output, signal, slow_down, wait_until},
 };
 
 type Received = Arc<Mutex<Vec<(Instant, String)>>>;
