@@ -16,8 +16,8 @@ use fine_settler::{
 use sqlx::PgPool;
 
 use crate::helpers::{
-    assert_success, d, database_url, fine_settler, insert, loan, output, report, runner, slow_down,
-    wait_until,
+    assert_success, d, database_url, fine_settler, insert, loan, output, report, runner, sigkill, slow_down,
+    spawn, wait_until,
 };
 
 fn accrual(policy: FinePolicy) -> Accrual {
@@ -301,11 +301,7 @@ async fn a_killed_accrual_is_taken_over_and_charges_every_loan_once(pool: PgPool
             .args(["accrue", "--date", &day.to_string()]);
         cmd
     };
-    let mut victim = accrue()
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
+    let victim = spawn(accrue().stdout(Stdio::null()).stderr(Stdio::null()));
     wait_until("a few batches", Duration::from_secs(30), || async {
         sqlx::query_scalar::<_, i64>("select count(*) from fine_ledger")
             .fetch_one(&pool)
@@ -314,8 +310,7 @@ async fn a_killed_accrual_is_taken_over_and_charges_every_loan_once(pool: PgPool
             >= 50
     })
     .await;
-    victim.kill().expect("SIGKILL");
-    victim.wait().expect("reap");
+    sigkill(victim);
     sqlx::query("drop trigger slow_down on fine_ledger")
         .execute(&pool)
         .await

@@ -16,7 +16,8 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 pub use process::{
-    assert_success, daemon, exit_of, fine_settler, migrate, output, report, signal, stop, Running,
+    assert_success, daemon, exit_of, fine_settler, migrate, output, report, sigkill, signal, spawn, stop,
+    Running,
 };
 
 pub fn d(s: &str) -> NaiveDate {

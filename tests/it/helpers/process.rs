@@ -138,3 +138,9 @@ pub async fn stop(child: Running) -> (Option<i32>, String) {
     signal(&child, "TERM");
     exit_of(child, Duration::from_secs(10)).await
 }
+
+/// SIGKILL, and reap it.
+pub fn sigkill(mut child: Running) {
+    child.kill().expect("SIGKILL");
+    child.wait().expect("reap");
+}
