@@ -9,22 +9,12 @@ use sqlx::{postgres::PgPoolOptions, PgPool};
 
 use crate::{
     helpers::{
-        assert_success, d, daemon, database_url, exit_of, fine_settler, insert, install_update_audit, loan,
-        max_updates_per_loan, migrate, oracle, output, seed_run, settled, signal, slow_down, stop,
-        wait_until, Running,
+        assert_success, d, daemon, database_url, due_now, exit_of, fine_settler, free_port, insert,
+        install_update_audit, loan, max_updates_per_loan, migrate, oracle, output, seed_run, settled, signal,
+        slow_down, stop, wait_until, Running,
     },
     server::PrivateServer,
 };
-
-/// The settlement business dates a daemon in Asia/Shanghai is due for right now, oldest first (computed from
-/// the database clock, as the daemon does).
-pub(crate) async fn due_now(pool: &PgPool, months: u32) -> Vec<NaiveDate> {
-    let now: DateTime<Utc> = sqlx::query_scalar("select now()")
-        .fetch_one(pool)
-        .await
-        .expect("now");
-    calendar::settlement_due(calendar::local_date(now, chrono_tz::Asia::Shanghai), months)
-}
 
 /// Demo loans around each month, with disjoint ids.
 async fn load_months(pool: &PgPool, months: &[NaiveDate], per_month: u64) {
@@ -559,14 +549,6 @@ async fn http_get(port: u16, path: &str) -> (u16, String) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
 }
 
 #[sqlx::test]

@@ -20,12 +20,9 @@ use fine_settler::{
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
-use crate::{
-    daemon::due_now,
-    helpers::{
-        assert_success, d, daemon, database_url, fine_settler, insert, key, loan, oracle, output, report,
-        runner, seed_run, settled, stop, CLAIM,
-    },
+use crate::helpers::{
+    assert_success, d, daemon, database_url, due_now, fine_settler, insert, key, loan, oracle, output,
+    report, runner, seed_run, settled, stop, CLAIM,
 };
 
 /// The database's local date in Asia/Shanghai (the daemon's default zone), by the database clock.

@@ -5,8 +5,9 @@ mod process;
 
 use std::time::Duration;
 
-use chrono::NaiveDate;
+use chrono::{DateTime, NaiveDate, Utc};
 use fine_settler::{
+    calendar,
     config::ClaimSettings,
     jobs::{runner::Runner, JobName, RunKey},
     shard::ShardSpec,
@@ -19,6 +20,25 @@ pub use process::{
     assert_success, daemon, exit_of, fine_settler, migrate, output, report, sigkill, signal, spawn, stop,
     Running,
 };
+
+/// The settlement business dates a daemon in Asia/Shanghai is due for right now, oldest first (computed from
+/// the database clock, as the daemon does).
+pub async fn due_now(pool: &PgPool, months: u32) -> Vec<NaiveDate> {
+    let now: DateTime<Utc> = sqlx::query_scalar("select now()")
+        .fetch_one(pool)
+        .await
+        .expect("now");
+    calendar::settlement_due(calendar::local_date(now, chrono_tz::Asia::Shanghai), months)
+}
+
+/// A loopback port nothing listens on (at the time of asking).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
 
 pub fn d(s: &str) -> NaiveDate {
     s.parse().expect("test date")
