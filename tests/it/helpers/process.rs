@@ -105,13 +105,21 @@ pub fn daemon(url: &str, shard: i32, shards: i32, extra: &[(&str, &str)]) -> Run
     spawn(&mut cmd)
 }
 
+/// `kill -NAME pid`; whether the signal was sent.
+pub fn send_signal(pid: u32, name: &str) -> bool {
+    Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// Sends SIG`name` to the process, which must be there to receive it.
 pub fn signal(child: &Child, name: &str) {
-    let status = Command::new("kill")
-        .args([&format!("-{name}"), &child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
+    assert!(
+        send_signal(child.id(), name),
+        "kill -{name} {} failed",
+        child.id()
+    );
 }
 
 /// Waits for the process to exit (at most `limit`); returns its exit code and stderr.
