@@ -155,7 +155,13 @@ async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool:
     let blocked = [expected[3], expected[10], expected[11]];
     block_charges(&pool, &blocked).await;
 
-    let job = accrual(FinePolicy::DEFAULT);
+    // The first retry a second after the failure, so that the charges cannot come due before the "not due yet"
+    // check below however slow the machine (with the 100 ms of `accrual()` they sometimes did).
+    let job = Accrual {
+        backoff: Duration::from_secs(1),
+        backoff_max: Duration::from_secs(4),
+        ..accrual(FinePolicy::DEFAULT)
+    };
     let run = runner(&pool, "a", 25).run(&job, day_key(day, 0, 1), false).await;
     assert_eq!(
         run.outcome,
@@ -191,7 +197,28 @@ async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool:
             .charged,
         0
     );
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Due one backoff after they were queued.
+    let delays: Vec<f64> = sqlx::query_scalar(
+        "select extract(epoch from next_attempt_at - updated_at)::float8 * 1000 from fine_pending",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("delays");
+    assert!(delays.iter().all(|ms| (ms - 1000.0).abs() < 1.0), "{delays:?}");
+    wait_until(
+        "the three pending charges due for a retry",
+        Duration::from_secs(10),
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "select count(*) from fine_pending where status = 'PENDING' and next_attempt_at <= now()",
+            )
+            .fetch_one(&pool)
+            .await
+            .expect("due")
+                == 3
+        },
+    )
+    .await;
     let done = compensate(&pool, &job, Some(ShardSpec::SINGLE), true, 10)
         .await
         .expect("pass");
