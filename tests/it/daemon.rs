@@ -11,7 +11,7 @@ use crate::{
     helpers::{
         assert_success, d, daemon, database_url, due_now, exit_of, fine_settler, free_port, insert,
         install_update_audit, loan, max_updates_per_loan, migrate, oracle, output, seed_run, settled, signal,
-        slow_down, stop, wait_until, Running,
+        slow_down, stop, wait_until, Running, StderrLog,
     },
     server::PrivateServer,
 };
@@ -160,7 +160,8 @@ async fn a_second_signal_exits_at_once(pool: PgPool) {
         ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "20s"),
         ("FINE_SETTLER__CLAIM__LEASE", "30s"),
     ];
-    let replica = daemon(&url, 0, 1, &extra);
+    let mut replica = daemon(&url, 0, 1, &extra);
+    let stderr = StderrLog::collect(&mut replica);
     // pg_stat_activity shows the whole server: only this test's database counts.
     let in_flight = "select count(*) from pg_stat_activity
                      where datname = current_database() and wait_event = 'PgSleep'
@@ -174,9 +175,14 @@ async fn a_second_signal_exits_at_once(pool: PgPool) {
     .await;
     let started = tokio::time::Instant::now();
     signal(&replica, "TERM");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A second signal sent before the first is handled could be merged with it.
+    wait_until("the first signal handled", Duration::from_secs(2), || async {
+        stderr.contains("shutdown requested")
+    })
+    .await;
     signal(&replica, "TERM");
-    let (code, stderr) = exit_of(replica, Duration::from_secs(10)).await;
+    let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
+    let stderr = stderr.finish();
     assert_eq!(code, Some(1), "{stderr}");
     assert!(
         started.elapsed() < Duration::from_secs(2),

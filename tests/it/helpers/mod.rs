@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use process::{
     assert_success, daemon, exit_of, fine_settler, migrate, output, report, send_signal, sigkill, signal,
-    spawn, stop, Running,
+    spawn, stop, Running, StderrLog,
 };
 
 /// The settlement business dates a daemon in Asia/Shanghai is due for right now, oldest first (computed from

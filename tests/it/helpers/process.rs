@@ -5,6 +5,8 @@ use std::{
     io::Read,
     ops::{Deref, DerefMut},
     process::{Child, Command, Output, Stdio},
+    sync::{Arc, Mutex},
+    thread::JoinHandle,
     time::Duration,
 };
 
@@ -122,7 +124,8 @@ pub fn signal(child: &Child, name: &str) {
     );
 }
 
-/// Waits for the process to exit (at most `limit`); returns its exit code and stderr.
+/// Waits for the process to exit (at most `limit`); returns its exit code and stderr (none if a [`StderrLog`] took
+/// it).
 pub async fn exit_of(mut child: Running, limit: Duration) -> (Option<i32>, String) {
     let deadline = tokio::time::Instant::now() + limit;
     loop {
@@ -151,4 +154,39 @@ pub async fn stop(child: Running) -> (Option<i32>, String) {
 pub fn sigkill(mut child: Running) {
     child.kill().expect("SIGKILL");
     child.wait().expect("reap");
+}
+
+/// A process's stderr, read by a thread as it is written, so that a test can look at it while the process runs.
+#[derive(Debug)]
+pub struct StderrLog {
+    bytes: Arc<Mutex<Vec<u8>>>,
+    reader: JoinHandle<()>,
+}
+
+impl StderrLog {
+    /// Takes over the piped stderr of `child` ([`exit_of`] then returns none of it).
+    pub fn collect(child: &mut Child) -> StderrLog {
+        let mut pipe = child.stderr.take().expect("stderr is piped");
+        let bytes: Arc<Mutex<Vec<u8>>> = Arc::default();
+        let sink = bytes.clone();
+        let reader = std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = pipe.read(&mut buf) {
+                sink.lock().expect("lock").extend_from_slice(&buf[..n]);
+            }
+        });
+        StderrLog { bytes, reader }
+    }
+
+    /// Whether the process has written `text` so far.
+    pub fn contains(&self, text: &str) -> bool {
+        String::from_utf8_lossy(&self.bytes.lock().expect("lock")).contains(text)
+    }
+
+    /// Everything the process wrote; call once it has exited (the pipe then ends).
+    pub fn finish(self) -> String {
+        self.reader.join().expect("stderr reader");
+        let bytes = self.bytes.lock().expect("lock");
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
 }
