@@ -147,6 +147,11 @@ impl PrivateServer {
         url
     }
 
+    /// What the server has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(format!("{}/log", self.dir)).unwrap_or_default()
+    }
+
     pub fn url(&self, database: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
     }
