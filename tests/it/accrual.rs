@@ -17,8 +17,8 @@ use fine_settler::{
 use sqlx::PgPool;
 
 use crate::helpers::{
-    assert_success, d, database_url, fine_settler, insert, loan, output, report, runner, slow_down,
-    wait_until,
+    assert_success, d, database_url, fine_settler, insert, loan, output, report, runner, sigkill, slow_down,
+    spawn, wait_until,
 };
 
 fn accrual(policy: FinePolicy) -> Accrual {
@@ -155,7 +155,12 @@ async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool:
     let blocked = [expected[3], expected[10], expected[11]];
     block_charges(&pool, &blocked).await;
 
-    let job = accrual(FinePolicy::DEFAULT);
+    // The first retry a second after the failure, so that the charges cannot come due before the "not due yet"
+    // check below however slow the machine (with the 100 ms of `accrual()` they sometimes did).
+    let job = Accrual {
+        backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(4)),
+        ..accrual(FinePolicy::DEFAULT)
+    };
     let run = runner(&pool, "a", 25).run(&job, day_key(day, 0, 1), false).await;
     assert_eq!(
         run.outcome,
@@ -191,7 +196,28 @@ async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool:
             .charged,
         0
     );
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Due one backoff after they were queued.
+    let delays: Vec<f64> = sqlx::query_scalar(
+        "select extract(epoch from next_attempt_at - updated_at)::float8 * 1000 from fine_pending",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("delays");
+    assert!(delays.iter().all(|ms| (ms - 1000.0).abs() < 1.0), "{delays:?}");
+    wait_until(
+        "the three pending charges due for a retry",
+        Duration::from_secs(10),
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "select count(*) from fine_pending where status = 'PENDING' and next_attempt_at <= now()",
+            )
+            .fetch_one(&pool)
+            .await
+            .expect("due")
+                == 3
+        },
+    )
+    .await;
     let done = compensate(&pool, &job, Some(ShardSpec::SINGLE), true, 10)
         .await
         .expect("pass");
@@ -301,11 +327,7 @@ async fn a_killed_accrual_is_taken_over_and_charges_every_loan_once(pool: PgPool
             .args(["accrue", "--date", &day.to_string()]);
         cmd
     };
-    let mut victim = accrue()
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
+    let victim = spawn(accrue().stdout(Stdio::null()).stderr(Stdio::null()));
     wait_until("a few batches", Duration::from_secs(30), || async {
         sqlx::query_scalar::<_, i64>("select count(*) from fine_ledger")
             .fetch_one(&pool)
@@ -314,8 +336,7 @@ async fn a_killed_accrual_is_taken_over_and_charges_every_loan_once(pool: PgPool
             >= 50
     })
     .await;
-    victim.kill().expect("SIGKILL");
-    victim.wait().expect("reap");
+    sigkill(victim);
     sqlx::query("drop trigger slow_down on fine_ledger")
         .execute(&pool)
         .await

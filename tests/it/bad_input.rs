@@ -7,7 +7,10 @@ use std::{process::Output, time::Duration};
 use sqlx::{postgres::PgPoolOptions, PgPool};
 
 use crate::{
-    helpers::{assert_success, database_url, fine_settler, migrate, output, report},
+    helpers::{
+        assert_success, database_url, exit_of, fine_settler, migrate, output, report, signal, spawn,
+        wait_until, StderrLog,
+    },
     server::PrivateServer,
 };
 
@@ -136,14 +139,22 @@ async fn a_wrong_password_is_named_once_and_never_printed() {
         .arg("run")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped());
-    let replica = run.spawn().expect("spawn");
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &replica.id().to_string()])
-        .status();
-    let out = replica.wait_with_output().expect("wait");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let refused = || server.log().matches("password authentication failed").count();
+    let before = refused();
+    let mut replica = spawn(&mut run);
+    let stderr = StderrLog::collect(&mut replica);
+    // The refusal said, and the server refused the daemon's retries: four attempts in all (the first at once, the
+    // next after 0.25, 0.5 and 1 s of backoff).
+    wait_until(
+        "the refusal logged and three retries refused",
+        Duration::from_secs(20),
+        || async { stderr.contains("password authentication failed") && refused() - before >= 4 },
+    )
+    .await;
+    signal(&replica, "TERM");
+    let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
+    let stderr = stderr.finish();
+    assert_eq!(code, Some(0), "{stderr}");
     let refusals = stderr
         .lines()
         .filter(|l| l.contains("password authentication failed"))

@@ -1,10 +1,7 @@
 //! The replica as a process: catch-up across months with three shards, graceful and hard shutdown, surviving a
 //! PostgreSQL restart, and what an idle tick costs.
 
-use std::{
-    process::{Child, Command, Stdio},
-    time::Duration,
-};
+use std::time::Duration;
 
 use chrono::{DateTime, NaiveDate, Utc};
 use fine_settler::{calendar, demo};
@@ -12,21 +9,12 @@ use sqlx::{postgres::PgPoolOptions, PgPool};
 
 use crate::{
     helpers::{
-        assert_success, d, database_url, fine_settler, insert, install_update_audit, loan,
-        max_updates_per_loan, migrate, oracle, output, seed_run, settled, slow_down, wait_until,
+        assert_success, d, daemon, database_url, due_now, exit_of, fine_settler, free_port, insert,
+        install_update_audit, loan, max_updates_per_loan, migrate, oracle, output, seed_run, settled, signal,
+        slow_down, stop, wait_until, Running, StderrLog,
     },
     server::PrivateServer,
 };
-
-/// The settlement business dates a daemon in Asia/Shanghai is due for right now, oldest first (computed from
-/// the database clock, as the daemon does).
-pub(crate) async fn due_now(pool: &PgPool, months: u32) -> Vec<NaiveDate> {
-    let now: DateTime<Utc> = sqlx::query_scalar("select now()")
-        .fetch_one(pool)
-        .await
-        .expect("now");
-    fine_settler::schedule::due::settlement_due(calendar::local_date(now, chrono_tz::Asia::Shanghai), months)
-}
 
 /// Demo loans around each month, with disjoint ids.
 async fn load_months(pool: &PgPool, months: &[NaiveDate], per_month: u64) {
@@ -38,52 +26,6 @@ async fn load_months(pool: &PgPool, months: &[NaiveDate], per_month: u64) {
             first_id: 1 + i as i64 * 100_000,
         };
         insert(pool, &demo::loans(spec).collect::<Vec<_>>()).await;
-    }
-}
-
-pub(crate) fn daemon(url: &str, shard: i32, shards: i32, extra: &[(&str, &str)]) -> Child {
-    let mut cmd = fine_settler(url);
-    cmd.env("FINE_SETTLER__INSTANCE__SHARD", shard.to_string())
-        .env("FINE_SETTLER__INSTANCE__SHARDS", shards.to_string())
-        .env("FINE_SETTLER__SCHEDULE__PERIOD", "300ms")
-        .env("FINE_SETTLER__CLAIM__LEASE", "3s")
-        .env("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "1s")
-        .env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "25");
-    for (k, v) in extra {
-        cmd.env(k, v);
-    }
-    cmd.arg("run")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn daemon")
-}
-
-pub(crate) fn signal(child: &Child, name: &str) {
-    let status = Command::new("kill")
-        .args([&format!("-{name}"), &child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
-}
-
-/// Waits for the process to exit (at most `limit`); returns its exit code and stderr.
-pub(crate) async fn exit_of(mut child: Child, limit: Duration) -> (Option<i32>, String) {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            let mut err = String::new();
-            if let Some(mut e) = child.stderr.take() {
-                use std::io::Read;
-                let _ = e.read_to_string(&mut err);
-            }
-            return (status.code(), err);
-        }
-        if tokio::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("process did not exit within {limit:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -108,7 +50,7 @@ async fn three_replicas_settle_every_missed_month_and_stop_cleanly(pool: PgPool)
     let months = due_now(&pool, 3).await;
     load_months(&pool, &months, 1500).await;
     let url = database_url(&pool);
-    let replicas: Vec<Child> = (0..3).map(|s| daemon(&url, s, 3, &[])).collect();
+    let replicas: Vec<Running> = (0..3).map(|s| daemon(&url, s, 3, &[])).collect();
     wait_until("all 3 x 3 keys SUCCESS", Duration::from_secs(60), || async {
         success_keys(&pool).await == 9
     })
@@ -160,8 +102,7 @@ async fn sigterm_mid_run_hands_the_key_back_and_a_restarted_replica_finishes_it(
             >= 30
     })
     .await;
-    signal(&replica, "TERM");
-    let (code, stderr) = exit_of(replica, Duration::from_secs(10)).await;
+    let (code, stderr) = stop(replica).await;
     assert_eq!(code, Some(0), "{stderr}");
     let (status, error, released): (String, Option<String>, bool) =
         sqlx::query_as("select status, last_error, lease_until <= now() from job_runs")
@@ -219,7 +160,8 @@ async fn a_second_signal_exits_at_once(pool: PgPool) {
         ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "20s"),
         ("FINE_SETTLER__CLAIM__LEASE", "30s"),
     ];
-    let replica = daemon(&url, 0, 1, &extra);
+    let mut replica = daemon(&url, 0, 1, &extra);
+    let stderr = StderrLog::collect(&mut replica);
     // pg_stat_activity shows the whole server: only this test's database counts.
     let in_flight = "select count(*) from pg_stat_activity
                      where datname = current_database() and wait_event = 'PgSleep'
@@ -233,9 +175,14 @@ async fn a_second_signal_exits_at_once(pool: PgPool) {
     .await;
     let started = tokio::time::Instant::now();
     signal(&replica, "TERM");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A second signal sent before the first is handled could be merged with it.
+    wait_until("the first signal handled", Duration::from_secs(2), || async {
+        stderr.contains("shutdown requested")
+    })
+    .await;
     signal(&replica, "TERM");
-    let (code, stderr) = exit_of(replica, Duration::from_secs(10)).await;
+    let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
+    let stderr = stderr.finish();
     assert_eq!(code, Some(1), "{stderr}");
     assert!(
         started.elapsed() < Duration::from_secs(2),
@@ -317,7 +264,7 @@ async fn replicas_recover_from_a_postgres_restart_without_restarting_themselves(
     slow_down(&pool, "update on loans", 0.005).await;
     pool.close().await;
 
-    let replicas: Vec<Child> = (0..3).map(|s| daemon(&url, s, 3, &[])).collect();
+    let replicas: Vec<Running> = (0..3).map(|s| daemon(&url, s, 3, &[])).collect();
     let pool = PgPoolOptions::new()
         .max_connections(3)
         .connect(&url)
@@ -610,14 +557,6 @@ async fn http_get(port: u16, path: &str) -> (u16, String) {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
-
 #[sqlx::test]
 async fn probes_and_metrics_are_served_by_a_running_replica(pool: PgPool) {
     let months = due_now(&pool, 1).await;
@@ -667,8 +606,7 @@ async fn probes_and_metrics_are_served_by_a_running_replica(pool: PgPool) {
             .all(|l| !l.contains("business_date") && !l.contains("loan")),
         "no unbounded labels"
     );
-    signal(&replica, "TERM");
-    assert_eq!(exit_of(replica, Duration::from_secs(10)).await.0, Some(0));
+    assert_eq!(stop(replica).await.0, Some(0));
 }
 
 #[sqlx::test(migrations = false)]
@@ -693,8 +631,7 @@ async fn readiness_fails_until_the_database_is_migrated(pool: PgPool) {
         200,
         "an outage is not a stall: the replica keeps retrying"
     );
-    signal(&replica, "TERM");
-    assert_eq!(exit_of(replica, Duration::from_secs(10)).await.0, Some(0));
+    assert_eq!(stop(replica).await.0, Some(0));
 }
 
 #[sqlx::test]
@@ -707,8 +644,7 @@ async fn a_replica_whose_log_reader_went_away_still_stops_on_sigterm(pool: PgPoo
         success_keys(&pool).await >= 3
     })
     .await;
-    signal(&replica, "TERM");
-    let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
+    let (code, _) = stop(replica).await;
     assert_eq!(code, Some(0));
 }
 

@@ -10,7 +10,7 @@ use fine_settler::{
 use sqlx::PgPool;
 use tokio::{io::AsyncWriteExt, net::TcpStream};
 
-use crate::helpers::{database_url, insert, loan, slow_down, wait_until};
+use crate::helpers::{database_url, free_port, insert, loan, slow_down, wait_until};
 
 fn settings(pool: &PgPool, extra: &[(&str, &str)]) -> Settings {
     let mut env: std::collections::HashMap<String, String> = [
@@ -28,14 +28,6 @@ fn settings(pool: &PgPool, extra: &[(&str, &str)]) -> Settings {
     config::load(None, &env)
         .and_then(|raw| raw.validate(&env))
         .expect("valid settings")
-}
-
-/// A port nothing listens on now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 async fn healthz_answers(port: u16) -> bool {

@@ -20,12 +20,9 @@ use fine_settler::{
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
-use crate::{
-    daemon::due_now,
-    helpers::{
-        assert_success, claim_settings, d, database_url, fine_settler, insert, key, loan, oracle, output,
-        report, runner, seed_run, settled, LOCK_TIMEOUT,
-    },
+use crate::helpers::{
+    assert_success, claim_settings, d, daemon, database_url, due_now, fine_settler, insert, key, loan,
+    oracle, output, report, runner, seed_run, settled, stop, LOCK_TIMEOUT,
 };
 
 /// The database's local date in Asia/Shanghai (the daemon's default zone), by the database clock.
@@ -665,31 +662,6 @@ async fn accrue_checks_its_date_against_the_database_clock(pool: PgPool) {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--date"));
 }
 
-/// A replica process that is killed if the test fails before stopping it.
-struct Replica(Option<std::process::Child>);
-
-impl Replica {
-    fn start(url: &str, extra: &[(&str, &str)]) -> Replica {
-        Replica(Some(crate::daemon::daemon(url, 0, 1, extra)))
-    }
-
-    /// SIGTERM, then its exit code and stderr.
-    async fn stop(mut self) -> (Option<i32>, String) {
-        let child = self.0.take().expect("running");
-        crate::daemon::signal(&child, "TERM");
-        crate::daemon::exit_of(child, Duration::from_secs(10)).await
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        if let Some(child) = self.0.as_mut() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
 fn which(program: &str) -> Option<std::path::PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
@@ -797,8 +769,10 @@ async fn sigterm_during_a_long_compensation_pass_stops_it_cleanly(pool: PgPool) 
          create trigger slow_ledger before insert on fine_ledger for each row execute function slow_ledger();",
     )
     .await;
-    let replica = Replica::start(
+    let replica = daemon(
         &url,
+        0,
+        1,
         &[
             ("FINE_SETTLER__ACCRUAL__ENABLED", "true"),
             ("FINE_SETTLER__SETTLEMENT__ENABLED", "false"),
@@ -812,7 +786,7 @@ async fn sigterm_during_a_long_compensation_pass_stops_it_cleanly(pool: PgPool) 
         || async { remaining().await < 195 },
     )
     .await;
-    let (code, stderr) = replica.stop().await;
+    let (code, stderr) = stop(replica).await;
     assert_eq!(code, Some(0), "{stderr}");
     assert!(remaining().await > 0, "stopped before the end of the backlog");
 }
@@ -896,8 +870,10 @@ async fn a_late_return_settled_by_a_running_replica_is_also_accrued(pool: PgPool
     let url = database_url(&pool);
     let today = db_today(&pool).await;
     let month_end = calendar::month_start(today).pred_opt().expect("date");
-    let replica = Replica::start(
+    let replica = daemon(
         &url,
+        0,
+        1,
         &[
             ("FINE_SETTLER__ACCRUAL__ENABLED", "true"),
             ("FINE_SETTLER__ACCRUAL__CATCH_UP_DAYS", "40"),
@@ -936,7 +912,7 @@ async fn a_late_return_settled_by_a_running_replica_is_also_accrued(pool: PgPool
         },
     )
     .await;
-    let (code, stderr) = replica.stop().await;
+    let (code, stderr) = stop(replica).await;
     assert_eq!(code, Some(0), "{stderr}");
 }
 

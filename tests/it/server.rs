@@ -28,11 +28,6 @@ fn pg_bin() -> PathBuf {
         .expect("an initdb under /usr/lib/postgresql/*/bin")
 }
 
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    listener.local_addr().expect("addr").port()
-}
-
 impl PrivateServer {
     /// Initialises and starts a server; `extra` are `-c name=value` settings.
     pub fn start(extra: &[&str]) -> Self {
@@ -58,7 +53,7 @@ impl PrivateServer {
             .to_string();
         let server = PrivateServer {
             dir,
-            port: free_port(),
+            port: crate::helpers::free_port(),
             bin: pg_bin(),
             as_postgres,
         };
@@ -150,6 +145,11 @@ impl PrivateServer {
         let url = self.url(database);
         crate::helpers::migrate(&url);
         url
+    }
+
+    /// What the server has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(format!("{}/log", self.dir)).unwrap_or_default()
     }
 
     pub fn url(&self, database: &str) -> String {

@@ -13,7 +13,7 @@ use sqlx::PgPool;
 
 use crate::helpers::{
     d, database_url, fine_settler, insert, install_update_audit, key, loan, max_updates_per_loan, oracle,
-    output, report, runner, settled, settled_outside, slow_down, wait_until,
+    output, report, runner, settled, settled_outside, sigkill, slow_down, spawn, wait_until,
 };
 
 const POLICY: Settlement = Settlement {
@@ -361,11 +361,7 @@ async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(
             .args(["settle", "--business-date", "2026-10-31"]);
         cmd
     };
-    let mut victim = settle(&url)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
+    let victim = spawn(settle(&url).stdout(Stdio::null()).stderr(Stdio::null()));
     let scanned_so_far = || async {
         sqlx::query_scalar::<_, i64>("select coalesce(max(scanned), 0) from job_runs")
             .fetch_one(&pool)
@@ -376,8 +372,7 @@ async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(
         scanned_so_far().await >= 50
     })
     .await;
-    victim.kill().expect("SIGKILL");
-    victim.wait().expect("reap");
+    sigkill(victim);
     // Its last transaction dies with its connection; wait until the server has let go of it.
     wait_until("the killed session to end", Duration::from_secs(10), || async {
         sqlx::query_scalar::<_, i64>(

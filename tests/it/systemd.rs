@@ -9,9 +9,8 @@ use std::{
 use sqlx::PgPool;
 use tokio::net::UnixDatagram;
 
-use crate::{
-    daemon::{daemon, due_now, exit_of, signal},
-    helpers::{database_url, fine_settler, migrate, output, slow_down, wait_until},
+use crate::helpers::{
+    daemon, database_url, due_now, exit_of, fine_settler, migrate, output, signal, slow_down, wait_until,
 };
 
 type Received = Arc<Mutex<Vec<(Instant, String)>>>;

@@ -1,12 +1,13 @@
-//! Shared test fixtures: loans, an update audit trigger, the independent SQL oracle, and the real binary.
+//! Shared test fixtures: loans, an update audit trigger, the independent SQL oracle, waiting for a condition, and
+//! the real binary (in [`process`]).
 
-use std::{
-    process::{Command, Output, Stdio},
-    time::Duration,
-};
+mod process;
 
-use chrono::NaiveDate;
+use std::time::Duration;
+
+use chrono::{DateTime, NaiveDate, Utc};
 use fine_settler::{
+    calendar,
     config::{ClaimSettings, Lease},
     jobs::{runner::Runner, JobName, RunKey},
     shard::ShardSpec,
@@ -14,6 +15,30 @@ use fine_settler::{
 };
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+
+pub use process::{
+    assert_success, daemon, exit_of, fine_settler, migrate, output, report, send_signal, sigkill, signal,
+    spawn, stop, Running, StderrLog,
+};
+
+/// The settlement business dates a daemon in Asia/Shanghai is due for right now, oldest first (computed from
+/// the database clock, as the daemon does).
+pub async fn due_now(pool: &PgPool, months: u32) -> Vec<NaiveDate> {
+    let now: DateTime<Utc> = sqlx::query_scalar("select now()")
+        .fetch_one(pool)
+        .await
+        .expect("now");
+    fine_settler::schedule::due::settlement_due(calendar::local_date(now, chrono_tz::Asia::Shanghai), months)
+}
+
+/// A loopback port nothing listens on (at the time of asking).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
 
 pub fn d(s: &str) -> NaiveDate {
     s.parse().expect("test date")
@@ -187,54 +212,6 @@ pub fn database_url(pool: &PgPool) -> String {
         .expect("test pool has a database")
         .to_string();
     format!("{base}/{db}")
-}
-
-/// The real binary, pointed at `url`, with no configuration inherited from the environment.
-pub fn fine_settler(url: &str) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fine-settler"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("FINE_SETTLER") || k == "RUST_LOG" {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.env("DATABASE_URL", url)
-        .env("FINE_SETTLER__LOG__LEVEL", "info")
-        .stdin(Stdio::null());
-    cmd
-}
-
-/// Runs the binary to completion (blocking; call from `spawn_blocking` when running several).
-pub fn output(mut cmd: Command) -> Output {
-    cmd.output().expect("run fine-settler")
-}
-
-/// Fails the test, showing stderr, unless the process exited 0.
-pub fn assert_success(out: &Output) {
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// `fine-settler migrate` against `url`, which must succeed.
-pub fn migrate(url: &str) {
-    let mut cmd = fine_settler(url);
-    cmd.arg("migrate");
-    assert_success(&output(cmd));
-}
-
-/// The JSON report a one-shot command printed on stdout.
-pub fn report(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().last().unwrap_or_else(|| {
-        panic!(
-            "no report on stdout; stderr: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("report {line:?} is not JSON: {e}"))
 }
 
 /// Polls `check` every 50 ms until it returns true, failing after `limit`.
