@@ -30,6 +30,15 @@ fn settings(pool: &PgPool, extra: &[(&str, &str)]) -> Settings {
         .expect("valid settings")
 }
 
+/// How the replica stopped, once it has (within 10 s).
+async fn stopped(replica: tokio::task::JoinHandle<Result<Stopped, daemon::StartError>>) -> Stopped {
+    tokio::time::timeout(Duration::from_secs(10), replica)
+        .await
+        .expect("stopped within 10 s")
+        .expect("no panic")
+        .expect("started")
+}
+
 async fn healthz_answers(port: u16) -> bool {
     let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)).await else {
         return false;
@@ -60,11 +69,7 @@ async fn a_replica_told_to_stop_drains_and_frees_its_port(pool: PgPool) {
     })
     .await;
     control.shutdown.cancel();
-    let stopped = tokio::time::timeout(Duration::from_secs(10), replica)
-        .await
-        .expect("stopped within 10 s")
-        .expect("no panic")
-        .expect("started");
+    let stopped = stopped(replica).await;
     assert_eq!(stopped, Stopped::Drained);
     assert_eq!(stopped.exit_code(), 0);
     // The listener was awaited: its port is free as soon as `run` has returned.
@@ -111,11 +116,7 @@ async fn a_drain_longer_than_the_drain_timeout_exits_with_the_batch_in_flight(po
     .await;
     let asked = Instant::now();
     control.shutdown.cancel();
-    let stopped = tokio::time::timeout(Duration::from_secs(10), replica)
-        .await
-        .expect("stopped within 10 s")
-        .expect("no panic")
-        .expect("started");
+    let stopped = stopped(replica).await;
     let took = asked.elapsed();
     assert_eq!(stopped, Stopped::DrainTimeout);
     assert_eq!(stopped.exit_code(), 1);
