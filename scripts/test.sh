@@ -7,15 +7,33 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 # Tools some tests run, from Debian's packages, installed when missing: `systemd-analyze verify` (the unit-file
-# test) and libfaketime (a test runs the binary with its host clock shifted).
+# test), libfaketime (a test runs the binary with its host clock shifted) and `promtool` (the alert-rule tests,
+# from the prometheus package).
 missing=()
 command -v systemd-analyze >/dev/null || missing+=(systemd)
 command -v faketime >/dev/null || missing+=(faketime)
+command -v promtool >/dev/null || missing+=(prometheus)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing Debian packages the tests need: ${missing[*]}" >&2
-  if [ "$(id -u)" = 0 ]; then apt_get=(apt-get); else apt_get=(sudo apt-get); fi
-  DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" update -qq
-  DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if [ "$(id -u)" = 0 ]; then sudo=(); else sudo=(sudo); fi
+  apt_get=("${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get)
+  # The prometheus package starts a Prometheus server when it is installed (invoke-rc.d; the install fails where
+  # the server cannot start). Only promtool is wanted: unless the machine has a policy-rc.d of its own (containers
+  # often do), one that denies every service start is in place for the duration of the install.
+  policy=/usr/sbin/policy-rc.d
+  own_policy=
+  if [ ! -e "$policy" ]; then
+    own_policy=1
+    trap '"${sudo[@]}" rm -f "$policy"' EXIT
+    printf '#!/bin/sh\nexit 101\n' | "${sudo[@]}" tee "$policy" >/dev/null
+    "${sudo[@]}" chmod 755 "$policy"
+  fi
+  "${apt_get[@]}" update -qq
+  "${apt_get[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if [ -n "$own_policy" ]; then
+    "${sudo[@]}" rm -f "$policy"
+    trap - EXIT
+  fi
 fi
 
 if [ -z "${DATABASE_URL:-}" ]; then

@@ -1,9 +1,10 @@
 //! The files in deploy/ as an operator would ship them: the systemd units pass `systemd-analyze verify` (and a
 //! hardening score), the Kubernetes manifests parse and agree with the binary (env names, args, ports, probe
-//! paths, grace period vs drain timeout, shard range), and the alert rules are valid PromQL.
+//! paths, grace period vs drain timeout, shard range), and the alert rules are valid PromQL and pass their
+//! `promtool test rules` unit tests.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
     time::Duration,
@@ -408,4 +409,86 @@ fn alert_rules_are_valid_prometheus_rules() {
         }
     }
     assert!(alerts >= 6);
+}
+
+const RULES: &str = "deploy/prometheus/fine-settler.rules.yml";
+const RULE_TESTS: &str = "deploy/prometheus/fine-settler.rules.test.yml";
+
+/// `promtool ARGS` in the crate root. Not skipped when promtool is missing: the rules are only tested by it.
+fn promtool(args: &[&str]) -> Output {
+    Command::new("promtool")
+        .args(args)
+        .current_dir(root())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot run promtool ({e}): install Debian's prometheus package \
+                 (apt-get install --no-install-recommends prometheus), or run scripts/test.sh, which installs it"
+            )
+        })
+}
+
+#[test]
+fn alert_rules_pass_promtool_and_their_unit_tests() {
+    for args in [["check", "rules", RULES], ["test", "rules", RULE_TESTS]] {
+        let out = promtool(&args);
+        assert!(
+            out.status.success(),
+            "promtool {} failed ({}):\n{}{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    // The unit tests evaluate the shipped rules (rule_files are relative to the test file's directory) ...
+    let tests = &yaml_docs(RULE_TESTS)[0];
+    let dir = Path::new(RULE_TESTS).parent().expect("directory");
+    let rule_files: Vec<PathBuf> = tests["rule_files"]
+        .as_array()
+        .expect("rule_files")
+        .iter()
+        .map(|f| dir.join(f.as_str().expect("a path")))
+        .collect();
+    assert_eq!(rule_files, [PathBuf::from(RULES)]);
+    // ... and every alert has a case where it fires and one where it stays silent, so a new alert without
+    // tests fails here.
+    let rules = yaml_docs(RULES);
+    let alerts: BTreeSet<&str> = rules[0]["groups"]
+        .as_array()
+        .expect("groups")
+        .iter()
+        .flat_map(|g| g["rules"].as_array().expect("rules"))
+        .map(|r| r["alert"].as_str().expect("every rule is an alert"))
+        .collect();
+    let (mut firing, mut silent) = (BTreeSet::new(), BTreeSet::new());
+    for group in tests["tests"].as_array().expect("tests") {
+        for case in group["alert_rule_test"].as_array().into_iter().flatten() {
+            let name = case["alertname"].as_str().expect("alertname");
+            assert!(
+                alerts.contains(name),
+                "{RULE_TESTS} tests {name}, which is not an alert of {RULES}"
+            );
+            match case["exp_alerts"].as_array() {
+                Some(exp) if exp.is_empty() => silent.insert(name),
+                Some(_) => firing.insert(name),
+                None => panic!(
+                    "{name} at {}: no exp_alerts (write `exp_alerts: []` for silence)",
+                    case["eval_time"]
+                ),
+            };
+        }
+    }
+    for alert in &alerts {
+        assert!(
+            firing.contains(alert),
+            "{RULE_TESTS} has no case where {alert} fires (exp_alerts with the alert it produces)"
+        );
+        assert!(
+            silent.contains(alert),
+            "{RULE_TESTS} has no case where {alert} stays silent (exp_alerts: [])"
+        );
+    }
 }
