@@ -7,12 +7,13 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 # Tools some tests run, from Debian's packages, installed when missing: `systemd-analyze verify` (the unit-file
-# test), libfaketime (a test runs the binary with its host clock shifted) and `promtool` (the alert-rule tests,
-# from the prometheus package).
+# test), libfaketime (a test runs the binary with its host clock shifted), `promtool` (the alert-rule tests,
+# from the prometheus package) and a headless Chromium (the status page test loads the page in it).
 missing=()
 command -v systemd-analyze >/dev/null || missing+=(systemd)
 command -v faketime >/dev/null || missing+=(faketime)
 command -v promtool >/dev/null || missing+=(prometheus)
+command -v chromium >/dev/null || missing+=(chromium)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "installing Debian packages the tests need: ${missing[*]}" >&2
   if [ "$(id -u)" = 0 ]; then sudo=(); else sudo=(sudo); fi

@@ -1,11 +1,14 @@
-//! The optional HTTP listener (`http.listen`): `/healthz`, `/readyz` and `/metrics`. A deliberately tiny
-//! HTTP/1.1 responder — three GET routes, one response per connection — rather than a web framework.
+//! The optional HTTP listener (`http.listen`): `/healthz`, `/readyz`, `/metrics`, `/status` and
+//! `/status.json`. A deliberately tiny HTTP/1.1 responder — a few GET routes, one response per connection —
+//! rather than a web framework.
 //!
 //! - `/healthz` (liveness): 200 while the replica makes progress — a tick, a committed batch or an outage retry —
 //!   at least every `window`; 503 when the loop has stalled.
 //! - `/readyz` (readiness): 200 when the database answers and every migration this binary knows is applied; 503
 //!   with the reason otherwise.
 //! - `/metrics`: the Prometheus text format (see [`crate::metrics`]).
+//! - `/status` (HTML) and `/status.json`: where every shard of every job stands (see [`crate::status`]); 503
+//!   with the reason when the database cannot be read within a few seconds.
 
 use std::{sync::Arc, time::Duration};
 
@@ -16,7 +19,10 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::{unix_now_ms, Metrics};
+use crate::{
+    metrics::{unix_now_ms, Metrics},
+    status::StatusSource,
+};
 
 /// What the routes look at.
 #[derive(Debug, Clone)]
@@ -27,6 +33,8 @@ pub struct Probes {
     pub window: Duration,
     /// When the replica started (unix ms): before its first progress it counts as progress.
     pub started_ms: i64,
+    /// What `/status` and `/status.json` show.
+    pub status: StatusSource,
 }
 
 /// Serves until `shutdown`; each connection is handled on its own task.
@@ -81,6 +89,8 @@ async fn respond(mut stream: TcpStream, probes: &Probes) -> std::io::Result<()> 
         ("GET", "/healthz") => health(probes),
         ("GET", "/readyz") => ready(probes).await,
         ("GET", "/metrics") => (200, "text/plain; version=0.0.4", probes.metrics.render()),
+        ("GET", "/status") => status(probes, false).await,
+        ("GET", "/status.json") => status(probes, true).await,
         ("GET", _) => (404, "text/plain", "not found\n".to_string()),
         _ => (405, "text/plain", "only GET\n".to_string()),
     };
@@ -117,5 +127,16 @@ async fn ready(probes: &Probes) -> (u16, &'static str, String) {
     match crate::store::readiness(&probes.pool).await {
         Ok(()) => (200, "text/plain", "ready\n".into()),
         Err(reason) => (503, "text/plain", format!("{reason}\n")),
+    }
+}
+
+async fn status(probes: &Probes, json: bool) -> (u16, &'static str, String) {
+    match probes.status.read().await {
+        Ok(status) if json => match serde_json::to_string(&status) {
+            Ok(body) => (200, "application/json", body),
+            Err(e) => (503, "text/plain", format!("status unavailable: {e}\n")),
+        },
+        Ok(status) => (200, "text/html; charset=utf-8", crate::status::render(&status)),
+        Err(e) => (503, "text/plain", format!("{e}\n")),
     }
 }

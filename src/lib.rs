@@ -15,7 +15,8 @@
 //!   what is due at a given time ([`schedule::due`]).
 //! - [`daemon`]: the long-running replica (ticks, outages, abandoned keys) and its lifecycle from start to exit
 //!   ([`daemon::run`]); [`signals`]: signal handling; [`sdnotify`]: systemd's notify protocol and watchdog;
-//!   [`http`]: `/healthz`, `/readyz`, `/metrics`; [`metrics`]: the replica's counters and gauges.
+//!   [`http`]: `/healthz`, `/readyz`, `/metrics`, `/status`; [`metrics`]: the replica's counters and gauges;
+//!   [`status`]: the status page and its data.
 //! - [`demo`]: deterministic demo loans.
 //! - [`cli`]: the command line (arguments, dispatch, output); `main.rs` only calls [`cli::main`].
 //! - [`telemetry`]: structured logs.
@@ -35,6 +36,7 @@ pub mod schedule;
 pub mod sdnotify;
 pub mod shard;
 pub mod signals;
+pub mod status;
 pub mod store;
 pub mod telemetry;
 

@@ -118,6 +118,8 @@ pub struct Metrics {
     shard: String,
     series: Mutex<BTreeMap<(&'static str, String), f64>>,
     last_progress_ms: AtomicI64,
+    /// When the last tick read its status (unix ms; 0: none yet), for the status page.
+    last_tick_ms: AtomicI64,
     /// The systemd watchdog, fed by [`Metrics::progress`] and [`Metrics::alive`].
     watchdog: OnceLock<Arc<Watchdog>>,
 }
@@ -129,6 +131,7 @@ impl Metrics {
             shard,
             series: Mutex::new(BTreeMap::new()),
             last_progress_ms: AtomicI64::new(0),
+            last_tick_ms: AtomicI64::new(0),
             watchdog: OnceLock::new(),
         }
     }
@@ -195,6 +198,26 @@ impl Metrics {
     /// Unix time in ms of the last progress (0: none yet).
     pub fn last_progress_ms(&self) -> i64 {
         self.last_progress_ms.load(Ordering::Relaxed)
+    }
+
+    /// Notes that a tick read its status now (host clock).
+    pub fn ticked_now(&self) {
+        self.last_tick_ms.fetch_max(unix_now_ms(), Ordering::Relaxed);
+    }
+
+    /// Unix time in ms of the last tick that read its status (0: none yet).
+    pub fn last_tick_ms(&self) -> i64 {
+        self.last_tick_ms.load(Ordering::Relaxed)
+    }
+
+    /// The current value of a gauge (or counter) without `result` label, if it was ever set.
+    pub fn value(&self, name: &str, job: Option<&str>) -> Option<f64> {
+        let labels = self.labels(job, None);
+        let series = self.series.lock().ok()?;
+        series
+            .iter()
+            .find(|((n, l), _)| *n == name && *l == labels)
+            .map(|(_, v)| *v)
     }
 
     /// The Prometheus text format.

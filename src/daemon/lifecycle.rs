@@ -16,6 +16,7 @@ use crate::{
     schedule::{due, SystemWall},
     sdnotify::{Notifier, Watchdog},
     signals::Signals,
+    status::StatusSource,
 };
 
 /// How a replica is told to stop or to tick now, and whom it tells how it is doing.
@@ -106,18 +107,20 @@ pub async fn run(settings: Settings, control: Control) -> Result<Stopped, StartE
     let drain_timeout = settings.schedule.drain_timeout;
     let http_listen = settings.http_listen;
     let health_window = due::health_window(&settings, Utc::now());
+    let status_settings = settings.clone();
     let daemon = replica(settings, &control);
     let listener = match http_listen {
         Some(addr) => {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|error| StartError::Listen { addr, error })?;
-            tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
+            tracing::info!(%addr, "serving /healthz, /readyz, /metrics, /status and /status.json");
             let probes = Probes {
                 metrics: daemon.metrics(),
                 pool: daemon.pool(),
                 window: health_window,
                 started_ms: crate::metrics::unix_now_ms(),
+                status: StatusSource::new(&status_settings, daemon.owner(), daemon.metrics()),
             };
             Some(tokio::spawn(http::serve(
                 listener,

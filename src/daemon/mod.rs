@@ -218,6 +218,11 @@ impl Daemon {
         self.metrics.clone()
     }
 
+    /// The owner name this replica claims keys under (for the status page).
+    pub fn owner(&self) -> &str {
+        &self.owner
+    }
+
     /// The pool the jobs use (for the readiness probe).
     pub fn pool(&self) -> PgPool {
         self.pool.clone()
@@ -333,6 +338,7 @@ impl Daemon {
             .accrual_rechecked
             .is_none_or(|at| at.elapsed() >= self.settings.accrual.recheck_every);
         let status = self.read_status(before, recheck_accrual).await?;
+        self.metrics.ticked_now();
         if recheck_accrual {
             self.accrual_rechecked = Some(tokio::time::Instant::now());
         }

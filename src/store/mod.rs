@@ -5,6 +5,7 @@ pub mod audit;
 pub mod job_runs;
 pub mod ledger;
 pub mod loans;
+pub mod status;
 
 use std::time::Duration;
 
@@ -117,6 +118,25 @@ fn pool_options(db: &DatabaseSettings) -> PgPoolOptions {
 /// the database is down.
 pub fn connect_lazy(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> PgPool {
     pool_options(db).connect_lazy_with(job_options(db, application_name, batch_timeout))
+}
+
+/// The status page's own pool: one connection at most, opened when a page is first loaded and closed after a
+/// minute without one, every statement under `statement_timeout = timeout`, and a wait for the connection of at
+/// most `timeout` too. It is separate from the jobs' pool so that page loads never take a connection a batch or
+/// a claim is waiting for: however many arrive, they queue for this one connection (and give up after
+/// `timeout`), and the replica holds at most one connection more than `database.max_connections` and the
+/// tick's.
+pub fn connect_status(db: &DatabaseSettings, application_name: &str, timeout: Duration) -> PgPool {
+    let millis = timeout.as_millis().to_string();
+    PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .acquire_timeout(timeout)
+        .idle_timeout(Duration::from_secs(60))
+        .connect_lazy_with(connect_options(db, application_name).options([
+            ("statement_timeout", millis.as_str()),
+            ("max_parallel_workers_per_gather", "0"),
+        ]))
 }
 
 /// One dedicated connection, re-opened after any error. The daemon reads its tick status through it, so an idle

@@ -14,4 +14,5 @@ mod lifecycle;
 mod live;
 mod server;
 mod settlement;
+mod status;
 mod systemd;

@@ -1,0 +1,634 @@
+//! The status page (`/status`, HTML) and its data (`/status.json`): where every shard of every job stands, the
+//! compensation queue, and this replica's own schedule, last tick and clock skew.
+//!
+//! One page load reads the database once, with two short statements ([`crate::store::status`]) through a pool
+//! of one connection of its own under a statement timeout, so a flood of page loads can neither take a
+//! connection from the jobs nor hold one for long. Everything else comes from the replica's [`Metrics`].
+//!
+//! Per job, the grid is every business date of this replica's catch-up window, plus every older key that is
+//! not SUCCESS (abandoned by the window), × every shard count and shard found in `job_runs` (and this
+//! replica's own). A cell without a row is shown as absent. Paused jobs are not part of the data yet: the
+//! pause table does not exist; once it does, its rows belong in a `paused` field of [`JobStatus`], shown above
+//! the job's grid.
+//!
+//! The HTML is built with `maud`, which escapes every value it interpolates: an owner or an error message is
+//! text, never markup. The page has no script; it reloads itself every [`RELOAD_SECONDS`].
+
+use std::{collections::BTreeSet, sync::Arc, time::Duration};
+
+use chrono::{DateTime, NaiveDate, TimeZone, Utc};
+use maud::{html, Markup, DOCTYPE};
+use sqlx::PgPool;
+
+use crate::{
+    calendar,
+    config::Settings,
+    jobs::JobName,
+    metrics::Metrics,
+    schedule::{due, Schedule},
+    store::{
+        job_runs::RunStatus,
+        status::{self as rows, AccrualPolicy, DeadCharge, KeyRow},
+    },
+};
+
+/// How long a page load may wait for the database, in all: the connection, then each statement.
+pub const DATABASE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The page reloads itself this often.
+pub const RELOAD_SECONDS: u32 = 5;
+/// DEAD charges listed (the oldest).
+const DEAD_SHOWN: i64 = 5;
+
+/// Where the status data comes from: the replica's settings and identity, its metrics, and the page's own pool.
+#[derive(Debug, Clone)]
+pub struct StatusSource {
+    settings: Arc<Settings>,
+    owner: String,
+    metrics: Arc<Metrics>,
+    pool: PgPool,
+}
+
+impl StatusSource {
+    /// The status of the replica with `settings`, claiming as `owner`. Opens no connection until a page loads.
+    pub fn new(settings: &Settings, owner: &str, metrics: Arc<Metrics>) -> Self {
+        let pool = crate::store::connect_status(
+            &settings.database,
+            &format!("fine-settler run {} status", settings.instance),
+            DATABASE_TIMEOUT,
+        );
+        StatusSource {
+            settings: Arc::new(settings.clone()),
+            owner: owner.to_string(),
+            metrics,
+            pool,
+        }
+    }
+
+    /// Reads the status now: [`StatusError`] if the database does not answer within a few seconds.
+    pub async fn read(&self) -> Result<Status, StatusError> {
+        let settings = &self.settings;
+        let policy = AccrualPolicy {
+            grace_days: i32::try_from(settings.fine.grace_days()).unwrap_or(i32::MAX),
+            cap_cents: settings.fine.cap().map_or(0, |c| c.get()),
+        };
+        let since = due::window_start(settings, Utc::now());
+        // The pool bounds the wait for its connection and the server each statement; this bounds the whole, in
+        // case the server cannot even be reached.
+        let read = async {
+            let keys = rows::keys(&self.pool, since, policy).await?;
+            let dead = rows::oldest_dead(&self.pool, DEAD_SHOWN).await?;
+            Ok::<_, sqlx::Error>((keys, dead))
+        };
+        let (keys, dead) = tokio::time::timeout(DATABASE_TIMEOUT * 2, read)
+            .await
+            .map_err(|_| StatusError::Timeout)?
+            .map_err(|e| StatusError::Database(crate::redact::secrets_in(&e.to_string())))?;
+        let replica = ReplicaStatus {
+            shard: settings.instance.shard(),
+            shards: settings.instance.shards(),
+            owner: self.owner.clone(),
+            schedule: Schedule::new(settings.schedule.mode.clone(), settings.zone).describe(),
+            zone: settings.zone.name().to_string(),
+            last_tick: unix_ms(self.metrics.last_tick_ms()),
+            last_progress: unix_ms(self.metrics.last_progress_ms()),
+            clock_skew_s: self.metrics.value("fine_settler_clock_skew_seconds", None),
+        };
+        Ok(assemble(settings, keys, dead, replica))
+    }
+}
+
+/// Why the status could not be read (the routes answer 503 with this).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StatusError {
+    /// The database did not answer in time.
+    #[error("status unavailable: the database did not answer within {} s", DATABASE_TIMEOUT.as_secs() * 2)]
+    Timeout,
+    /// A statement or the connection failed (the message has the password redacted).
+    #[error("status unavailable: {0}")]
+    Database(String),
+}
+
+fn unix_ms(ms: i64) -> Option<DateTime<Utc>> {
+    (ms > 0).then(|| Utc.timestamp_millis_opt(ms).single()).flatten()
+}
+
+/// Everything the page shows (`/status.json`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Status {
+    /// The database clock when the status was read.
+    pub now: DateTime<Utc>,
+    pub replica: ReplicaStatus,
+    pub jobs: Vec<JobStatus>,
+    pub queue: QueueStatus,
+}
+
+/// This replica: who it is, how it ticks, and how it is doing (from its metrics).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ReplicaStatus {
+    pub shard: i32,
+    pub shards: i32,
+    pub owner: String,
+    /// As the start-up log line describes it.
+    pub schedule: String,
+    pub zone: String,
+    /// When its last tick read its status (host clock); `null` before the first.
+    pub last_tick: Option<DateTime<Utc>>,
+    /// Its last progress (a tick, a batch, an outage retry), what `/healthz` checks.
+    pub last_progress: Option<DateTime<Utc>>,
+    /// Host clock minus database clock at the last tick, in seconds; `null` before the first.
+    pub clock_skew_s: Option<f64>,
+}
+
+/// One job's grid.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct JobStatus {
+    pub job: JobName,
+    /// Whether this replica runs the job.
+    pub enabled: bool,
+    /// The business dates of this replica's catch-up window at `now`, oldest first (empty when disabled).
+    pub window: Vec<NaiveDate>,
+    /// The grid's columns: every shard count and shard found in `job_runs` for the job, and this replica's own.
+    pub shards: Vec<ShardColumn>,
+    /// The grid's cells, newest business date first, then by shard count and shard. A cell of the window with no
+    /// row has `status: null`.
+    pub keys: Vec<KeyStatus>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+pub struct ShardColumn {
+    pub shards: i32,
+    pub shard: i32,
+}
+
+/// One cell: a key's row, or its absence.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct KeyStatus {
+    pub business_date: NaiveDate,
+    pub shards: i32,
+    pub shard: i32,
+    /// `null`: no row yet.
+    pub status: Option<RunStatus>,
+    pub epoch: Option<i64>,
+    pub owner: Option<String>,
+    /// Seconds of lease left, by the database clock.
+    pub lease_left_s: Option<f64>,
+    /// RUNNING keys only.
+    pub progress: Option<Progress>,
+    pub last_error: Option<String>,
+    /// The business date is in this replica's catch-up window.
+    pub in_window: bool,
+    /// Not SUCCESS, and older than the window: nothing runs it by itself any more.
+    pub abandoned: bool,
+}
+
+/// How far a RUNNING key has come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Progress {
+    /// Rows the key's committed batches read / wrote.
+    pub scanned: i64,
+    pub updated: i64,
+    /// Rows after the cursor still to do, counted with the batches' own predicate.
+    pub to_do: i64,
+}
+
+/// The compensation queue, every shard's.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct QueueStatus {
+    pub pending: i64,
+    /// PENDING charges due for a retry now.
+    pub pending_due: i64,
+    pub dead: i64,
+    /// The oldest DEAD charges (by accrual day), at most five.
+    pub oldest_dead: Vec<DeadCharge>,
+}
+
+/// Builds the page's data from what the database said (pure: the tests call it with rows of their own).
+pub fn assemble(
+    settings: &Settings,
+    rows: rows::StatusRows,
+    dead: Vec<DeadCharge>,
+    replica: ReplicaStatus,
+) -> Status {
+    let today = calendar::local_date(rows.now, settings.zone);
+    let jobs = [
+        (
+            JobName::FineSettlement,
+            settings.settlement.enabled,
+            due::settlement_due(today, settings.settlement.catch_up_months),
+        ),
+        (
+            JobName::OverdueAccrual,
+            settings.accrual.enabled,
+            due::accrual_due(today, settings.accrual.catch_up_days),
+        ),
+    ]
+    .into_iter()
+    .map(|(job, enabled, window)| {
+        let window = if enabled { window } else { Vec::new() };
+        job_status(job, enabled, window, &rows.keys, settings)
+    })
+    .collect();
+    Status {
+        now: rows.now,
+        replica,
+        jobs,
+        queue: QueueStatus {
+            pending: rows.pending,
+            pending_due: rows.pending_due,
+            dead: rows.dead,
+            oldest_dead: dead,
+        },
+    }
+}
+
+fn job_status(
+    job: JobName,
+    enabled: bool,
+    window: Vec<NaiveDate>,
+    keys: &[KeyRow],
+    settings: &Settings,
+) -> JobStatus {
+    let mine: Vec<&KeyRow> = keys.iter().filter(|k| k.job_name == job.as_str()).collect();
+    let oldest = window.first().copied();
+    let in_window = |date: NaiveDate| oldest.is_some_and(|o| date >= o);
+    let mut columns: BTreeSet<ShardColumn> = mine
+        .iter()
+        .map(|k| ShardColumn {
+            shards: k.shards,
+            shard: k.shard,
+        })
+        .collect();
+    if enabled {
+        columns.insert(ShardColumn {
+            shards: settings.instance.shards(),
+            shard: settings.instance.shard(),
+        });
+    }
+    // The window's dates, and the older keys that did not succeed.
+    let mut dates: BTreeSet<NaiveDate> = window.iter().copied().collect();
+    dates.extend(
+        mine.iter()
+            .filter(|k| in_window(k.business_date) || k.status != RunStatus::Success)
+            .map(|k| k.business_date),
+    );
+    let mut cells = Vec::new();
+    for date in dates.iter().rev() {
+        for column in &columns {
+            let row = mine
+                .iter()
+                .find(|k| k.business_date == *date && k.shards == column.shards && k.shard == column.shard);
+            match row {
+                Some(k) => cells.push(KeyStatus {
+                    business_date: *date,
+                    shards: k.shards,
+                    shard: k.shard,
+                    status: Some(k.status),
+                    epoch: Some(k.epoch),
+                    owner: Some(k.owner.clone()),
+                    lease_left_s: Some(k.lease_left_s),
+                    progress: (k.status == RunStatus::Running).then_some(Progress {
+                        scanned: k.scanned,
+                        updated: k.updated,
+                        to_do: k.to_do.unwrap_or(0),
+                    }),
+                    last_error: k.last_error.clone(),
+                    in_window: in_window(*date),
+                    abandoned: !in_window(*date) && k.status != RunStatus::Success,
+                }),
+                // An older date shows only its rows; a column with no row there stays empty.
+                None if in_window(*date) => cells.push(KeyStatus {
+                    business_date: *date,
+                    shards: column.shards,
+                    shard: column.shard,
+                    status: None,
+                    epoch: None,
+                    owner: None,
+                    lease_left_s: None,
+                    progress: None,
+                    last_error: None,
+                    in_window: true,
+                    abandoned: false,
+                }),
+                None => {}
+            }
+        }
+    }
+    JobStatus {
+        job,
+        enabled,
+        window,
+        shards: columns.into_iter().collect(),
+        keys: cells,
+    }
+}
+
+const STYLE: &str = "
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
+h1 { font-size: 1.4em; margin: 0 0 .3em; } h2 { font-size: 1.15em; margin: 1.4em 0 .4em; }
+table { border-collapse: collapse; } th, td { border: 1px solid #ccc; padding: .3em .5em; vertical-align: top; }
+th { background: #f3f3f3; text-align: left; } td.key { min-width: 11em; }
+.SUCCESS { background: #dcf5dc; } .RUNNING { background: #dbe9ff; } .FAILED { background: #ffdcdc; }
+.absent { background: #f7f7f7; color: #888; } .abandoned { outline: 3px solid #c00; outline-offset: -3px; }
+.status { font-weight: 600; } .small { font-size: .85em; color: #555; } .error { color: #a00; }
+progress { width: 10em; } dl { display: grid; grid-template-columns: max-content auto; gap: .1em 1em; }
+dt { color: #555; } dd { margin: 0; }
+";
+
+/// The page (`/status`).
+pub fn render(status: &Status) -> String {
+    let r = &status.replica;
+    let page = html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta http-equiv="refresh" content=(RELOAD_SECONDS);
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                link rel="icon" href="data:,";
+                title { "fine-settler status — shard " (r.shard) "/" (r.shards) }
+                style { (maud::PreEscaped(STYLE)) }
+            }
+            body {
+                h1 { "fine-settler" }
+                p.small {
+                    "As of " time id="now" datetime=(status.now.to_rfc3339()) { (short_time(status.now)) }
+                    " (database clock); reloads every " (RELOAD_SECONDS) " s. "
+                    a href="/status.json" { "JSON" }
+                }
+                section id="replica" {
+                    h2 { "This replica" }
+                    dl {
+                        dt { "shard" } dd { (r.shard) " of " (r.shards) }
+                        dt { "owner" } dd { code { (r.owner) } }
+                        dt { "schedule" } dd { (r.schedule) " (zone " (r.zone) ")" }
+                        dt { "last tick" } dd { (optional_time(r.last_tick)) }
+                        dt { "last progress" } dd { (optional_time(r.last_progress)) }
+                        dt { "clock skew" } dd {
+                            @match r.clock_skew_s {
+                                Some(s) => { (format!("{s:+.3} s")) " (host − database)" }
+                                None => { "not measured yet" }
+                            }
+                        }
+                    }
+                }
+                @for job in &status.jobs { (job_grid(job)) }
+                (queue(&status.queue))
+            }
+        }
+    };
+    page.into_string()
+}
+
+fn job_grid(job: &JobStatus) -> Markup {
+    let dates: Vec<NaiveDate> = {
+        let mut seen = Vec::new();
+        for k in &job.keys {
+            if seen.last() != Some(&k.business_date) {
+                seen.push(k.business_date);
+            }
+        }
+        seen
+    };
+    html! {
+        section.job id=(job.job.as_str()) {
+            h2 { (job.job.as_str()) @if !job.enabled { " (not run by this replica)" } }
+            @if job.keys.is_empty() {
+                p.small { "No keys to show." }
+            } @else {
+                table {
+                    thead { tr {
+                        th { "business date" }
+                        @for c in &job.shards { th { "shard " (c.shard) "/" (c.shards) } }
+                    } }
+                    tbody {
+                        @for date in &dates {
+                            tr {
+                                th { (date) }
+                                @for c in &job.shards {
+                                    @match job.keys.iter().find(|k| k.business_date == *date
+                                        && k.shards == c.shards && k.shard == c.shard) {
+                                        Some(k) => (cell(job.job, k)),
+                                        None => td.absent {},
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn cell(job: JobName, k: &KeyStatus) -> Markup {
+    let id = format!("{}-{}-{}-{}", job.as_str(), k.business_date, k.shards, k.shard);
+    let class = match k.status {
+        Some(s) if k.abandoned => format!("key {} abandoned", s.as_str()),
+        Some(s) => format!("key {}", s.as_str()),
+        None => "key absent".to_string(),
+    };
+    html! {
+        td id=(id) class=(class) {
+            @match k.status {
+                None => { span.status { "absent" } }
+                Some(status) => {
+                    span.status { (status.as_str()) }
+                    @if k.abandoned { " " span.error { "abandoned" } }
+                    div.small { "epoch " (k.epoch.unwrap_or(0)) }
+                    @if let Some(owner) = &k.owner { div.small { code { (owner) } } }
+                    @if let Some(left) = k.lease_left_s {
+                        @if left > 0.0 { div.small { "lease " (format!("{left:.0}")) " s left" } }
+                    }
+                    @if let Some(p) = k.progress {
+                        div {
+                            progress value=(p.scanned) max=(p.scanned + p.to_do) {}
+                            " " span.small { (p.scanned) " / " (p.scanned + p.to_do) }
+                        }
+                    }
+                    @if let Some(e) = &k.last_error { div.small.error { (e) } }
+                }
+            }
+        }
+    }
+}
+
+fn queue(q: &QueueStatus) -> Markup {
+    html! {
+        section id="queue" {
+            h2 { "Compensation queue" }
+            p {
+                span id="pending" { (q.pending) } " pending (" (q.pending_due) " due for a retry), "
+                span id="dead" { (q.dead) } " DEAD"
+            }
+            @if !q.oldest_dead.is_empty() {
+                table {
+                    thead { tr { th { "loan" } th { "accrual day" } th { "amount (cents)" } th { "attempts" }
+                                 th { "last tried" } th { "last error" } } }
+                    tbody {
+                        @for d in &q.oldest_dead {
+                            tr {
+                                td { (d.loan_id) } td { (d.accrual_date) } td { (d.amount_cents) }
+                                td { (d.attempts) } td { (short_time(d.updated_at)) }
+                                td.error { (d.last_error.as_deref().unwrap_or("")) }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn short_time(t: DateTime<Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
+}
+
+fn optional_time(t: Option<DateTime<Utc>>) -> String {
+    t.map_or_else(|| "not yet".to_string(), short_time)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> Settings {
+        let env = crate::testing::env(&[("DATABASE_URL", "postgres://u@h/db")]);
+        crate::config::load(None, &env)
+            .and_then(|raw| raw.validate(&env))
+            .expect("valid")
+    }
+
+    fn row(date: &str, status: RunStatus, owner: &str, error: Option<&str>) -> KeyRow {
+        KeyRow {
+            job_name: "fine-settlement".into(),
+            business_date: date.parse().expect("date"),
+            shards: 1,
+            shard: 0,
+            status,
+            owner: owner.into(),
+            epoch: 2,
+            lease_left_s: 41.4,
+            scanned: 30,
+            updated: 28,
+            to_do: Some(70),
+            last_error: error.map(str::to_string),
+        }
+    }
+
+    fn replica(owner: &str) -> ReplicaStatus {
+        ReplicaStatus {
+            shard: 0,
+            shards: 1,
+            owner: owner.into(),
+            schedule: "fixed-rate every 1m".into(),
+            zone: "Asia/Shanghai".into(),
+            last_tick: None,
+            last_progress: None,
+            clock_skew_s: Some(0.012),
+        }
+    }
+
+    fn status(keys: Vec<KeyRow>) -> Status {
+        let now = "2026-12-01T04:00:00Z".parse().expect("time");
+        assemble(
+            &settings(),
+            rows::StatusRows {
+                now,
+                keys,
+                pending: 3,
+                pending_due: 1,
+                dead: 1,
+            },
+            vec![DeadCharge {
+                loan_id: 7,
+                accrual_date: "2026-11-20".parse().expect("date"),
+                amount_cents: 100,
+                attempts: 10,
+                last_error: Some("rejected: <b>no</b>".into()),
+                updated_at: now,
+            }],
+            replica("host:1:ab"),
+        )
+    }
+
+    #[test]
+    fn the_grid_is_the_window_and_abandoned_keys_by_shard() {
+        let s = status(vec![
+            row("2026-11-30", RunStatus::Running, "a", None),
+            row("2026-10-31", RunStatus::Success, "a", None),
+            // Older than the three month ends of the window, and not SUCCESS: shown as abandoned.
+            row("2026-06-30", RunStatus::Failed, "b", Some("boom")),
+            // Older and SUCCESS: not shown.
+            row("2026-05-31", RunStatus::Success, "b", None),
+        ]);
+        let settlement = &s.jobs[0];
+        assert_eq!(
+            settlement.window,
+            ["2026-09-30", "2026-10-31", "2026-11-30"].map(|d| d.parse::<NaiveDate>().expect("date"))
+        );
+        let cells: Vec<(String, Option<RunStatus>, bool)> = settlement
+            .keys
+            .iter()
+            .map(|k| (k.business_date.to_string(), k.status, k.abandoned))
+            .collect();
+        assert_eq!(
+            cells,
+            [
+                ("2026-11-30".into(), Some(RunStatus::Running), false),
+                ("2026-10-31".into(), Some(RunStatus::Success), false),
+                ("2026-09-30".into(), None, false),
+                ("2026-06-30".into(), Some(RunStatus::Failed), true),
+            ]
+        );
+        assert_eq!(
+            settlement.keys[0].progress,
+            Some(Progress {
+                scanned: 30,
+                updated: 28,
+                to_do: 70
+            })
+        );
+        assert_eq!(
+            settlement.keys[1].progress, None,
+            "only RUNNING keys show progress"
+        );
+        // The accrual is off by default: no window, no cells.
+        assert!(!s.jobs[1].enabled && s.jobs[1].keys.is_empty());
+    }
+
+    #[test]
+    fn every_value_is_escaped_as_text() {
+        let evil = r#"<script>alert("x")</script>' onmouseover='y"#;
+        let mut s = status(vec![row("2026-11-30", RunStatus::Failed, evil, Some(evil))]);
+        s.replica = replica(evil);
+        let page = render(&s);
+        assert!(!page.contains("<script"), "{page}");
+        assert!(!page.contains("<b>no</b>"), "{page}");
+        assert!(
+            page.contains("&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;' onmouseover='y"),
+            "{page}"
+        );
+        assert!(page.contains("rejected: &lt;b&gt;no&lt;/b&gt;"), "{page}");
+    }
+
+    #[test]
+    fn the_page_shows_each_cell_s_state_and_reloads_itself() {
+        let s = status(vec![row("2026-11-30", RunStatus::Running, "host:9:cd", None)]);
+        let page = render(&s);
+        assert!(page.starts_with("<!DOCTYPE html>"), "{page}");
+        assert!(
+            page.contains(r#"<meta http-equiv="refresh" content="5">"#),
+            "{page}"
+        );
+        assert!(
+            page.contains(r#"<td id="fine-settlement-2026-11-30-1-0" class="key RUNNING">"#),
+            "{page}"
+        );
+        assert!(page.contains(r#"<progress value="30" max="100">"#), "{page}");
+        assert!(page.contains("lease 41 s left"), "{page}");
+        assert!(page.contains(r#"<td id="fine-settlement-2026-10-31-1-0" class="key absent">"#));
+        assert!(page.contains("+0.012 s"), "{page}");
+        assert!(page.contains(r#"<span id="dead">1</span> DEAD"#), "{page}");
+        assert!(!page.contains("<script"), "no script: {page}");
+    }
+}

@@ -1,0 +1,154 @@
+//! What the status page reads (`/status`, `/status.json`): every shard's `job_runs` rows that a page shows, with
+//! the to-do count of each RUNNING key, and the compensation queue. Two statements per page load, run through a
+//! pool of their own (see [`connect_status`](super::connect_status)) under a short `statement_timeout`.
+
+use chrono::{DateTime, NaiveDate, Utc};
+use sqlx::PgPool;
+
+use super::job_runs::RunStatus;
+
+/// A `job_runs` row as the status page shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyRow {
+    pub job_name: String,
+    pub business_date: NaiveDate,
+    pub shards: i32,
+    pub shard: i32,
+    pub status: RunStatus,
+    pub owner: String,
+    pub epoch: i64,
+    /// Seconds of lease left by the database clock (0 when it has run out or the key is finished).
+    pub lease_left_s: f64,
+    pub scanned: i64,
+    pub updated: i64,
+    /// RUNNING keys only: the rows the run has still to do after its cursor, by the predicate its batches select
+    /// with.
+    pub to_do: Option<i64>,
+    pub last_error: Option<String>,
+}
+
+/// The keys and the queue, as one statement sees them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StatusRows {
+    /// The database clock.
+    pub now: DateTime<Utc>,
+    pub keys: Vec<KeyRow>,
+    /// Every shard's `PENDING` charges, those of them due for a retry now, and the `DEAD` ones.
+    pub pending: i64,
+    pub pending_due: i64,
+    pub dead: i64,
+}
+
+/// The policy the accrual's to-do count needs (the batches' predicate depends on it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AccrualPolicy {
+    pub grace_days: i32,
+    /// 0 = no cap.
+    pub cap_cents: i64,
+}
+
+/// Every shard's keys with a business date from `since` on, and every key that is not SUCCESS whatever its date
+/// (so that keys abandoned by their catch-up window show), with the database clock and the queue's counts.
+///
+/// The to-do count runs only for RUNNING keys (a `case` evaluates its subquery only for the rows that take its
+/// branch) and uses each job's batch predicate after the key's cursor: for settlement the partial index of
+/// unsettled loans (`loans_unsettled_returned_idx`, an index-only range scan of what is left of the shard's
+/// month); for the accrual the primary key after the cursor, with one probe of the ledger and of the queue per
+/// overdue loan — the page's `statement_timeout` bounds it.
+pub async fn keys(pool: &PgPool, since: NaiveDate, policy: AccrualPolicy) -> Result<StatusRows, sqlx::Error> {
+    let rows = sqlx::query!(
+        r#"select t.now as "now!", q.pending as "pending!", q.pending_due as "pending_due!", q.dead as "dead!",
+                  r.job_name as "job_name?", r.business_date as "business_date?", r.shards as "shards?",
+                  r.shard as "shard?", r.status as "status?: RunStatus", r.owner as "owner?", r.epoch as "epoch?",
+                  greatest(0, extract(epoch from r.lease_until - t.now))::float8 as "lease_left_s?",
+                  r.scanned as "scanned?", r.updated as "updated?", r.last_error,
+                  case when r.status = 'RUNNING' and r.job_name = 'fine-settlement' then
+                           (select count(*) from loans l
+                            where l.fine_settled_at is null and l.returned_on is not null
+                              and l.returned_on between date_trunc('month', r.business_date)::date
+                                                    and r.business_date
+                              and l.id > coalesce(r.cursor, -9223372036854775808)
+                              and l.id % r.shards = r.shard)
+                       when r.status = 'RUNNING' and r.job_name = 'overdue-accrual' then
+                           (select count(*) from loans l
+                            where l.id > coalesce(r.cursor, -9223372036854775808) and l.id % r.shards = r.shard
+                              and l.due_on < r.business_date - $2::int
+                              and (l.returned_on is null or l.returned_on >= r.business_date)
+                              and not exists (select 1 from fine_ledger f
+                                              where f.loan_id = l.id and f.accrual_date = r.business_date)
+                              and not exists (select 1 from fine_pending p
+                                              where p.loan_id = l.id and p.accrual_date = r.business_date)
+                              and ($3::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
+                                                               where f.loan_id = l.id), 0) < $3::bigint))
+                  end as to_do
+           from (select now() as now) t
+           cross join (select count(*) filter (where status = 'PENDING') as pending,
+                              count(*) filter (where status = 'PENDING' and next_attempt_at <= now()) as pending_due,
+                              count(*) filter (where status = 'DEAD') as dead
+                       from fine_pending) q
+           left join job_runs r on r.business_date >= $1 or r.status <> 'SUCCESS'
+           order by r.job_name, r.business_date desc, r.shards, r.shard"#,
+        since,
+        policy.grace_days,
+        policy.cap_cents,
+    )
+    .fetch_all(pool)
+    .await?;
+    let (now, pending, pending_due, dead) = rows
+        .first()
+        .map(|r| (r.now, r.pending, r.pending_due, r.dead))
+        .ok_or(sqlx::Error::RowNotFound)?;
+    let keys = rows
+        .into_iter()
+        .filter_map(|r| {
+            Some(KeyRow {
+                job_name: r.job_name?,
+                business_date: r.business_date?,
+                shards: r.shards?,
+                shard: r.shard?,
+                status: r.status?,
+                owner: r.owner?,
+                epoch: r.epoch?,
+                lease_left_s: r.lease_left_s?,
+                scanned: r.scanned?,
+                updated: r.updated?,
+                to_do: r.to_do,
+                last_error: r.last_error,
+            })
+        })
+        .collect();
+    Ok(StatusRows {
+        now,
+        keys,
+        pending,
+        pending_due,
+        dead,
+    })
+}
+
+/// A DEAD charge, waiting for an operator (`pending retry --dead`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DeadCharge {
+    pub loan_id: i64,
+    pub accrual_date: NaiveDate,
+    pub amount_cents: i64,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    /// When it was last tried.
+    pub updated_at: DateTime<Utc>,
+}
+
+/// The `limit` oldest DEAD charges (by accrual day), every shard's.
+pub async fn oldest_dead(pool: &PgPool, limit: i64) -> Result<Vec<DeadCharge>, sqlx::Error> {
+    sqlx::query_as!(
+        DeadCharge,
+        r#"select loan_id, accrual_date, amount_cents, attempts, last_error, updated_at
+           from fine_pending
+           where status = 'DEAD'
+           order by accrual_date, loan_id
+           limit $1"#,
+        limit,
+    )
+    .fetch_all(pool)
+    .await
+}
