@@ -302,4 +302,24 @@ mod tests {
         );
         assert_eq!(text.matches("# TYPE").count(), DEFINITIONS.len());
     }
+
+    #[test]
+    fn the_status_page_reads_gauges_and_the_last_tick() {
+        let m = Metrics::new("0/2".into());
+        assert_eq!(m.value("fine_settler_clock_skew_seconds", None), None);
+        assert_eq!(m.last_tick_ms(), 0);
+        m.set("fine_settler_clock_skew_seconds", None, -0.25);
+        m.set("fine_settler_due_unsettled", Some("fine-settlement"), 2.0);
+        assert_eq!(m.value("fine_settler_clock_skew_seconds", None), Some(-0.25));
+        assert_eq!(
+            m.value("fine_settler_due_unsettled", Some("fine-settlement")),
+            Some(2.0)
+        );
+        assert_eq!(
+            m.value("fine_settler_due_unsettled", Some("overdue-accrual")),
+            None
+        );
+        m.ticked_now();
+        assert!(m.last_tick_ms() > 1_700_000_000_000);
+    }
 }

@@ -362,3 +362,67 @@ async fn chromium_renders_the_status_page_as_keys_change(pool: PgPool) {
     );
     assert_eq!(stop(replica).await.0, Some(0));
 }
+
+#[sqlx::test]
+async fn running_keys_count_what_their_batches_still_have_to_do_after_the_cursor(pool: PgPool) {
+    use fine_settler::store::status::{keys, AccrualPolicy};
+    // Settlement, 2026-10-31, shard 0 of 2, cursor 10: unsettled even ids above 10 returned in October count;
+    // loan 4 (below the cursor, left locked by a batch) does not, nor do odd ids, settled loans, other months.
+    let mut loans: Vec<_> = (1..=30)
+        .map(|id| loan(id, "2026-10-20", Some("2026-10-25")))
+        .collect();
+    loans.push(loan(40, "2026-09-20", Some("2026-09-25")));
+    insert(&pool, &loans).await;
+    sqlx::query("update loans set fine_settled_at = now() where id in (12, 14)")
+        .execute(&pool)
+        .await
+        .expect("settle two");
+    // Accrual day 2026-10-15, shard 0 of 1, cursor 100: loans 101..=110 due 2026-10-10 and still out; 103 is
+    // charged, 104 queued, 105 returned before the day, 106 at the cap; with a grace of 2 days 107 (due
+    // 2026-10-13) is not overdue yet.
+    let mut accrual: Vec<_> = (101..=110).map(|id| loan(id, "2026-10-10", None)).collect();
+    accrual.push(loan(99, "2026-10-10", None));
+    insert(&pool, &accrual).await;
+    sqlx::raw_sql(
+        "update loans set returned_on = '2026-10-14' where id = 105;
+         update loans set due_on = '2026-10-13' where id = 107;
+         insert into fine_ledger (loan_id, accrual_date, amount_cents) values (103, '2026-10-15', 100),
+                                                                            (106, '2026-10-01', 500);
+         insert into fine_pending (loan_id, accrual_date, amount_cents, next_attempt_at)
+             values (104, '2026-10-15', 100, now());
+         insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until, cursor,
+                               scanned, updated)
+         values ('fine-settlement', '2026-10-31', 2, 0, 'RUNNING', 'a', 1, now() + interval '1 minute', 10, 5, 5),
+                ('overdue-accrual', '2026-10-15', 1, 0, 'RUNNING', 'b', 2, now() + interval '1 minute', 100, 1, 1),
+                ('fine-settlement', '2026-09-30', 2, 0, 'SUCCESS', 'a', 1, now(), null, 1, 1);",
+    )
+    .execute(&pool)
+    .await
+    .expect("rows");
+    let rows = keys(
+        &pool,
+        d("2026-01-01"),
+        AccrualPolicy {
+            grace_days: 2,
+            cap_cents: 500,
+        },
+    )
+    .await
+    .expect("status rows");
+    let to_do: Vec<(&str, String, Option<i64>)> = rows
+        .keys
+        .iter()
+        .map(|k| (k.job_name.as_str(), k.business_date.to_string(), k.to_do))
+        .collect();
+    assert_eq!(
+        to_do,
+        [
+            // 16, 18, ..., 30: 8 loans.
+            ("fine-settlement", "2026-10-31".to_string(), Some(8)),
+            ("fine-settlement", "2026-09-30".to_string(), None),
+            // 101, 102, 108, 109, 110.
+            ("overdue-accrual", "2026-10-15".to_string(), Some(5)),
+        ]
+    );
+    assert_eq!((rows.pending, rows.pending_due, rows.dead), (1, 1, 0));
+}
