@@ -5,6 +5,7 @@ pub mod audit;
 pub mod job_runs;
 pub mod ledger;
 pub mod loans;
+pub mod pauses;
 
 use std::time::Duration;
 
