@@ -530,7 +530,7 @@ async fn plan_shows_what_a_tick_would_claim_and_writes_nothing(pool: PgPool) {
 }
 
 /// GET `path` from a local listener; (status, body). Retries while the listener is not up yet.
-async fn http_get(port: u16, path: &str) -> (u16, String) {
+pub(crate) async fn http_get(port: u16, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
