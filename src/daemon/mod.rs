@@ -487,11 +487,11 @@ impl Daemon {
             match (before, now) {
                 (Some(b), Some(n)) if same(b, n) => {}
                 (_, Some(n)) => tracing::warn!(
-                    job = %n.job_name, scope = %n.scope, by = %n.by, reason = %n.reason, since = %n.since,
+                    job = %n.job_name, scope = %n.scope, by = %n.by, reason = %n.reason, since = %rfc3339(n.since),
                     "job paused by {}: {}", n.by, n.reason
                 ),
                 (Some(b), None) => tracing::info!(
-                    job = %b.job_name, scope = %b.scope, paused_by = %b.by, since = %b.since,
+                    job = %b.job_name, scope = %b.scope, paused_by = %b.by, since = %rfc3339(b.since),
                     "job resumed; its keys are claimed again"
                 ),
                 (None, None) => {}
@@ -577,6 +577,11 @@ impl Daemon {
             tracing::info!(clock_skew_ms = skew_ms, "clock skew back within bounds");
         }
     }
+}
+
+/// A database time as logged: RFC 3339, milliseconds, UTC.
+fn rfc3339(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
 #[cfg(test)]
