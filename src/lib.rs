@@ -8,7 +8,7 @@
 //!   [`backoff`]: the one retry policy.
 //! - [`store`]: every SQL statement and the migrations — [`store::job_runs`] the claim protocol, the fence and the
 //!   tick's status statement; [`store::loans`] settlement; [`store::ledger`] accrual and the compensation queue;
-//!   [`store::audit`] `verify`.
+//!   [`store::audit`] `verify`; [`store::pauses`] `pause` / `resume` and their history.
 //! - [`jobs`]: the generic claim → fenced batches → finish runner ([`jobs::runner`]), the two jobs on top of it
 //!   ([`jobs::settlement`], [`jobs::accrual`]) and the one-shot commands' runs ([`jobs::oneshot`]).
 //! - [`schedule`]: slots and their arithmetic, the slot guard, the scheduler loop, the drift measurement, and

@@ -101,6 +101,11 @@ pub const DEFINITIONS: &[(&str, &str, &str)] = &[
         "Keys that left their catch-up window without succeeding (each counted once per process).",
     ),
     (
+        "fine_settler_paused",
+        "gauge",
+        "1 while a pause (fine-settler pause) covers this replica's shard of the job, else 0.",
+    ),
+    (
         "fine_settler_compensation_errors_total",
         "counter",
         "Compensation passes that failed with an error other than a rejected charge.",

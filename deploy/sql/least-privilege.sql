@@ -24,6 +24,11 @@ select format('grant select, insert, update on job_runs to %I', :'role') \gexec
 -- The history is append-only, except that the daemon prunes rows older than claim.history_retention.
 select format('grant select, insert, delete on job_run_attempts to %I', :'role') \gexec
 
+-- Pauses: the tick reads them; `pause` and `resume` (operator commands, run with the replicas' configuration as
+-- `release` is) add and remove them and append to their history.
+select format('grant select, insert, delete on job_pauses to %I', :'role') \gexec
+select format('grant select, insert on job_pause_events to %I', :'role') \gexec
+
 -- The ledger is append-only; the compensation queue is worked through (rows updated, then deleted).
 select format('grant select, insert on fine_ledger to %I', :'role') \gexec
 select format('grant select, insert, update, delete on fine_pending to %I', :'role') \gexec

@@ -32,6 +32,9 @@ pub enum Command {
         /// Re-run a key that already succeeded, from the beginning (rows already settled are not touched).
         #[arg(long)]
         force: bool,
+        /// Run even though the job (or this shard) is paused.
+        #[arg(long)]
+        ignore_pause: bool,
     },
     /// Run the replica: tick on the schedule, settling every due business date of this shard.
     Run {
@@ -72,6 +75,9 @@ pub enum Command {
         /// Re-run a day that already succeeded (days already charged are not charged again).
         #[arg(long)]
         force: bool,
+        /// Run even though the job (or this shard) is paused.
+        #[arg(long)]
+        ignore_pause: bool,
     },
     /// The compensation queue of failed charges.
     Pending {
@@ -137,6 +143,42 @@ pub enum Command {
         #[arg(long, default_value_t = 1)]
         first_id: i64,
     },
+    /// Pause a job on every replica (or one shard of it): from their next tick no replica claims its keys, and a
+    /// run in progress hands its key back after its current batch. Stored in the database; idempotent.
+    Pause {
+        #[arg(long, value_name = "J", value_parser = parse_job)]
+        job: JobName,
+        #[command(flatten)]
+        scope: PauseScopeArgs,
+        /// Why, for the replicas' logs, `runs` and the history.
+        #[arg(long, default_value = "paused by an operator")]
+        reason: String,
+        /// Who, for the history (default: $USER@host).
+        #[arg(long)]
+        by: Option<String>,
+    },
+    /// Lift a pause set with `pause` (the same scope: the whole job, or the one shard); the next tick goes on
+    /// from where the runs stopped.
+    Resume {
+        #[arg(long, value_name = "J", value_parser = parse_job)]
+        job: JobName,
+        #[command(flatten)]
+        scope: PauseScopeArgs,
+        /// Who, for the history (default: $USER@host).
+        #[arg(long)]
+        by: Option<String>,
+    },
+}
+
+/// `--shards N --shard S` of `pause` and `resume`: both or neither (neither: the whole job, every shard).
+#[derive(Debug, clap::Args)]
+pub struct PauseScopeArgs {
+    /// Only this shard count (with --shard).
+    #[arg(long, value_name = "N", allow_negative_numbers = true, requires = "shard")]
+    pub shards: Option<i64>,
+    /// Only this shard (with --shards).
+    #[arg(long, value_name = "S", allow_negative_numbers = true, requires = "shards")]
+    pub shard: Option<i64>,
 }
 
 /// `--shard S --shards N` of the one-shot commands; each defaults to the instance's.

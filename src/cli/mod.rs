@@ -24,7 +24,7 @@ use crate::{
     store::{self, StoreError},
     telemetry,
 };
-pub use args::{Cli, Command, DriftMode, PendingAction, ShardArgs};
+pub use args::{Cli, Command, DriftMode, PauseScopeArgs, PendingAction, ShardArgs};
 
 /// Why a command could not do its work.
 #[derive(Debug, thiserror::Error)]
@@ -47,13 +47,18 @@ pub enum CliError {
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers: {0}")]
     Signals(#[from] std::io::Error),
+    /// `settle`/`accrue` of a paused job (or shard) without `--ignore-pause`; nothing was written.
+    #[error(transparent)]
+    Paused(oneshot::Refused),
 }
 
 impl CliError {
     pub fn exit_code(&self) -> ExitCode {
         match self {
             CliError::Usage(_) | CliError::Config(_) | CliError::Start(_) => ExitCode::from(2),
-            CliError::Store(_) | CliError::Tick(_) | CliError::Signals(_) => ExitCode::from(1),
+            CliError::Store(_) | CliError::Tick(_) | CliError::Signals(_) | CliError::Paused(_) => {
+                ExitCode::from(1)
+            }
         }
     }
 
@@ -62,6 +67,15 @@ impl CliError {
         match self {
             CliError::Config(e) => e.lines(),
             other => vec![format!("fine-settler: {other}")],
+        }
+    }
+}
+
+impl From<oneshot::Refused> for CliError {
+    fn from(e: oneshot::Refused) -> Self {
+        match e {
+            oneshot::Refused::NotOver(e) => CliError::Usage(format!("--date: {e}")),
+            paused => CliError::Paused(paused),
         }
     }
 }
@@ -99,6 +113,14 @@ fn shard_spec(settings: &Settings, args: &ShardArgs) -> Result<ShardSpec, CliErr
         args.shard.unwrap_or(i64::from(settings.instance.shard())),
         args.shards.unwrap_or(i64::from(settings.instance.shards())),
     )
+}
+
+/// What `pause`/`resume` apply to: `--shards N --shard S` (clap requires both or neither), else the whole job.
+fn pause_scope(args: &PauseScopeArgs) -> Result<store::pauses::PauseScope, CliError> {
+    match (args.shard, args.shards) {
+        (Some(shard), Some(shards)) => Ok(store::pauses::PauseScope::Shard(shard_arg(shard, shards)?)),
+        _ => Ok(store::pauses::PauseScope::Job),
+    }
 }
 
 /// `--shard S --shards N` as a shard, or a usage error naming the flags.
@@ -163,6 +185,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             business_date,
             shard,
             force,
+            ignore_pause,
         } => {
             let spec = shard_spec(&settings, &shard)?;
             calendar::settlement_month(business_date)
@@ -173,7 +196,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 business_date,
                 shard: spec,
             };
-            let report = oneshot::settle(&settings, key, force).await;
+            let report = oneshot::settle(&settings, key, force, ignore_pause).await?;
             println!("{}", serde_json::to_string(&report).unwrap_or_default());
             Ok(ExitCode::from(report.outcome.exit_code()))
         }
@@ -193,7 +216,12 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             let stopped = daemon::run(settings, control).await?;
             Ok(ExitCode::from(stopped.exit_code()))
         }
-        Command::Accrue { date, shard, force } => {
+        Command::Accrue {
+            date,
+            shard,
+            force,
+            ignore_pause,
+        } => {
             let spec = shard_spec(&settings, &shard)?;
             if date.year() < 1 {
                 return Err(CliError::Usage(format!(
@@ -206,9 +234,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 business_date: date,
                 shard: spec,
             };
-            let report = oneshot::accrue(&settings, key, force)
-                .await
-                .map_err(|e| CliError::Usage(format!("--date: {e}")))?;
+            let report = oneshot::accrue(&settings, key, force, ignore_pause).await?;
             println!("{}", serde_json::to_string(&report).unwrap_or_default());
             Ok(ExitCode::from(report.run.outcome.exit_code()))
         }
@@ -257,6 +283,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             telemetry::init(settings.log_format, &settings.log_level);
             let pool = connect(&settings, "fine-settler runs").await?;
             let job = job.map(JobName::as_str);
+            let pauses = store::pauses::list(&pool, job).await?;
+            output::print_pauses(&pauses, json);
             if history {
                 let rows = store::job_runs::history(&pool, job, business_date).await?;
                 output::print_rows(&rows, json, output::history_table);
@@ -303,6 +331,58 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             } else {
                 ExitCode::from(1)
             })
+        }
+        Command::Pause {
+            job,
+            scope,
+            reason,
+            by,
+        } => {
+            let scope = pause_scope(&scope)?;
+            let by = by.unwrap_or_else(operator);
+            telemetry::init(settings.log_format, &settings.log_level);
+            let pool = connect(&settings, "fine-settler pause").await?;
+            let done = store::pauses::pause(&pool, job, scope, &by, &reason).await?;
+            let mut report = done.pause.json();
+            report["paused"] = done.new.into();
+            report["already_paused"] = (!done.new).into();
+            println!("{report}");
+            if done.new {
+                tracing::warn!(job = job.as_str(), scope = %scope, by = %by, reason = %reason, "job paused");
+            }
+            pool.close().await;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Resume { job, scope, by } => {
+            let scope = pause_scope(&scope)?;
+            let by = by.unwrap_or_else(operator);
+            telemetry::init(settings.log_format, &settings.log_level);
+            let pool = connect(&settings, "fine-settler resume").await?;
+            let lifted = store::pauses::resume(&pool, job, scope, &by).await?;
+            let still: Vec<_> = store::pauses::list(&pool, Some(job.as_str()))
+                .await?
+                .iter()
+                .map(store::pauses::Pause::json)
+                .collect();
+            let (shards, shard) = match scope {
+                store::pauses::PauseScope::Job => (None, None),
+                store::pauses::PauseScope::Shard(s) => (Some(s.shards()), Some(s.shard())),
+            };
+            let report = serde_json::json!({
+                "job": job.as_str(), "shards": shards, "shard": shard,
+                "resumed": lifted.is_some(),
+                "paused_by": lifted.as_ref().map(|p| p.by.clone()),
+                "reason": lifted.as_ref().map(|p| p.reason.clone()),
+                "since": lifted.as_ref().map(|p| p.since),
+                "by": by,
+                "still_paused": still,
+            });
+            println!("{report}");
+            if let Some(p) = &lifted {
+                tracing::info!(job = job.as_str(), scope = %scope, by = %by, paused_by = %p.by, "job resumed");
+            }
+            pool.close().await;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Verify { business_date, json } => {
             let month = calendar::settlement_month(business_date)

@@ -15,6 +15,22 @@ pub fn print_rows<T: serde::Serialize>(rows: &[T], json: bool, table: fn(&[T]) -
     }
 }
 
+/// The pauses in force, above `runs`' rows: a `paused:` line each, or with `--json` one `{"record":"pause",…}`
+/// line each (the rows' own lines are unchanged).
+pub fn print_pauses(pauses: &[store::pauses::Pause], json: bool) {
+    for p in pauses {
+        if json {
+            let mut line = serde_json::json!({"record": "pause"});
+            if let (Some(line), serde_json::Value::Object(fields)) = (line.as_object_mut(), p.json()) {
+                line.extend(fields);
+            }
+            println!("{line}");
+        } else {
+            println!("paused: {p}");
+        }
+    }
+}
+
 pub fn pending_table(rows: &[store::ledger::Pending]) -> String {
     let mut out = format!(
         "{:>12} {:<10} {:>10} {:>8} {:<25} {:<7} {}\n",

@@ -36,6 +36,7 @@ use crate::{
     store::{
         self,
         job_runs::{Action, ClaimMode, KeyState, TickStatus},
+        pauses::Pause,
         Session, StoreError,
     },
 };
@@ -84,7 +85,7 @@ pub async fn plan(settings: &Settings, at: Option<DateTime<Utc>>) -> Result<Vec<
         (None, TimeSource::Database) => status.now,
         (None, TimeSource::System) => Utc::now(),
     };
-    Ok(due::plan(settings, now, &status.keys))
+    Ok(due::plan(settings, now, &status.keys, &status.pauses))
 }
 
 /// A replica.
@@ -107,6 +108,8 @@ pub struct Daemon {
     abandoned: HashSet<(String, NaiveDate)>,
     /// When the tick status last asked about late accrual rows (`accrual.recheck_every`).
     accrual_rechecked: Option<tokio::time::Instant>,
+    /// The pauses covering this shard at the last tick (each logged when it starts and when it ends).
+    paused: Vec<Pause>,
 }
 
 impl Daemon {
@@ -136,6 +139,9 @@ impl Daemon {
             }
         }
         metrics.add("fine_settler_compensation_errors_total", None, None, 0.0);
+        for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
+            metrics.set("fine_settler_paused", Some(job.as_str()), 0.0);
+        }
         Daemon {
             settings,
             pool,
@@ -150,6 +156,7 @@ impl Daemon {
             compensation_failing: false,
             abandoned: HashSet::new(),
             accrual_rechecked: None,
+            paused: Vec::new(),
         }
     }
 
@@ -356,7 +363,8 @@ impl Daemon {
             self.compensate(shard).await;
         }
         self.report_abandoned(now, &status.keys);
-        let todo: Vec<Due> = due::plan(&self.settings, now, &status.keys)
+        self.observe_pauses(&status.pauses);
+        let todo: Vec<Due> = due::plan(&self.settings, now, &status.keys, &status.pauses)
             .into_iter()
             .filter(|d| d.runs)
             .collect();
@@ -468,6 +476,36 @@ impl Daemon {
         }
     }
 
+    /// Sets `fine_settler_paused` for each job and logs each pause covering this shard once, at warn, when a
+    /// tick first sees it, and once, at info, when it is gone (the job was resumed).
+    fn observe_pauses(&mut self, pauses: &[Pause]) {
+        for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
+            let now = pauses.iter().find(|p| p.job_name == job.as_str());
+            let before = self.paused.iter().find(|p| p.job_name == job.as_str());
+            self.metrics.set(
+                "fine_settler_paused",
+                Some(job.as_str()),
+                f64::from(u8::from(now.is_some())),
+            );
+            // A pause replaced by another (the job's after the shard's, or a new one after a resume between two
+            // ticks) is a new episode.
+            let same = |a: &Pause, b: &Pause| a.scope == b.scope && a.since == b.since;
+            match (before, now) {
+                (Some(b), Some(n)) if same(b, n) => {}
+                (_, Some(n)) => tracing::warn!(
+                    job = %n.job_name, scope = %n.scope, by = %n.by, reason = %n.reason, since = %rfc3339(n.since),
+                    "job paused by {}: {}", n.by, n.reason
+                ),
+                (Some(b), None) => tracing::info!(
+                    job = %b.job_name, scope = %b.scope, paused_by = %b.by, since = %rfc3339(b.since),
+                    "job resumed; its keys are claimed again"
+                ),
+                (None, None) => {}
+            }
+        }
+        self.paused = pauses.to_vec();
+    }
+
     /// Runs one due key of this shard.
     async fn run_due(&self, due: &Due, shard: ShardSpec) -> RunReport {
         // A key the status statement found late is re-opened as such, without asking the question again.
@@ -545,6 +583,11 @@ impl Daemon {
             tracing::info!(clock_skew_ms = skew_ms, "clock skew back within bounds");
         }
     }
+}
+
+/// A database time as logged: RFC 3339, milliseconds, UTC.
+fn rfc3339(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! The one-shot commands' runs (`settle`, `accrue`, `pending retry`): connect, run one key (or one
 //! compensation pass) under a fresh owner that hands its key back cleanly on SIGINT/SIGTERM, close. Each always
-//! produces a report; an error that keeps a run from starting is the report's `detail`.
+//! produces a report; an error that keeps a run from starting is the report's `detail`. A run of a paused job
+//! (or shard) is refused before anything is written, unless the operator says to ignore the pause.
 
 use chrono::Utc;
 use sqlx::PgPool;
@@ -16,7 +17,7 @@ use crate::{
     calendar,
     config::{Settings, TimeSource},
     signals::Signals,
-    store::{self, StoreError},
+    store::{self, pauses::Pause, StoreError},
 };
 
 /// A report for a run that could not start (no database).
@@ -62,20 +63,66 @@ async fn one_shot_runner(settings: &Settings, key: RunKey, batch_size: u32) -> R
     ))
 }
 
-/// Settles one key (`settle`).
-pub async fn settle(settings: &Settings, key: RunKey, force: bool) -> RunReport {
-    let started = tokio::time::Instant::now();
-    match one_shot_runner(settings, key, settings.settlement.batch_size).await {
-        Ok(runner) => {
-            let settlement = Settlement {
-                policy: settings.fine,
-            };
-            let report = runner.run(&settlement, key, force).await;
-            runner.pool.close().await;
-            report
-        }
-        Err(e) => not_started(key, started, e),
+/// Why a one-shot run was refused before it started; nothing was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// `accrue` of a day that is not over yet.
+    #[error(transparent)]
+    NotOver(#[from] NotOver),
+    /// A pause covers the key (`fine-settler pause`).
+    #[error("{0}; resume it with `fine-settler resume`, or pass --ignore-pause to run anyway")]
+    Paused(Pause),
+}
+
+/// The pause covering `key`, unless `ignore_pause`: `Err` with the report's detail if it cannot be read.
+async fn pause_of(runner: &Runner, key: RunKey, ignore_pause: bool) -> Result<Option<Pause>, String> {
+    if ignore_pause {
+        return Ok(None);
     }
+    store::pauses::covering(&runner.pool, key.job, key.shard)
+        .await
+        .map_err(|e| {
+            let e = StoreError::from(e);
+            tracing::error!(error = %e, "cannot tell whether the job is paused");
+            e.to_string()
+        })
+}
+
+/// Settles one key (`settle`); refused while a pause covers it, unless `ignore_pause` (then the run also goes on
+/// through a pause set while it runs).
+pub async fn settle(
+    settings: &Settings,
+    key: RunKey,
+    force: bool,
+    ignore_pause: bool,
+) -> Result<RunReport, Refused> {
+    let started = tokio::time::Instant::now();
+    let runner = match one_shot_runner(settings, key, settings.settlement.batch_size).await {
+        Ok(runner) => runner,
+        Err(e) => return Ok(not_started(key, started, e)),
+    };
+    match pause_of(&runner, key, ignore_pause).await {
+        Ok(None) => {}
+        Ok(Some(pause)) => {
+            runner.pool.close().await;
+            return Err(Refused::Paused(pause));
+        }
+        Err(e) => {
+            runner.pool.close().await;
+            return Ok(not_started(key, started, e));
+        }
+    }
+    let runner = if ignore_pause {
+        runner.ignoring_pauses()
+    } else {
+        runner
+    };
+    let settlement = Settlement {
+        policy: settings.fine,
+    };
+    let report = runner.run(&settlement, key, force).await;
+    runner.pool.close().await;
+    Ok(report)
 }
 
 /// The report of `accrue`: the run's, plus what the compensation pass did and the shard's queue.
@@ -104,8 +151,14 @@ pub struct NotOver {
 }
 
 /// Accrues one day for one shard (`accrue`), after retrying the shard's due pending charges. Refuses a day that
-/// is not over yet by the configured clock (the database's by default, as for the daemon).
-pub async fn accrue(settings: &Settings, key: RunKey, force: bool) -> Result<AccrualReport, NotOver> {
+/// is not over yet by the configured clock (the database's by default, as for the daemon), and, unless
+/// `ignore_pause`, a paused key (before the compensation pass: nothing is written).
+pub async fn accrue(
+    settings: &Settings,
+    key: RunKey,
+    force: bool,
+    ignore_pause: bool,
+) -> Result<AccrualReport, Refused> {
     let started = tokio::time::Instant::now();
     let not_started = |e: String| AccrualReport {
         run: not_started(key, started, e),
@@ -133,12 +186,28 @@ pub async fn accrue(settings: &Settings, key: RunKey, force: bool) -> Result<Acc
     };
     if key.business_date >= today {
         runner.pool.close().await;
-        return Err(NotOver {
+        return Err(Refused::NotOver(NotOver {
             date: key.business_date,
             today,
             zone: settings.zone.name(),
-        });
+        }));
     }
+    match pause_of(&runner, key, ignore_pause).await {
+        Ok(None) => {}
+        Ok(Some(pause)) => {
+            runner.pool.close().await;
+            return Err(Refused::Paused(pause));
+        }
+        Err(e) => {
+            runner.pool.close().await;
+            return Ok(not_started(e));
+        }
+    }
+    let runner = if ignore_pause {
+        runner.ignoring_pauses()
+    } else {
+        runner
+    };
     let job = Accrual::from_settings(settings);
     let max_attempts = settings.accrual.max_attempts;
     // A failing compensation pass (a missing grant, a broken trigger) does not keep the day from being accrued.

@@ -22,7 +22,8 @@ use crate::{
     redact::secrets_in as redact_secrets_in,
     store::{
         self,
-        job_runs::{self, Claim, ClaimKind, ClaimMode, Ending, Progress, RunStatus},
+        job_runs::{self, Claim, ClaimKind, ClaimMode, Ending, Fence, Progress, RunStatus},
+        pauses::Pause,
     },
 };
 
@@ -165,16 +166,20 @@ pub struct Runner {
     pub cancel: CancellationToken,
     /// Where the replica's metrics go (the daemon's), if anywhere.
     pub metrics: Option<Arc<Metrics>>,
+    /// Go on through a pause of the job (`--ignore-pause`); by default a run hands its key back after the
+    /// batch whose fence saw the pause.
+    pub ignore_pause: bool,
 }
 
 enum BatchResult {
     /// Nothing left to do.
     Empty,
-    /// Committed a batch ending at this id.
+    /// Committed a batch ending at this id; `paused`: the fence saw a pause of the key (who, why).
     Committed {
         last_id: i64,
         scanned: i64,
         updated: i64,
+        paused: Option<(String, String)>,
     },
     /// The fence matched nothing: another replica owns the key now. Rolled back.
     Fenced,
@@ -184,6 +189,8 @@ enum Stop {
     Done,
     Shutdown,
     LeaseLost,
+    /// A pause covers the key: handed back after the batch that saw it, with this `last_error`.
+    Paused(String),
 }
 
 /// The message a run records when it hands its key back on shutdown.
@@ -205,7 +212,14 @@ impl Runner {
             batch_size,
             cancel,
             metrics: None,
+            ignore_pause: false,
         }
+    }
+
+    /// The same runner, going on through pauses (an operator's `--ignore-pause`).
+    pub fn ignoring_pauses(mut self) -> Self {
+        self.ignore_pause = true;
+        self
     }
 
     /// The same runner, reporting to `metrics`.
@@ -407,6 +421,7 @@ impl Runner {
                     last_id,
                     scanned: s,
                     updated: u,
+                    paused,
                 })) => {
                     scanned += s;
                     updated += u;
@@ -432,6 +447,11 @@ impl Runner {
                         batch_updated = u,
                         "batch committed"
                     );
+                    if let Some((by, reason)) = paused {
+                        tracing::warn!(cursor = last_id, paused_by = %by, reason = %reason,
+                            "job paused: handing the key back after this batch");
+                        break Ok(Stop::Paused(Pause::run_error(&by, &reason)));
+                    }
                 }
             }
         };
@@ -439,6 +459,9 @@ impl Runner {
         let ending = match &stop {
             Ok(Stop::Done) => Some(Ending::Success),
             Ok(Stop::Shutdown) => Some(Ending::Failed(SHUTDOWN_ERROR)),
+            // As a graceful stop: FAILED with the lease ended, so that the first tick after a resume takes the
+            // key over and goes on after its cursor.
+            Ok(Stop::Paused(error)) => Some(Ending::Failed(error)),
             Ok(Stop::LeaseLost) => None,
             Err(e) => {
                 tracing::error!(error = %e, scanned, updated, "run failed");
@@ -495,6 +518,7 @@ impl Runner {
                 updated,
                 Some(SHUTDOWN_ERROR.into()),
             ),
+            Ok(Stop::Paused(error)) => report(Outcome::Failed, Some(epoch), scanned, updated, Some(error)),
             _ => report(Outcome::Failed, Some(epoch), scanned, updated, error_text),
         }
     }
@@ -533,15 +557,19 @@ impl Runner {
             scanned,
             updated,
         };
-        if !job_runs::advance(&mut tx, key, epoch, progress, self.lease.duration()).await? {
-            tx.rollback().await?;
-            return Ok(BatchResult::Fenced);
-        }
+        let paused = match job_runs::advance(&mut tx, key, epoch, progress, self.lease.duration()).await? {
+            Fence::Lost => {
+                tx.rollback().await?;
+                return Ok(BatchResult::Fenced);
+            }
+            Fence::Passed { paused } => paused.filter(|_| !self.ignore_pause),
+        };
         tx.commit().await?;
         Ok(BatchResult::Committed {
             last_id,
             scanned,
             updated,
+            paused,
         })
     }
 }

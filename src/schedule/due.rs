@@ -14,7 +14,10 @@ use crate::{
     calendar,
     config::{ScheduleMode, Settings},
     jobs::JobName,
-    store::job_runs::{Action, KeyState, LateProbe},
+    store::{
+        job_runs::{Action, KeyState, LateProbe},
+        pauses::Pause,
+    },
 };
 
 /// The settlement business dates due on local date `today`, oldest first: the last `n` month ends before
@@ -53,42 +56,68 @@ pub struct Due {
     pub action: Action,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
-    /// The tick runs the key: it is not SUCCESS with nothing left (see [`Action::runs`]).
+    /// The pause that stops the key (action `paused`); absent when none does.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub paused: Option<PausedBy>,
+    /// The tick runs the key: it is not SUCCESS with nothing left, nor paused (see [`Action::runs`]).
     #[serde(skip)]
     pub runs: bool,
 }
 
+/// Who paused a due key, why and since when (a `plan` line's `paused`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PausedBy {
+    pub by: String,
+    pub reason: String,
+    pub since: DateTime<Utc>,
+}
+
 /// The due business dates at `now`, oldest first per job (settlement, then accrual), with what a tick would do
-/// with each.
-pub fn plan(settings: &Settings, now: DateTime<Utc>, states: &[KeyState]) -> Vec<Due> {
+/// with each; `pauses` are those covering this shard (as the tick status read them).
+pub fn plan(settings: &Settings, now: DateTime<Utc>, states: &[KeyState], pauses: &[Pause]) -> Vec<Due> {
     let today = calendar::local_date(now, settings.zone);
     let mut due = Vec::new();
     if settings.settlement.enabled {
         for date in settlement_due(today, settings.settlement.catch_up_months) {
-            due.push(classify(settings, JobName::FineSettlement, date, states));
+            due.push(classify(settings, JobName::FineSettlement, date, states, pauses));
         }
     }
     if settings.accrual.enabled {
         for date in accrual_due(today, settings.accrual.catch_up_days) {
-            due.push(classify(settings, JobName::OverdueAccrual, date, states));
+            due.push(classify(settings, JobName::OverdueAccrual, date, states, pauses));
         }
     }
     due
 }
 
-fn classify(settings: &Settings, job: JobName, date: NaiveDate, states: &[KeyState]) -> Due {
+fn classify(
+    settings: &Settings,
+    job: JobName,
+    date: NaiveDate,
+    states: &[KeyState],
+    pauses: &[Pause],
+) -> Due {
     let state = states
         .iter()
         .find(|s| s.job_name == job.as_str() && s.business_date == date);
+    let pause = pauses
+        .iter()
+        .find(|p| p.job_name == job.as_str() && p.scope.covers(settings.instance));
+    let action = Action::of(state, pause.is_some());
     Due {
         job,
         business_date: date,
         shard: settings.instance.shard(),
         shards: settings.instance.shards(),
         status: state.map_or("none", |s| s.status.as_str()),
-        action: Action::of(state),
+        action,
         owner: state.map(|s| s.owner.clone()),
-        runs: Action::runs(state),
+        paused: pause.filter(|_| action == Action::Paused).map(|p| PausedBy {
+            by: p.by.clone(),
+            reason: p.reason.clone(),
+            since: p.since,
+        }),
+        runs: Action::runs(state, pause.is_some()),
     }
 }
 
@@ -294,7 +323,7 @@ mod tests {
             state(JobName::FineSettlement, "2026-11-30", Success),
             expired,
         ];
-        let plan = plan(&s, now, &rows);
+        let plan = plan(&s, now, &rows, &[]);
         let seen: Vec<_> = plan
             .iter()
             .map(|p| (p.job, p.business_date, p.status, p.action, p.runs))
@@ -354,6 +383,73 @@ mod tests {
                 ("fine-settlement", d("2026-09-30")),
                 ("overdue-accrual", d("2026-11-28"))
             ]
+        );
+    }
+
+    #[test]
+    fn a_paused_job_s_keys_are_not_run_except_that_finished_ones_stay_skipped() {
+        use crate::store::{job_runs::RunStatus::*, pauses::PauseScope};
+        let mut s = settings();
+        s.accrual.enabled = true;
+        s.accrual.catch_up_days = 1;
+        s.settlement.catch_up_months = 3;
+        s.instance = crate::shard::ShardSpec::new(1, 4).expect("shard");
+        let now = "2026-12-01T02:00:00Z".parse().expect("time");
+        let mut expired = state(JobName::FineSettlement, "2026-10-31", Running);
+        expired.expired = true;
+        let mut late = state(JobName::FineSettlement, "2026-09-30", Success);
+        late.late = true;
+        let rows = [
+            late,
+            expired,
+            state(JobName::OverdueAccrual, "2026-11-30", Failed),
+        ];
+        let pause = |scope| Pause {
+            job_name: JobName::FineSettlement.as_str().into(),
+            scope,
+            by: "ops@h".into(),
+            reason: "month-end freeze".into(),
+            since: now,
+        };
+        let seen = |pauses: &[Pause]| -> Vec<(JobName, Action, bool, bool)> {
+            plan(&s, now, &rows, pauses)
+                .iter()
+                .map(|p| (p.job, p.action, p.runs, p.paused.is_some()))
+                .collect()
+        };
+        let paused_settlement = vec![
+            (JobName::FineSettlement, Action::Paused, false, true),
+            (JobName::FineSettlement, Action::Paused, false, true),
+            (JobName::FineSettlement, Action::Paused, false, true),
+            (JobName::OverdueAccrual, Action::Takeover, true, false),
+        ];
+        // The whole job, or this very shard: every key of the job that would run (re-open, take over, claim)
+        // is paused; the other job goes on.
+        assert_eq!(seen(&[pause(PauseScope::Job)]), paused_settlement);
+        assert_eq!(seen(&[pause(PauseScope::Shard(s.instance))]), paused_settlement);
+        // Another shard's pause, or the same shard number under another shard count, changes nothing here.
+        let unpaused = vec![
+            (JobName::FineSettlement, Action::Reopen, true, false),
+            (JobName::FineSettlement, Action::Takeover, true, false),
+            (JobName::FineSettlement, Action::Claim, true, false),
+            (JobName::OverdueAccrual, Action::Takeover, true, false),
+        ];
+        for other in [(2, 4), (1, 3)] {
+            let other = crate::shard::ShardSpec::new(other.0, other.1).expect("shard");
+            assert_eq!(seen(&[pause(PauseScope::Shard(other))]), unpaused);
+        }
+        assert_eq!(seen(&[]), unpaused);
+        // A finished key is skipped, paused or not.
+        let done = [state(JobName::FineSettlement, "2026-11-30", Success)];
+        let line = plan(&s, now, &done, &[pause(PauseScope::Job)]);
+        assert_eq!(
+            (line[2].action, line[2].runs, line[2].paused.is_some()),
+            (Action::Skip, false, false)
+        );
+        let line = serde_json::to_string(&line[1]).expect("json");
+        assert_eq!(
+            line,
+            r#"{"job":"fine-settlement","business_date":"2026-10-31","shard":1,"shards":4,"status":"none","action":"paused","paused":{"by":"ops@h","reason":"month-end freeze","since":"2026-12-01T02:00:00Z"}}"#
         );
     }
 

@@ -236,9 +236,10 @@ impl sqlx::Encode<'_, Postgres> for RunStatus {
     }
 }
 
-/// What a tick does with a due key, by what it saw of the key's row. [`KeyState::action`] is the only place
-/// that decides it, and it decides as [`claim`] does: `claim` (in [`ClaimMode::Free`]) wins exactly the
-/// keys whose action is `Claim` or `Takeover`, and [`ClaimMode::Reopen`] the `Reopen` ones.
+/// What a tick does with a due key, by what it saw of the key's row and whether a pause covers the key.
+/// [`KeyState::action`] is the only place that decides it, and it decides as [`claim`] does: `claim` (in
+/// [`ClaimMode::Free`]) wins exactly the keys whose action is `Claim` or `Takeover`, and [`ClaimMode::Reopen`]
+/// the `Reopen` ones. A paused key is never tried (`claim` does not look at pauses: the tick does not call it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Action {
@@ -250,18 +251,25 @@ pub enum Action {
     Reopen,
     /// SUCCESS with nothing left, or a live owner holds it.
     Skip,
+    /// An operator paused the job (or this shard of it): not claimed until it is resumed. A SUCCESS key with
+    /// nothing left stays `Skip`.
+    Paused,
 }
 
 impl Action {
-    /// The action for a key whose row is `state` (`None`: no row).
-    pub fn of(state: Option<&KeyState>) -> Self {
-        state.map_or(Action::Claim, KeyState::action)
+    /// The action for a key whose row is `state` (`None`: no row), `paused` or not.
+    pub fn of(state: Option<&KeyState>, paused: bool) -> Self {
+        match state {
+            Some(s) => s.action(paused),
+            None if paused => Action::Paused,
+            None => Action::Claim,
+        }
     }
 
-    /// Whether a tick runs the key: anything but a SUCCESS key with nothing left. (A key a live owner holds is
-    /// tried too: its claim is skipped, and the tick learns when the lease ends.)
-    pub fn runs(state: Option<&KeyState>) -> bool {
-        !state.is_some_and(KeyState::done)
+    /// Whether a tick runs the key: anything but a SUCCESS key with nothing left, or a paused key. (A key a
+    /// live owner holds is tried too: its claim is skipped, and the tick learns when the lease ends.)
+    pub fn runs(state: Option<&KeyState>, paused: bool) -> bool {
+        !state.is_some_and(KeyState::done) && !paused
     }
 }
 
@@ -274,9 +282,22 @@ pub struct Progress {
     pub updated: i64,
 }
 
+/// What the fence found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fence {
+    /// Another epoch owns the key: the caller must roll back.
+    Lost,
+    /// The batch may commit. `paused`: a pause covering the key (who, why) was committed before the fence ran,
+    /// so the run must hand the key back after committing this batch.
+    Passed { paused: Option<(String, String)> },
+}
+
 /// The fence, run inside the batch's transaction after its business writes: advances cursor and counters and
-/// renews the lease, only while `epoch` still owns the key. `false` means the claim was lost and the caller must
-/// roll back.
+/// renews the lease, only while `epoch` still owns the key ([`Fence::Lost`] otherwise: the claim was lost and
+/// the caller must roll back). It also says whether a pause now covers the key: the same statement reads
+/// `job_pauses` (a primary-key lookup in a table of a few rows), so a run learns of a pause at the end of the
+/// batch in flight without a statement of its own. A pause never makes the fence fail: it only asks the run
+/// to stop after this batch.
 ///
 /// The row lock taken here serialises with a takeover: a takeover waits for an in-flight batch and then sees the
 /// renewed lease; a batch that runs after a takeover sees the new epoch and matches nothing.
@@ -290,14 +311,25 @@ pub async fn advance(
     epoch: i64,
     progress: Progress,
     lease: Duration,
-) -> Result<bool, sqlx::Error> {
-    let done = sqlx::query!(
-        r#"update job_runs set
-               cursor = $6, scanned = scanned + $7, updated = updated + $8,
-               heartbeat_at = clock_timestamp(),
-               lease_until = clock_timestamp() + $9 * interval '1 millisecond'
-           where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
-             and status = 'RUNNING' and epoch = $5"#,
+) -> Result<Fence, sqlx::Error> {
+    let fenced = sqlx::query!(
+        r#"with fenced as (
+               update job_runs set
+                   cursor = $6, scanned = scanned + $7, updated = updated + $8,
+                   heartbeat_at = clock_timestamp(),
+                   lease_until = clock_timestamp() + $9 * interval '1 millisecond'
+               where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
+                 and status = 'RUNNING' and epoch = $5
+               returning 1
+           ), pause as (
+               -- The whole job's pause before this shard's own.
+               select paused_by, reason from job_pauses
+               where job_name = $1 and ((shards = 0 and shard = 0) or (shards = $3 and shard = $4))
+               order by shards
+               limit 1
+           )
+           select pause.paused_by as "paused_by?", pause.reason as "reason?"
+           from fenced left join pause on true"#,
         key.job.as_str(),
         key.business_date,
         key.shard.shards(),
@@ -308,9 +340,14 @@ pub async fn advance(
         progress.updated,
         millis(lease) as f64,
     )
-    .execute(&mut *tx)
+    .fetch_optional(&mut *tx)
     .await?;
-    Ok(done.rows_affected() == 1)
+    Ok(match fenced {
+        None => Fence::Lost,
+        Some(row) => Fence::Passed {
+            paused: row.paused_by.zip(row.reason),
+        },
+    })
 }
 
 /// How a run ended, as written to `job_runs` and `job_run_attempts`.
@@ -475,9 +512,12 @@ pub struct KeyState {
 
 impl KeyState {
     /// What a tick does with the key: the rule of [`claim`]'s `where` clause (FAILED, or RUNNING with an
-    /// expired lease, is taken over; a live owner is never displaced), plus re-opening late SUCCESS keys.
-    pub fn action(&self) -> Action {
+    /// expired lease, is taken over; a live owner is never displaced), plus re-opening late SUCCESS keys; while
+    /// `paused`, nothing but a finished key's skip.
+    pub fn action(&self, paused: bool) -> Action {
         match self.status {
+            _ if self.done() => Action::Skip,
+            _ if paused => Action::Paused,
             RunStatus::Success if self.late => Action::Reopen,
             RunStatus::Success => Action::Skip,
             RunStatus::Failed => Action::Takeover,
@@ -518,11 +558,14 @@ pub struct TickStatus {
     /// This shard's PENDING and DEAD charges.
     pub pending: i64,
     pub dead: i64,
+    /// The pauses covering this shard, at most one per job (the whole job's before the shard's own).
+    pub pauses: Vec<crate::store::pauses::Pause>,
 }
 
 /// Everything a tick needs to know before it claims anything, in one statement: the database clock, this
 /// shard's `job_runs` rows for business dates from `since` on — each SUCCESS key in `late`'s window with
-/// whether rows of it are still to do — and how many of its pending charges are due. An idle tick costs
+/// whether rows of it are still to do — how many of its pending charges are due, and the pauses that cover the
+/// shard (`job_pauses`, a table of a few rows, aggregated into arrays on the one first row). An idle tick costs
 /// exactly this one round trip.
 ///
 /// The settlement probe is the predicate [`crate::store::loans::month_has_unsettled`] asks for one key (and the
@@ -548,6 +591,8 @@ pub async fn tick_status(
                           $1::int, $2::int, $6::int, $7::bigint) as d
            )
            select t.now as "now!", t.due_pending as "due_pending!", t.pending as "pending!", t.dead as "dead!",
+                  pz.jobs as "paused_jobs!", pz.shards as "paused_shards!", pz.bys as "paused_by!",
+                  pz.reasons as "paused_reasons!", pz.since as "paused_since!",
                   r.job_name as "job_name?", r.business_date as "business_date?",
                   r.status as "status?: RunStatus", r.owner as "owner?", (r.lease_until < t.now) as "expired?",
                   (r.status = 'SUCCESS' and (
@@ -567,6 +612,13 @@ pub async fn tick_status(
                          where p.loan_id % $1::int = $2::int) as pending,
                         (select count(*) filter (where p.status = 'DEAD') from fine_pending p
                          where p.loan_id % $1::int = $2::int) as dead) t
+           cross join (select coalesce(array_agg(p.job_name order by p.job_name, p.shards), '{}') as jobs,
+                              coalesce(array_agg(p.shards order by p.job_name, p.shards), '{}') as shards,
+                              coalesce(array_agg(p.paused_by order by p.job_name, p.shards), '{}') as bys,
+                              coalesce(array_agg(p.reason order by p.job_name, p.shards), '{}') as reasons,
+                              coalesce(array_agg(p.paused_at order by p.job_name, p.shards), '{}') as since
+                       from job_pauses p
+                       where (p.shards = 0 and p.shard = 0) or (p.shards = $1::int and p.shard = $2::int)) pz
            left join job_runs r
              on r.shards = $1::int and r.shard = $2::int
             and r.business_date >= $3"#,
@@ -585,6 +637,27 @@ pub async fn tick_status(
         .first()
         .map(|r| (r.now, r.due_pending, r.pending, r.dead))
         .ok_or(sqlx::Error::RowNotFound)?;
+    let mut pauses: Vec<crate::store::pauses::Pause> = Vec::new();
+    if let Some(r) = rows.first() {
+        let each = r.paused_jobs.iter().zip(&r.paused_shards).zip(&r.paused_by);
+        for (((job, shards), by), (reason, since)) in each.zip(r.paused_reasons.iter().zip(&r.paused_since)) {
+            // Ordered by job, the whole job's pause (shards = 0) first: keep the first of each job.
+            if pauses.iter().any(|p| &p.job_name == job) {
+                continue;
+            }
+            let scope = match *shards {
+                0 => crate::store::pauses::PauseScope::Job,
+                _ => crate::store::pauses::PauseScope::Shard(shard),
+            };
+            pauses.push(crate::store::pauses::Pause {
+                job_name: job.clone(),
+                scope,
+                by: by.clone(),
+                reason: reason.clone(),
+                since: *since,
+            });
+        }
+    }
     let keys = rows
         .into_iter()
         .filter_map(|r| {
@@ -604,6 +677,7 @@ pub async fn tick_status(
         due_pending,
         pending,
         dead,
+        pauses,
     })
 }
 

@@ -5,6 +5,7 @@ pub mod audit;
 pub mod job_runs;
 pub mod ledger;
 pub mod loans;
+pub mod pauses;
 pub mod status;
 
 use std::time::Duration;

@@ -302,10 +302,11 @@ async fn the_fence_renews_the_lease_from_the_moment_it_runs(pool: PgPool) {
         updated: 10,
     };
     let lease = Duration::from_secs(2);
-    assert!(
+    assert_eq!(
         fine_settler::store::job_runs::advance(&mut tx, &k, 1, progress, lease)
             .await
-            .expect("fence")
+            .expect("fence"),
+        fine_settler::store::job_runs::Fence::Passed { paused: None }
     );
     tx.commit().await.expect("commit");
     let left: f64 = sqlx::query_scalar(
@@ -397,7 +398,7 @@ async fn the_tick_s_action_and_the_claim_agree_on_every_state(pool: PgPool) {
         .await
         .expect("tick status");
         drop(conn);
-        let action = Action::of(seen.keys.first());
+        let action = Action::of(seen.keys.first(), false);
         assert_eq!(action, expected, "{name}");
         let mode = if action == Action::Reopen {
             ClaimMode::Reopen

@@ -475,6 +475,8 @@ async fn replicas_run_under_the_least_privilege_role(pool: PgPool) {
         ][..],
         &["runs", "--history"][..],
         &["pending", "list"][..],
+        &["pause", "--job", "overdue-accrual", "--by", "ops"][..],
+        &["resume", "--job", "overdue-accrual", "--by", "ops"][..],
     ] {
         let mut cmd = fine_settler(&role_url);
         cmd.args(args);

@@ -12,6 +12,7 @@ mod fencing;
 mod helpers;
 mod lifecycle;
 mod live;
+mod pause;
 mod server;
 mod settlement;
 mod status;
