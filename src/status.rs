@@ -1,15 +1,14 @@
 //! The status page (`/status`, HTML) and its data (`/status.json`): where every shard of every job stands, the
 //! compensation queue, and this replica's own schedule, last tick and clock skew.
 //!
-//! One page load reads the database once, with two short statements ([`crate::store::status`]) through a pool
+//! One page load reads the database once, with three short statements ([`crate::store::status`]) through a pool
 //! of one connection of its own under a statement timeout, so a flood of page loads can neither take a
 //! connection from the jobs nor hold one for long. Everything else comes from the replica's [`Metrics`].
 //!
 //! Per job, the grid is every business date of this replica's catch-up window, plus every older key that is
 //! not SUCCESS (abandoned by the window), × every shard count and shard found in `job_runs` (and this
-//! replica's own). A cell without a row is shown as absent. Paused jobs are not part of the data yet: the
-//! pause table does not exist; once it does, its rows belong in a `paused` field of [`JobStatus`], shown above
-//! the job's grid.
+//! replica's own). A cell without a row is shown as absent. The pauses in force for a job (`pause`) are listed
+//! above its grid.
 //!
 //! The HTML is built with `maud`, which escapes every value it interpolates: an owner or an error message is
 //! text, never markup. The page has no script; it reloads itself every [`RELOAD_SECONDS`].
@@ -28,6 +27,7 @@ use crate::{
     schedule::{due, Schedule},
     store::{
         job_runs::RunStatus,
+        pauses::Pause,
         status::{self as rows, AccrualPolicy, DeadCharge, KeyRow},
     },
 };
@@ -77,9 +77,10 @@ impl StatusSource {
         let read = async {
             let keys = rows::keys(&self.pool, since, policy).await?;
             let dead = rows::oldest_dead(&self.pool, DEAD_SHOWN).await?;
-            Ok::<_, sqlx::Error>((keys, dead))
+            let pauses = crate::store::pauses::list(&self.pool, None).await?;
+            Ok::<_, sqlx::Error>((keys, dead, pauses))
         };
-        let (keys, dead) = tokio::time::timeout(DATABASE_TIMEOUT * 2, read)
+        let (keys, dead, pauses) = tokio::time::timeout(DATABASE_TIMEOUT * 2, read)
             .await
             .map_err(|_| StatusError::Timeout)?
             .map_err(|e| StatusError::Database(crate::redact::secrets_in(&e.to_string())))?;
@@ -93,7 +94,7 @@ impl StatusSource {
             last_progress: unix_ms(self.metrics.last_progress_ms()),
             clock_skew_s: self.metrics.value("fine_settler_clock_skew_seconds", None),
         };
-        Ok(assemble(settings, keys, dead, replica))
+        Ok(assemble(settings, keys, dead, &pauses, replica))
     }
 }
 
@@ -147,6 +148,9 @@ pub struct JobStatus {
     pub enabled: bool,
     /// The business dates of this replica's catch-up window at `now`, oldest first (empty when disabled).
     pub window: Vec<NaiveDate>,
+    /// The pauses in force for the job: `job`, `shards` and `shard` (null for the whole job), `by`, `reason`,
+    /// `since` — as `runs --json` prints them.
+    pub paused: Vec<serde_json::Value>,
     /// The grid's columns: every shard count and shard found in `job_runs` for the job, and this replica's own.
     pub shards: Vec<ShardColumn>,
     /// The grid's cells, newest business date first, then by shard count and shard. A cell of the window with no
@@ -207,6 +211,7 @@ pub fn assemble(
     settings: &Settings,
     rows: rows::StatusRows,
     dead: Vec<DeadCharge>,
+    pauses: &[Pause],
     replica: ReplicaStatus,
 ) -> Status {
     let today = calendar::local_date(rows.now, settings.zone);
@@ -225,7 +230,13 @@ pub fn assemble(
     .into_iter()
     .map(|(job, enabled, window)| {
         let window = if enabled { window } else { Vec::new() };
-        job_status(job, enabled, window, &rows.keys, settings)
+        let mut status = job_status(job, enabled, window, &rows.keys, settings);
+        status.paused = pauses
+            .iter()
+            .filter(|p| p.job_name == job.as_str())
+            .map(Pause::json)
+            .collect();
+        status
     })
     .collect();
     Status {
@@ -317,6 +328,7 @@ fn job_status(
         job,
         enabled,
         window,
+        paused: Vec::new(),
         shards: columns.into_iter().collect(),
         keys: cells,
     }
@@ -329,6 +341,7 @@ table { border-collapse: collapse; } th, td { border: 1px solid #ccc; padding: .
 th { background: #f3f3f3; text-align: left; } td.key { min-width: 11em; }
 .SUCCESS { background: #dcf5dc; } .RUNNING { background: #dbe9ff; } .FAILED { background: #ffdcdc; }
 .absent { background: #f7f7f7; color: #888; } .abandoned { outline: 3px solid #c00; outline-offset: -3px; }
+.paused { background: #fff3cd; border: 1px solid #e0c060; padding: .3em .6em; }
 .status { font-weight: 600; } .small { font-size: .85em; color: #555; } .error { color: #a00; }
 progress { width: 10em; } dl { display: grid; grid-template-columns: max-content auto; gap: .1em 1em; }
 dt { color: #555; } dd { margin: 0; }
@@ -392,6 +405,17 @@ fn job_grid(job: &JobStatus) -> Markup {
     html! {
         section.job id=(job.job.as_str()) {
             h2 { (job.job.as_str()) @if !job.enabled { " (not run by this replica)" } }
+            @for p in &job.paused {
+                p.paused {
+                    "Paused"
+                    @match (p["shards"].as_i64(), p["shard"].as_i64()) {
+                        (Some(n), Some(s)) => { " (shard " (s) "/" (n) ")" }
+                        _ => { " (every shard)" }
+                    }
+                    " by " (p["by"].as_str().unwrap_or("")) " since " (p["since"].as_str().unwrap_or(""))
+                    ": " (p["reason"].as_str().unwrap_or(""))
+                }
+            }
             @if job.keys.is_empty() {
                 p.small { "No keys to show." }
             } @else {
@@ -529,6 +553,10 @@ mod tests {
     }
 
     fn status(keys: Vec<KeyRow>) -> Status {
+        status_paused(keys, Vec::new())
+    }
+
+    fn status_paused(keys: Vec<KeyRow>, pauses: Vec<Pause>) -> Status {
         let now = "2026-12-01T04:00:00Z".parse().expect("time");
         assemble(
             &settings(),
@@ -547,6 +575,7 @@ mod tests {
                 last_error: Some("rejected: <b>no</b>".into()),
                 updated_at: now,
             }],
+            &pauses,
             replica("host:1:ab"),
         )
     }
@@ -630,5 +659,41 @@ mod tests {
         assert!(page.contains("+0.012 s"), "{page}");
         assert!(page.contains(r#"<span id="dead">1</span> DEAD"#), "{page}");
         assert!(!page.contains("<script"), "no script: {page}");
+    }
+
+    #[test]
+    fn a_pause_is_shown_above_its_job_s_grid_as_text() {
+        use crate::{shard::ShardSpec, store::pauses::PauseScope};
+        let since = "2026-11-30T15:00:00Z".parse().expect("time");
+        let pauses = vec![
+            Pause {
+                job_name: "fine-settlement".into(),
+                scope: PauseScope::Job,
+                by: "ops@host".into(),
+                reason: "month-end <freeze>".into(),
+                since,
+            },
+            Pause {
+                job_name: "overdue-accrual".into(),
+                scope: PauseScope::Shard(ShardSpec::new(1, 3).expect("shard")),
+                by: "ops@host".into(),
+                reason: "disk".into(),
+                since,
+            },
+        ];
+        let s = status_paused(vec![row("2026-11-30", RunStatus::Failed, "a", None)], pauses);
+        let settlement = &s.jobs[0];
+        assert_eq!(settlement.paused.len(), 1);
+        assert_eq!(settlement.paused[0]["by"], "ops@host");
+        assert_eq!(settlement.paused[0]["shards"], serde_json::Value::Null);
+        assert_eq!(s.jobs[1].paused[0]["shard"], 1);
+        let page = render(&s);
+        assert!(
+            page.contains(
+                "Paused (every shard) by ops@host since 2026-11-30T15:00:00Z: month-end &lt;freeze&gt;"
+            ),
+            "{page}"
+        );
+        assert!(page.contains("Paused (shard 1/3) by ops@host"), "{page}");
     }
 }
