@@ -336,21 +336,20 @@ impl Job {
         }
     }
 
-    /// The rows a run of `key` would touch.
-    async fn rows(&self, pool: &PgPool, key: &RunKey) -> Result<i64, JobError> {
+    /// The rows a run of `key` would touch, walking from `from_id` (`None`: nothing after its cursor).
+    async fn rows(&self, pool: &PgPool, key: &RunKey, from_id: Option<i64>) -> Result<i64, JobError> {
+        let Some(from_id) = from_id else { return Ok(0) };
         match self {
             Job::Settlement(_) => {
                 let month = calendar::settlement_month(key.business_date)?;
-                Ok(loans::count_unsettled(pool, month, key.shard).await?)
+                Ok(loans::count_unsettled(pool, month, key.shard, from_id).await?)
             }
             // A zero rate writes nothing (see the job's write).
             Job::Accrual(j) if j.policy.daily_rate().get() == 0 => Ok(0),
             Job::Accrual(j) => {
                 let cap = j.policy.cap().map_or(0, |c| c.get());
-                Ok(
-                    ledger::count_overdue(pool, key.business_date, key.shard, j.policy.grace_days(), cap)
-                        .await?,
-                )
+                let grace = j.policy.grace_days();
+                Ok(ledger::count_overdue(pool, key.business_date, key.shard, grace, cap, from_id).await?)
             }
         }
     }
@@ -451,9 +450,14 @@ pub async fn dry_run(
                 },
             },
         };
+        // A takeover resumes after the key's cursor, as the runner does; the other claims walk the whole key.
+        let from_id = match (action, state) {
+            (DryAction::Takeover, Some(RangeKey { cursor: Some(c), .. })) => c.checked_add(1),
+            _ => Some(i64::MIN),
+        };
         let rows = match action {
             DryAction::Skip => 0,
-            _ => job.rows(pool, key).await?,
+            _ => job.rows(pool, key, from_id).await?,
         };
         if action != DryAction::Skip {
             to_run += 1;

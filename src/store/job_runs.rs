@@ -468,6 +468,8 @@ pub struct RangeKey {
     pub status: RunStatus,
     /// The lease has run out (by the database clock).
     pub expired: bool,
+    /// The last id a committed batch covered: a takeover resumes after it.
+    pub cursor: Option<i64>,
 }
 
 /// The `job_runs` rows of `job` under `shards` for business dates in `[first, last]` (`backfill`).
@@ -479,7 +481,8 @@ pub async fn range(
 ) -> Result<Vec<RangeKey>, sqlx::Error> {
     sqlx::query_as!(
         RangeKey,
-        r#"select business_date, shard, status as "status: RunStatus", lease_until < now() as "expired!"
+        r#"select business_date, shard, status as "status: RunStatus", lease_until < now() as "expired!",
+                  cursor
            from job_runs
            where job_name = $1 and shards = $2 and business_date between $3 and $4
            order by business_date, shard"#,

@@ -57,19 +57,21 @@ pub async fn overdue_batch(
     .await
 }
 
-/// How many loans of the shard a run of `day` would charge: those [`overdue_batch`] finds, counted
-/// (`backfill --dry-run`). The predicate is [`overdue_batch`]'s, without its keyset and limit.
+/// How many loans of the shard with `id >= from_id` a run of `day` starting there would charge: those
+/// [`overdue_batch`] finds, counted (`backfill --dry-run`). The predicate is [`overdue_batch`]'s, without its
+/// limit.
 pub async fn count_overdue(
     pool: &PgPool,
     day: NaiveDate,
     shard: ShardSpec,
     grace_days: i64,
     cap_cents: i64,
+    from_id: i64,
 ) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar!(
         r#"select count(*) as "count!"
            from (select l.id from loans l
-                 where l.id % $1 = $2
+                 where l.id >= $6 and l.id % $1 = $2
                    and l.due_on < $4::date - $3::int
                    and (l.returned_on is null or l.returned_on >= $4)
                    and not exists (select 1 from fine_ledger f
@@ -84,6 +86,7 @@ pub async fn count_overdue(
         i32::try_from(grace_days).unwrap_or(i32::MAX),
         day,
         cap_cents,
+        from_id,
     )
     .fetch_one(pool)
     .await

@@ -83,21 +83,23 @@ pub async fn month_has_unsettled(
     Ok(any.is_some())
 }
 
-/// How many unsettled loans of the shard were returned in `[first, last]`: the rows a run of the key would
-/// settle, by the predicate of [`next_batch`] (`backfill --dry-run`).
+/// How many unsettled loans of the shard were returned in `[first, last]` with `id >= from_id`: the rows a run
+/// of the key starting at `from_id` would settle, by the predicate of [`next_batch`] (`backfill --dry-run`).
 pub async fn count_unsettled(
     pool: &PgPool,
     (first, last): (NaiveDate, NaiveDate),
     shard: ShardSpec,
+    from_id: i64,
 ) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar!(
         r#"select count(*) as "count!" from loans
            where fine_settled_at is null and returned_on is not null
-             and returned_on between $1 and $2 and id % $3 = $4"#,
+             and returned_on between $1 and $2 and id >= $5 and id % $3 = $4"#,
         first,
         last,
         i64::from(shard.shards()),
         i64::from(shard.shard()),
+        from_id,
     )
     .fetch_one(pool)
     .await
