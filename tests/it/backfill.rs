@@ -8,8 +8,8 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use crate::helpers::{
-    due_now, fine_settler, install_update_audit, max_updates_per_loan, oracle, output, seed_run, settled,
-    slow_down,
+    due_now, exit_of, fine_settler, install_update_audit, max_updates_per_loan, oracle, output, seed_run,
+    settled, signal, slow_down, spawn, wait_until, StderrLog,
 };
 
 /// `fine-settler backfill ARGS` with `env`; (exit code, stdout's JSON lines, stderr).
@@ -483,4 +483,77 @@ async fn each_bad_input_is_one_line_naming_the_flag_exit_2_and_nothing_written(p
             assert_eq!(fingerprint(&pool).await, before, "{args:?} wrote something");
         }
     }
+}
+
+#[sqlx::test]
+async fn sigterm_mid_backfill_finishes_the_batch_hands_the_key_back_and_starts_no_other(pool: PgPool) {
+    let url = crate::helpers::database_url(&pool);
+    let m = due_now(&pool, 3).await;
+    loans_in(&pool, &m, 6).await;
+    // 0.2 s per settled loan, batches of 2: the first key is mid-run for a good second.
+    slow_down(&pool, "update on loans", 0.2).await;
+    let mut cmd = fine_settler(&url);
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "2")
+        .args([
+            "backfill",
+            "--job",
+            "fine-settlement",
+            "--from",
+            &s(m[0]),
+            "--to",
+            &s(m[2]),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = spawn(&mut cmd);
+    let log = StderrLog::collect(&mut child);
+    wait_until(
+        "a committed batch",
+        std::time::Duration::from_secs(20),
+        || async {
+            sqlx::query_scalar::<_, i64>("select count(*) from job_runs where cursor is not null")
+                .fetch_one(&pool)
+                .await
+                .expect("count")
+                > 0
+        },
+    )
+    .await;
+    signal(&child, "TERM");
+    let mut stdout = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().expect("stdout"), &mut stdout).expect("stdout");
+    let (code, _) = exit_of(child, std::time::Duration::from_secs(20)).await;
+    let err = log.finish();
+    assert_eq!(code, Some(1), "{err}");
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON"))
+        .collect();
+    let runs = keys(&lines);
+    assert_eq!(runs.len(), 1, "only the run in flight reports: {lines:?}");
+    assert_eq!(runs[0]["outcome"], "failed");
+    assert!(runs[0]["detail"]
+        .as_str()
+        .unwrap_or("")
+        .contains("shutdown requested"));
+    let summary = lines.last().expect("summary");
+    assert_eq!(
+        (summary["interrupted"].clone(), summary["not_started"].clone()),
+        (true.into(), 2.into())
+    );
+    let rows: Vec<(NaiveDate, String, bool)> = sqlx::query_as(
+        "select business_date, status, lease_until <= now() from job_runs order by business_date",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("rows");
+    assert_eq!(
+        rows,
+        [(m[0], "FAILED".to_string(), true)],
+        "handed back; no other key claimed"
+    );
+    // The batches it committed are settled; the next backfill resumes and finishes.
+    let done = settled(&pool, &s(m[0])).await.0;
+    assert_eq!(runs[0]["updated"], done);
+    assert!(done > 0 && done < 6, "{done}");
 }
