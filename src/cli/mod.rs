@@ -1,7 +1,8 @@
 //! The command line: argument parsing ([`args`]), configuration loading, dispatch, output ([`output`]), and the
 //! mapping of errors to exit codes (0 success or skip, 1 runtime failure, 2 usage or configuration, 3 `verify`
 //! found violations). Reports go to stdout, logs to stderr. The work itself lives in [`crate::jobs::oneshot`]
-//! (the one-shot runs), [`crate::daemon`] (the replica) and [`crate::store`].
+//! (the one-shot runs), [`crate::jobs::backfill`] (`backfill`), [`crate::daemon`] (the replica) and
+//! [`crate::store`].
 
 pub mod args;
 pub mod output;

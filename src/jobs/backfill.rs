@@ -558,7 +558,8 @@ pub async fn run(
                 Ok(c) => summary.compensated += c.charged,
                 Err(e) => {
                     let e = StoreError::from(e);
-                    tracing::error!(error = %e, shard = shard.shard(), "compensation pass failed; accruing the days anyway");
+                    tracing::error!(error = %e, shard = shard.shard(),
+                        "compensation pass failed; accruing the days anyway");
                     summary.compensation_errors += 1;
                 }
             }
