@@ -398,16 +398,18 @@ async fn keys(pool: &PgPool, backfill: &Backfill) -> Result<Vec<(RunKey, Option<
         (Some(f), Some(l)) => (*f, *l),
         _ => return Ok(Vec::new()),
     };
-    let mut rows = job_runs::range(pool, job.as_str(), (first, last), shards).await?;
+    let mut rows: std::collections::HashMap<(NaiveDate, i32), RangeKey> =
+        job_runs::range(pool, job.as_str(), (first, last), shards)
+            .await?
+            .into_iter()
+            .map(|r| ((r.business_date, r.shard), r))
+            .collect();
     let mut keys = Vec::with_capacity(backfill.dates.len() * shards as usize);
     for &business_date in &backfill.dates {
         for shard in 0..shards {
             let spec = ShardSpec::new(i64::from(shard), i64::from(shards))
                 .map_err(|e| usage("--shards", e.to_string()))?;
-            let state = rows
-                .iter()
-                .position(|r| r.business_date == business_date && r.shard == shard)
-                .map(|i| rows.swap_remove(i));
+            let state = rows.remove(&(business_date, shard));
             keys.push((
                 RunKey {
                     job,
