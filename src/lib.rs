@@ -10,7 +10,8 @@
 //!   tick's status statement; [`store::loans`] settlement; [`store::ledger`] accrual and the compensation queue;
 //!   [`store::audit`] `verify`; [`store::pauses`] `pause` / `resume` and their history.
 //! - [`jobs`]: the generic claim → fenced batches → finish runner ([`jobs::runner`]), the two jobs on top of it
-//!   ([`jobs::settlement`], [`jobs::accrual`]) and the one-shot commands' runs ([`jobs::oneshot`]).
+//!   ([`jobs::settlement`], [`jobs::accrual`]), the one-shot commands' runs ([`jobs::oneshot`]) and the
+//!   backfill of a range of business dates ([`jobs::backfill`]).
 //! - [`schedule`]: slots and their arithmetic, the slot guard, the scheduler loop, the drift measurement, and
 //!   what is due at a given time ([`schedule::due`]).
 //! - [`daemon`]: the long-running replica (ticks, outages, abandoned keys) and its lifecycle from start to exit

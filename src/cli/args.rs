@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use chrono::{DateTime, NaiveDate};
 use clap::{Parser, Subcommand};
 
-use crate::jobs::JobName;
+use crate::jobs::{backfill::Reprocess, JobName};
 
 /// Settles library fines in PostgreSQL: idempotent, sharded, resumable.
 #[derive(Debug, Parser)]
@@ -76,6 +76,35 @@ pub enum Command {
         #[arg(long)]
         force: bool,
         /// Run even though the job (or this shard) is paused.
+        #[arg(long)]
+        ignore_pause: bool,
+    },
+    /// Run every business date of a job in a range (month ends for settlement, days for accrual) for every
+    /// shard, oldest first, through the same runner as the daemon: the catch-up after a long outage. Prints
+    /// each run's report line, then a summary; exits 1 if any run failed.
+    Backfill {
+        #[arg(long, value_name = "J", value_parser = parse_job)]
+        job: JobName,
+        /// The first day of the range.
+        #[arg(long, value_name = "D1")]
+        from: NaiveDate,
+        /// The last day of the range (settlement: a month is included when its last day is in the range).
+        #[arg(long, value_name = "D2")]
+        to: NaiveDate,
+        /// The shard count whose every shard runs (default: instance.shards).
+        #[arg(long, value_name = "N", allow_negative_numbers = true)]
+        shards: Option<i64>,
+        /// missing: keys absent or not SUCCESS, and SUCCESS keys with late rows; failed: only FAILED keys;
+        /// all: every key, SUCCESS ones re-run as --force does.
+        #[arg(long, value_name = "WHICH", value_parser = parse_reprocess, default_value = "missing")]
+        reprocess: Reprocess,
+        /// How many keys run at a time (at most database.max_connections).
+        #[arg(long, value_name = "K", default_value_t = 1, allow_negative_numbers = true)]
+        concurrency: i64,
+        /// Print what each key would do and how many rows it would touch, then a summary; write nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Run even where a pause covers the keys (and through a pause set while the backfill runs).
         #[arg(long)]
         ignore_pause: bool,
     },
@@ -228,6 +257,10 @@ fn parse_job(s: &str) -> Result<JobName, String> {
         .into_iter()
         .find(|j| j.as_str() == s)
         .ok_or_else(|| format!("{s:?} is not fine-settlement or overdue-accrual"))
+}
+
+fn parse_reprocess(s: &str) -> Result<Reprocess, String> {
+    Reprocess::parse(s).ok_or_else(|| format!("{s:?} is not missing, failed or all"))
 }
 
 fn parse_month(s: &str) -> Result<NaiveDate, String> {

@@ -1,7 +1,8 @@
 //! The command line: argument parsing ([`args`]), configuration loading, dispatch, output ([`output`]), and the
 //! mapping of errors to exit codes (0 success or skip, 1 runtime failure, 2 usage or configuration, 3 `verify`
 //! found violations). Reports go to stdout, logs to stderr. The work itself lives in [`crate::jobs::oneshot`]
-//! (the one-shot runs), [`crate::daemon`] (the replica) and [`crate::store`].
+//! (the one-shot runs), [`crate::jobs::backfill`] (`backfill`), [`crate::daemon`] (the replica) and
+//! [`crate::store`].
 
 pub mod args;
 pub mod output;
@@ -16,7 +17,12 @@ use crate::{
     config::{self, ConfigError, RawSettings, Settings},
     daemon::{self, Control},
     demo,
-    jobs::{oneshot, runner::host_name, JobName, RunKey},
+    jobs::{
+        backfill::{self, BackfillError},
+        oneshot,
+        runner::host_name,
+        JobName, RunKey,
+    },
     schedule::drift,
     sdnotify::{Notifier, Watchdog},
     shard::ShardSpec,
@@ -44,6 +50,9 @@ pub enum CliError {
     /// The replica could not start (its HTTP listener).
     #[error(transparent)]
     Start(#[from] daemon::StartError),
+    /// A backfill could not run (bad arguments: exit 2, nothing written).
+    #[error(transparent)]
+    Backfill(#[from] BackfillError),
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers: {0}")]
     Signals(#[from] std::io::Error),
@@ -56,9 +65,13 @@ impl CliError {
     pub fn exit_code(&self) -> ExitCode {
         match self {
             CliError::Usage(_) | CliError::Config(_) | CliError::Start(_) => ExitCode::from(2),
-            CliError::Store(_) | CliError::Tick(_) | CliError::Signals(_) | CliError::Paused(_) => {
-                ExitCode::from(1)
-            }
+            CliError::Backfill(BackfillError::Usage { .. }) => ExitCode::from(2),
+            CliError::Backfill(BackfillError::Paused(_)) => ExitCode::from(1),
+            CliError::Store(_)
+            | CliError::Tick(_)
+            | CliError::Signals(_)
+            | CliError::Paused(_)
+            | CliError::Backfill(_) => ExitCode::from(1),
         }
     }
 
@@ -237,6 +250,42 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             let report = oneshot::accrue(&settings, key, force, ignore_pause).await?;
             println!("{}", serde_json::to_string(&report).unwrap_or_default());
             Ok(ExitCode::from(report.run.outcome.exit_code()))
+        }
+        Command::Backfill {
+            job,
+            from,
+            to,
+            shards,
+            reprocess,
+            concurrency,
+            dry_run,
+            ignore_pause,
+        } => {
+            let request = backfill::Request {
+                job,
+                from,
+                to,
+                shards: shards.unwrap_or(i64::from(settings.instance.shards())),
+                reprocess,
+                concurrency,
+                ignore_pause,
+            };
+            let plan = backfill::prepare(&settings, request)?;
+            telemetry::init(settings.log_format, &settings.log_level);
+            let pool = backfill::connect(&settings, &plan).await?;
+            if dry_run {
+                let summary = backfill::dry_run(&settings, &plan, &pool, output::print_json).await;
+                pool.close().await;
+                output::print_json(&summary?);
+                return Ok(ExitCode::SUCCESS);
+            }
+            let signals = Signals::install()?;
+            let summary = backfill::run(&settings, &plan, pool, signals.shutdown, |r| {
+                output::print_json(r)
+            })
+            .await?;
+            output::print_json(&summary);
+            Ok(ExitCode::from(summary.exit_code()))
         }
         Command::Pending { action } => {
             telemetry::init(settings.log_format, &settings.log_level);

@@ -137,3 +137,8 @@ pub fn print_audit(business_date: NaiveDate, month: (NaiveDate, NaiveDate), audi
         println!("    - {v}");
     }
 }
+
+/// One JSON line on stdout.
+pub fn print_json<T: serde::Serialize>(value: &T) {
+    println!("{}", serde_json::to_string(value).unwrap_or_default());
+}

@@ -2,6 +2,7 @@
 //! claim → fenced batches → finish runner ([`runner`]).
 
 pub mod accrual;
+pub mod backfill;
 pub mod oneshot;
 pub mod runner;
 pub mod settlement;

@@ -497,6 +497,41 @@ pub async fn list(
     .await
 }
 
+/// The state of one key of a backfill's range.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RangeKey {
+    pub business_date: NaiveDate,
+    pub shard: i32,
+    pub status: RunStatus,
+    /// The lease has run out (by the database clock).
+    pub expired: bool,
+    /// The last id a committed batch covered: a takeover resumes after it.
+    pub cursor: Option<i64>,
+}
+
+/// The `job_runs` rows of `job` under `shards` for business dates in `[first, last]` (`backfill`).
+pub async fn range(
+    pool: &PgPool,
+    job: &str,
+    (first, last): (NaiveDate, NaiveDate),
+    shards: i32,
+) -> Result<Vec<RangeKey>, sqlx::Error> {
+    sqlx::query_as!(
+        RangeKey,
+        r#"select business_date, shard, status as "status: RunStatus", lease_until < now() as "expired!",
+                  cursor
+           from job_runs
+           where job_name = $1 and shards = $2 and business_date between $3 and $4
+           order by business_date, shard"#,
+        job,
+        shards,
+        first,
+        last,
+    )
+    .fetch_all(pool)
+    .await
+}
+
 /// A `job_runs` row of this shard, as a tick sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyState {

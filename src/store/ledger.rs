@@ -57,6 +57,41 @@ pub async fn overdue_batch(
     .await
 }
 
+/// How many loans of the shard with `id >= from_id` a run of `day` starting there would charge: those
+/// [`overdue_batch`] finds, counted (`backfill --dry-run`). The predicate is [`overdue_batch`]'s, without its
+/// limit.
+pub async fn count_overdue(
+    pool: &PgPool,
+    day: NaiveDate,
+    shard: ShardSpec,
+    grace_days: i64,
+    cap_cents: i64,
+    from_id: i64,
+) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select count(*) as "count!"
+           from (select l.id from loans l
+                 where l.id >= $6 and l.id % $1 = $2
+                   and l.due_on < $4::date - $3::int
+                   and (l.returned_on is null or l.returned_on >= $4)
+                   and not exists (select 1 from fine_ledger f
+                                   where f.loan_id = l.id and f.accrual_date = $4 offset 0)
+                   and not exists (select 1 from fine_pending p
+                                   where p.loan_id = l.id and p.accrual_date = $4 offset 0)
+                 offset 0) c
+           where $5::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
+                                             where f.loan_id = c.id), 0) < $5"#,
+        i64::from(shard.shards()),
+        i64::from(shard.shard()),
+        i32::try_from(grace_days).unwrap_or(i32::MAX),
+        day,
+        cap_cents,
+        from_id,
+    )
+    .fetch_one(pool)
+    .await
+}
+
 /// The advisory-lock namespace of per-loan ledger locks (`pg_advisory_xact_lock(space, hashint8(loan_id))`):
 /// ASCII "fsLd". A collision of two loans' hashes only makes their charges wait for each other.
 const LOAN_LOCK_SPACE: i32 = 0x6673_4c64;

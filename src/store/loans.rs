@@ -83,6 +83,28 @@ pub async fn month_has_unsettled(
     Ok(any.is_some())
 }
 
+/// How many unsettled loans of the shard were returned in `[first, last]` with `id >= from_id`: the rows a run
+/// of the key starting at `from_id` would settle, by the predicate of [`next_batch`] (`backfill --dry-run`).
+pub async fn count_unsettled(
+    pool: &PgPool,
+    (first, last): (NaiveDate, NaiveDate),
+    shard: ShardSpec,
+    from_id: i64,
+) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select count(*) as "count!" from loans
+           where fine_settled_at is null and returned_on is not null
+             and returned_on between $1 and $2 and id >= $5 and id % $3 = $4"#,
+        first,
+        last,
+        i64::from(shard.shards()),
+        i64::from(shard.shard()),
+        from_id,
+    )
+    .fetch_one(pool)
+    .await
+}
+
 /// Settles a batch as one range update: every unsettled loan of the shard returned in `[first, last]` with an id
 /// in the batch's range gets its fine and `fine_settled_at`; a loan settled meanwhile is not touched. The fine
 /// is the policy's, `least(cap, greatest(0, returned_on - due_on - grace_days) * daily_rate)`, evaluated by

@@ -2,6 +2,7 @@
 //! applied. `DATABASE_URL` names the server (scripts/test.sh starts a private one).
 
 mod accrual;
+mod backfill;
 mod bad_input;
 mod chaos;
 mod claim;
