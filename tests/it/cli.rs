@@ -566,3 +566,62 @@ fn alert_rules_and_the_dashboard_use_only_exported_metrics() {
         assert!(metric_names(&rules).contains(needed), "no alert on {needed}");
     }
 }
+
+/// A replica role given its privileges before the pause tables existed keeps working after the upgrade: the
+/// migration that follows them grants the pause tables to every role that may update `job_runs`.
+#[sqlx::test]
+async fn an_older_least_privilege_role_gets_the_pause_tables_from_the_migration(pool: PgPool) {
+    let owner_url = database_url(&pool);
+    let db = owner_url
+        .rsplit_once('/')
+        .map(|(_, db)| db.to_string())
+        .expect("db");
+    let tail: String = db.to_lowercase().chars().rev().take(24).collect::<String>();
+    let role = format!("fo_{tail}");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/sql/least-privilege.sql");
+    let psql = |args: &[&str]| {
+        let out = std::process::Command::new("psql")
+            .arg(&owner_url)
+            .args(["-qX", "-v", "ON_ERROR_STOP=1"])
+            .args(args)
+            .output()
+            .expect("psql");
+        assert_success(&out);
+    };
+    psql(&[
+        "-v",
+        &format!("role={role}"),
+        "-v",
+        "password=s3cret",
+        "-f",
+        script,
+    ]);
+    // As the role was before the pause tables: no rights on them.
+    psql(&[
+        "-c",
+        &format!("revoke all on job_pauses, job_pause_events from {role}"),
+    ]);
+    let (base, _) = owner_url.rsplit_once('/').expect("url");
+    let (scheme, host) = base.split_once("://").expect("scheme");
+    let host = host.rsplit_once('@').map_or(host, |(_, h)| h);
+    let role_url = format!("{scheme}://{role}:s3cret@{host}/{db}");
+    let tick = || {
+        let mut tick = fine_settler(&role_url);
+        tick.args(["run", "--once"]);
+        output(tick)
+    };
+    let before = tick();
+    assert_eq!(before.status.code(), Some(1), "{before:?}");
+    assert!(
+        String::from_utf8_lossy(&before.stderr).contains("job_pauses"),
+        "{before:?}"
+    );
+    psql(&[
+        "-f",
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/migrations/20261201000011_job_pauses_grants.sql"
+        ),
+    ]);
+    assert_success(&tick());
+}
