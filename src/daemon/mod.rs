@@ -359,7 +359,12 @@ impl Daemon {
             .set("fine_settler_pending", None, status.pending as f64);
         self.metrics
             .set("fine_settler_pending_dead", None, status.dead as f64);
-        if self.settings.accrual.enabled && status.due_pending > 0 {
+        // A paused accrual charges nothing, its queue included (as `accrue` refuses before its pass).
+        let accrual_paused = status
+            .pauses
+            .iter()
+            .any(|p| p.job_name == JobName::OverdueAccrual.as_str());
+        if self.settings.accrual.enabled && status.due_pending > 0 && !accrual_paused {
             self.compensate(shard).await;
         }
         self.report_abandoned(now, &status.keys);
@@ -380,12 +385,20 @@ impl Daemon {
         // The pass's estimate of the database clock, for the revisits of held keys.
         let pass_started = tokio::time::Instant::now();
         let mut pass = Pass::new(&todo);
+        // Jobs a run of this pass found paused (at its fence): the pass starts no further key of them.
+        let mut paused_now: HashSet<JobName> = HashSet::new();
         while !self.shutdown.is_cancelled() {
             let db_now = status.now + chrono::Duration::from_std(pass_started.elapsed()).unwrap_or_default();
             let Some(visit) = pass.next_at(db_now) else {
                 break;
             };
+            if paused_now.contains(&visit.key.job) {
+                continue;
+            }
             let report = self.run_due(visit.key, shard).await;
+            if report.paused {
+                paused_now.insert(visit.key.job);
+            }
             if let Some(until) = report.held_until {
                 pass.held(visit, until);
             }

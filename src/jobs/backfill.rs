@@ -304,6 +304,8 @@ pub struct Summary {
     pub compensation_errors: usize,
     /// A shutdown request stopped the backfill.
     pub interrupted: bool,
+    /// A pause set while the backfill ran stopped it (the keys not started are `not_started`).
+    pub paused: bool,
     pub elapsed_ms: u64,
 }
 
@@ -564,6 +566,7 @@ pub async fn run(
         compensated: 0,
         compensation_errors: 0,
         interrupted: false,
+        paused: false,
         elapsed_ms: 0,
     };
 
@@ -617,13 +620,20 @@ pub async fn run(
     };
     // `buffered` polls at most `concurrency` runs at once, started in key order (oldest date first), and yields
     // their reports in that order. A run not yet started when the shutdown comes does not claim its key.
-    let (runner, job) = (&runner, &job);
+    // Once a run finds the job paused (at its fence: the pause came while the backfill ran), no further key starts
+    // either, as after a shutdown request.
+    let paused = std::sync::atomic::AtomicBool::new(false);
+    let (runner, job, paused) = (&runner, &job, &paused);
     let mut reports = futures_util::stream::iter(selected)
         .map(|(key, mode)| async move {
-            if runner.cancel.is_cancelled() {
+            if runner.cancel.is_cancelled() || paused.load(std::sync::atomic::Ordering::SeqCst) {
                 return None;
             }
-            Some(job.run(runner, key, mode).await)
+            let report = job.run(runner, key, mode).await;
+            if report.paused {
+                paused.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            Some(report)
         })
         .buffered(backfill.concurrency);
     while let Some(report) = reports.next().await {
@@ -642,6 +652,7 @@ pub async fn run(
     }
     drop(reports);
     summary.interrupted = cancel.is_cancelled();
+    summary.paused = paused.load(std::sync::atomic::Ordering::SeqCst);
     summary.elapsed_ms = started.elapsed().as_millis() as u64;
     pool.close().await;
     Ok(summary)

@@ -110,4 +110,8 @@ pub struct RunReport {
     /// of the JSON report.
     #[serde(skip)]
     pub held_until: Option<chrono::DateTime<chrono::Utc>>,
+    /// The run handed its key back because the job (or the shard) was paused meanwhile: whoever runs more keys
+    /// of the job stops starting them. Not part of the JSON report (its `detail` says "paused: …").
+    #[serde(skip)]
+    pub paused: bool,
 }

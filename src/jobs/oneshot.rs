@@ -35,6 +35,7 @@ fn not_started(key: RunKey, started: tokio::time::Instant, error: String) -> Run
         detail: Some(error),
         held_until: None,
         reopened: false,
+        paused: false,
     }
 }
 

@@ -326,6 +326,7 @@ impl Runner {
             detail,
             held_until: None,
             reopened: false,
+            paused: false,
         };
 
         let mut claimed = job_runs::claim(&self.pool, &key, &self.owner, self.lease.duration(), mode).await;
@@ -518,7 +519,10 @@ impl Runner {
                 updated,
                 Some(SHUTDOWN_ERROR.into()),
             ),
-            Ok(Stop::Paused(error)) => report(Outcome::Failed, Some(epoch), scanned, updated, Some(error)),
+            Ok(Stop::Paused(error)) => RunReport {
+                paused: true,
+                ..report(Outcome::Failed, Some(epoch), scanned, updated, Some(error))
+            },
             _ => report(Outcome::Failed, Some(epoch), scanned, updated, error_text),
         }
     }

@@ -621,3 +621,73 @@ async fn a_paused_job_is_not_backfilled_unless_told_to_ignore_the_pause(pool: Pg
     let summary = lines.last().expect("summary");
     assert_eq!(summary["settled"], 4, "{summary}");
 }
+
+/// A pause set while a backfill runs stops it: the key in flight is handed back after the batch whose fence saw
+/// the pause, and no further key starts (they are `not_started`).
+#[sqlx::test]
+async fn a_pause_set_mid_backfill_starts_no_further_key(pool: PgPool) {
+    let url = crate::helpers::database_url(&pool);
+    let m = due_now(&pool, 3).await;
+    loans_in(&pool, &m, 6).await;
+    slow_down(&pool, "update on loans", 0.2).await;
+    let mut cmd = fine_settler(&url);
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "2")
+        .args([
+            "backfill",
+            "--job",
+            "fine-settlement",
+            "--from",
+            &s(m[0]),
+            "--to",
+            &s(m[2]),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = spawn(&mut cmd);
+    let log = StderrLog::collect(&mut child);
+    wait_until(
+        "a committed batch",
+        std::time::Duration::from_secs(20),
+        || async {
+            sqlx::query_scalar::<_, i64>("select count(*) from job_runs where cursor is not null")
+                .fetch_one(&pool)
+                .await
+                .expect("count")
+                > 0
+        },
+    )
+    .await;
+    let mut pause = fine_settler(&url);
+    pause.args([
+        "pause",
+        "--job",
+        "fine-settlement",
+        "--reason",
+        "freeze",
+        "--by",
+        "ops",
+    ]);
+    crate::helpers::assert_success(&output(pause));
+    let mut stdout = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().expect("stdout"), &mut stdout).expect("stdout");
+    let (code, _) = exit_of(child, std::time::Duration::from_secs(30)).await;
+    let _ = log.finish();
+    assert_eq!(code, Some(1), "{stdout}");
+    let summary: Value = serde_json::from_str(stdout.lines().last().expect("summary")).expect("json");
+    assert_eq!(summary["paused"], true, "{summary}");
+    assert_eq!(summary["not_started"], 2, "{summary}");
+    let rows: Vec<(NaiveDate, String, Option<String>)> =
+        sqlx::query_as("select business_date, status, last_error from job_runs order by business_date")
+            .fetch_all(&pool)
+            .await
+            .expect("rows");
+    assert_eq!(rows.len(), 1, "only the key in flight was claimed: {rows:?}");
+    assert_eq!(rows[0].1, "FAILED", "{rows:?}");
+    assert!(
+        rows[0]
+            .2
+            .as_deref()
+            .is_some_and(|e| e.starts_with("paused: freeze")),
+        "{rows:?}"
+    );
+}

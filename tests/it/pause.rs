@@ -619,3 +619,132 @@ async fn pause_and_resume_report_what_they_did_and_keep_a_history(pool: PgPool) 
     );
     assert!(pauses::list(&pool, None).await.expect("pauses").is_empty());
 }
+
+/// A pause that comes while a replica's pass works through several keys: the key in flight is handed back, and
+/// the pass starts no further key of the job (they wait for `resume`).
+#[sqlx::test]
+async fn a_pause_mid_pass_starts_no_further_key_of_the_job(pool: PgPool) {
+    let months = due_now(&pool, 3).await;
+    for (i, m) in months.iter().enumerate() {
+        let returned = *m - chrono::Duration::days(1);
+        let due = returned - chrono::Duration::days(3);
+        let loans: Vec<_> = (1..=8)
+            .map(|j| {
+                loan(
+                    100 * (i as i64 + 1) + j,
+                    &due.to_string(),
+                    Some(&returned.to_string()),
+                )
+            })
+            .collect();
+        insert(&pool, &loans).await;
+    }
+    crate::helpers::slow_down(&pool, "update on loans", 0.2).await;
+    let url = database_url(&pool);
+    let mut cmd = fine_settler(&url);
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "2")
+        .env("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "3")
+        .env("FINE_SETTLER__CLAIM__LEASE", "30s")
+        .args(["run", "--once"]);
+    let child = std::thread::spawn(move || output(cmd));
+    crate::helpers::wait_until("a committed batch", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from job_runs where cursor is not null")
+            .fetch_one(&pool)
+            .await
+            .expect("count")
+            > 0
+    })
+    .await;
+    let out = cli(
+        &url,
+        &[
+            "pause",
+            "--job",
+            "fine-settlement",
+            "--reason",
+            "freeze",
+            "--by",
+            "ops",
+        ],
+    );
+    assert!(out.status.success());
+    let out = child.join().expect("join");
+    let rows: Vec<(NaiveDate, String, Option<String>)> =
+        sqlx::query_as("select business_date, status, last_error from job_runs order by business_date")
+            .fetch_all(&pool)
+            .await
+            .expect("rows");
+    assert_eq!(
+        rows.len(),
+        1,
+        "no key after the paused one was claimed: {rows:?} {out:?}"
+    );
+    assert!(
+        rows[0]
+            .2
+            .as_deref()
+            .is_some_and(|e| e.starts_with("paused: freeze")),
+        "{rows:?}"
+    );
+    // At most the batch in flight and the next one commit after the pause.
+    let after: i64 = sqlx::query_scalar(
+        "select count(*) from loans where fine_settled_at > (select paused_at from job_pauses)",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("settled after the pause");
+    assert!(after <= 4, "{after} loans settled after the pause");
+}
+
+/// A paused accrual charges nothing from the daemon either: its compensation pass waits for `resume`, as `accrue`
+/// refuses before its own.
+#[sqlx::test]
+async fn a_paused_accrual_s_queue_is_not_compensated_by_the_daemon(pool: PgPool) {
+    let url = database_url(&pool);
+    insert(&pool, &[loan(7, "2026-01-01", None)]).await;
+    sqlx::query(
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, next_attempt_at)
+         values (7, '2026-02-01', 100, now() - interval '1 hour')",
+    )
+    .execute(&pool)
+    .await
+    .expect("pending");
+    let out = cli(
+        &url,
+        &[
+            "pause",
+            "--job",
+            "overdue-accrual",
+            "--reason",
+            "freeze",
+            "--by",
+            "ops",
+        ],
+    );
+    assert!(out.status.success());
+    let tick = || {
+        let mut cmd = fine_settler(&url);
+        cmd.env("FINE_SETTLER__ACCRUAL__ENABLED", "true")
+            .env("FINE_SETTLER__SETTLEMENT__ENABLED", "false")
+            .args(["run", "--once"]);
+        output(cmd)
+    };
+    let out = tick();
+    assert!(out.status.success(), "{out:?}");
+    let counts = || async {
+        let ledger: i64 = sqlx::query_scalar("select count(*) from fine_ledger")
+            .fetch_one(&pool)
+            .await
+            .expect("ledger");
+        let pending: i64 = sqlx::query_scalar("select count(*) from fine_pending")
+            .fetch_one(&pool)
+            .await
+            .expect("pending");
+        (ledger, pending)
+    };
+    assert_eq!(counts().await, (0, 1));
+    let out = cli(&url, &["resume", "--job", "overdue-accrual", "--by", "ops"]);
+    assert!(out.status.success());
+    assert!(tick().status.success());
+    assert_eq!(counts().await.1, 0, "compensated after resume");
+}
