@@ -466,11 +466,13 @@ pub async fn dry_run(
         let action = match (request.reprocess.mode(status), state) {
             (None, _) => DryAction::Skip,
             (Some(_), None) => DryAction::Claim,
+            // A forced claim (`--reprocess all`) takes anything but a live owner and walks the whole key.
             (Some(_), Some(s)) => match s.status {
+                RunStatus::Running if !s.expired => DryAction::Skip,
+                _ if request.reprocess == Reprocess::All => DryAction::Force,
                 RunStatus::Failed => DryAction::Takeover,
                 RunStatus::Running if s.expired => DryAction::Takeover,
                 RunStatus::Running => DryAction::Skip,
-                RunStatus::Success if request.reprocess == Reprocess::All => DryAction::Force,
                 RunStatus::Success => match job.late(pool, key).await {
                     Ok(true) => DryAction::Reopen,
                     Ok(false) => DryAction::Skip,

@@ -691,3 +691,36 @@ async fn a_pause_set_mid_backfill_starts_no_further_key(pool: PgPool) {
         "{rows:?}"
     );
 }
+
+/// `--reprocess all` forces every key not held by a live owner — a FAILED one too, whose cursor the forced claim
+/// resets — so its dry run counts the whole key, and the run touches exactly that.
+#[sqlx::test]
+async fn reprocess_all_counts_a_failed_key_from_its_start(pool: PgPool) {
+    let url = crate::helpers::database_url(&pool);
+    let m = due_now(&pool, 1).await;
+    loans_in(&pool, &m, 4).await;
+    let range = ["--job", "fine-settlement", "--from", &s(m[0]), "--to", &s(m[0])];
+    let (code, _, err) = backfill(&url, &range, &[]);
+    assert_eq!(code, Some(0), "{err}");
+    // FAILED after a batch that ended at loan 1002, with 1001 (below the cursor) and 1003 unsettled again.
+    sqlx::query("update job_runs set status = 'FAILED', lease_until = now(), cursor = 1002")
+        .execute(&pool)
+        .await
+        .expect("fail");
+    sqlx::query("update loans set fine_settled_at = null where id in (1001, 1003)")
+        .execute(&pool)
+        .await
+        .expect("unsettle");
+    let all = [&range[..], &["--reprocess", "all"]].concat();
+    let (code, dry, err) = backfill(&url, &[&all[..], &["--dry-run"]].concat(), &[]);
+    assert_eq!(code, Some(0), "{err}");
+    let planned = &keys(&dry)[0];
+    assert_eq!(
+        (planned["action"].clone(), planned["rows"].clone()),
+        ("force".into(), 2.into()),
+        "{planned}"
+    );
+    let (code, run, err) = backfill(&url, &all, &[]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(keys(&run)[0]["updated"], 2, "{run:?}");
+}
