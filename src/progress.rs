@@ -97,6 +97,45 @@ impl Drop for Bar {
     }
 }
 
+/// Draws the index builds of backend `pid` (the migration's), polling `pg_stat_progress_create_index` on `conn`
+/// a few times a second until aborted: blocks done / total while the table is scanned, tuples while they are
+/// sorted, loaded and validated. One bar per index and unit, replaced when either changes.
+pub async fn watch_index_builds(mut conn: sqlx::PgConnection, pid: i32) {
+    let mut shown: Option<(String, &'static str, Bar)> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        tick.tick().await;
+        let Ok(build) = crate::store::index_build(&mut conn, pid).await else {
+            return;
+        };
+        let Some(b) = build else {
+            shown = None;
+            continue;
+        };
+        let (unit, done, total) = if b.blocks_total > 0 {
+            ("blocks", b.blocks_done, b.blocks_total)
+        } else {
+            ("tuples", b.tuples_done, b.tuples_total)
+        };
+        let same = shown
+            .as_ref()
+            .is_some_and(|(index, u, _)| *index == b.index && *u == unit);
+        if !same {
+            // The old bar goes first: one bar at a time.
+            drop(shown.take());
+            let bar = Bar::new(&format!("index {}", b.index), 0, unit);
+            shown = Some((b.index.clone(), unit, bar));
+        }
+        if let Some((_, _, bar)) = &shown {
+            bar.bar.set_message(format!("index {} ({})", b.index, b.phase));
+            bar.set(
+                u64::try_from(done).unwrap_or(0),
+                u64::try_from(total).unwrap_or(0),
+            );
+        }
+    }
+}
+
 /// The log writer: stderr, through the bars while any is drawn.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LogWriter;

@@ -188,7 +188,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Command::Migrate => {
             telemetry::init(settings.log_format, &settings.log_level);
-            store::migrate(&settings.database).await?;
+            store::migrate(&settings.database, progress::wanted()).await?;
             println!(
                 "{}",
                 serde_json::json!({"migrate": "ok", "migrations": store::MIGRATOR.iter().count()})

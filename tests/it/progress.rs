@@ -41,18 +41,16 @@ fn plain(text: &str) -> String {
     out
 }
 
-#[sqlx::test]
-async fn settle_on_a_terminal_draws_rows_done_of_rows_to_do_and_keeps_stdout_the_report(pool: PgPool) {
+/// Runs `fine-settler ARGS` with `env` and stderr a pseudo-terminal (util-linux `script`), stdout a file:
+/// (`script`'s output, which is everything drawn on the terminal; the file's contents).
+fn under_terminal(url: &str, args: &str, env: &[(&str, &str)]) -> (std::process::Output, String) {
     if Command::new("script").arg("--version").output().is_err() {
         panic!("util-linux `script` is needed to run a command under a pseudo-terminal");
     }
-    overdue_loans(&pool, 3000).await;
-    // 3000 rows at 1 ms each in batches of 100: the run takes some seconds, so the bar is drawn mid-run.
-    slow_down(&pool, "update on loans", 0.001).await;
     let dir = tempfile::tempdir().expect("tempdir");
     let stdout_file = dir.path().join("stdout");
-    // The same environment as every other run of the binary; stderr is the pseudo-terminal, stdout a file.
-    let base = fine_settler(&database_url(&pool));
+    // The same environment as every other run of the binary.
+    let base = fine_settler(url);
     let mut cmd = Command::new("script");
     for (k, v) in base.get_envs() {
         match v {
@@ -60,20 +58,31 @@ async fn settle_on_a_terminal_draws_rows_done_of_rows_to_do_and_keeps_stdout_the
             None => cmd.env_remove(k),
         };
     }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
     let bin = env!("CARGO_BIN_EXE_fine-settler");
-    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "100")
-        .env("COLUMNS", "160")
-        .env("LINES", "40")
-        .args([
-            "-qfec",
-            &format!(
-                "'{bin}' settle --business-date {MONTH_END} > '{}'",
-                stdout_file.display()
-            ),
-            "/dev/null",
-        ])
-        .stdin(Stdio::null());
+    cmd.args([
+        "-qfec",
+        &format!("'{bin}' {args} > '{}'", stdout_file.display()),
+        "/dev/null",
+    ])
+    .stdin(Stdio::null());
     let out = output(cmd);
+    let stdout = std::fs::read_to_string(&stdout_file).expect("stdout file");
+    (out, stdout)
+}
+
+#[sqlx::test]
+async fn settle_on_a_terminal_draws_rows_done_of_rows_to_do_and_keeps_stdout_the_report(pool: PgPool) {
+    overdue_loans(&pool, 3000).await;
+    // 3000 rows at 1 ms each in batches of 100: the run takes some seconds, so the bar is drawn mid-run.
+    slow_down(&pool, "update on loans", 0.001).await;
+    let (out, stdout) = under_terminal(
+        &database_url(&pool),
+        &format!("settle --business-date {MONTH_END}"),
+        &[("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "100")],
+    );
     let terminal = String::from_utf8_lossy(&out.stdout).into_owned();
     assert_eq!(out.status.code(), Some(0), "terminal output: {terminal}");
 
@@ -96,12 +105,61 @@ async fn settle_on_a_terminal_draws_rows_done_of_rows_to_do_and_keeps_stdout_the
         "log lines still reach the terminal: {drawn}"
     );
 
-    let stdout = std::fs::read_to_string(&stdout_file).expect("stdout file");
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), 1, "stdout is the report line only: {stdout:?}");
     let report: Value = serde_json::from_str(lines[0]).expect("the report is JSON");
     assert_eq!(report["outcome"], "settled", "{report}");
     assert_eq!(report["updated"], 3000, "{report}");
+}
+
+#[sqlx::test]
+async fn migrate_on_a_terminal_draws_the_concurrent_index_build(pool: PgPool) {
+    overdue_loans(&pool, 2000).await;
+    // The index is to be built again: gone, and its migration forgotten.
+    sqlx::raw_sql(
+        "drop index loans_unsettled_returned_idx;
+         delete from _sqlx_migrations where description = 'loans unsettled index';",
+    )
+    .execute(&pool)
+    .await
+    .expect("forget the index");
+    // A writer in an open transaction: the concurrent build waits for it, in its first phase, until it ends.
+    let mut writer = pool.begin().await.expect("begin");
+    sqlx::query("insert into loans values (999999, 1, 1, '2026-09-01', '2026-10-01', '2026-10-20', 0, null)")
+        .execute(&mut *writer)
+        .await
+        .expect("insert");
+    let url = database_url(&pool);
+    let run = tokio::task::spawn_blocking(move || under_terminal(&url, "migrate", &[]));
+    crate::helpers::wait_until(
+        "the build waits for the writer",
+        std::time::Duration::from_secs(20),
+        || {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>("select count(*) from pg_stat_progress_create_index")
+                    .fetch_one(&pool)
+                    .await
+                    .expect("progress")
+                    > 0
+            }
+        },
+    )
+    .await;
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    writer.rollback().await.expect("rollback");
+    let (out, stdout) = run.await.expect("join");
+    let terminal = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(0), "terminal output: {terminal}");
+    let drawn = plain(&terminal);
+    assert!(
+        drawn.contains("index loans_unsettled_returned_idx (waiting for writers before build)"),
+        "a bar names the index and its phase: {drawn}"
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 1, "stdout is the report line only: {stdout:?}");
+    let report: Value = serde_json::from_str(lines[0]).expect("the report is JSON");
+    assert_eq!(report["migrate"], "ok", "{report}");
 }
 
 /// Every line of stderr is a JSON object (no bar, no escape sequence, no carriage return), and every line of
