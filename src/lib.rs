@@ -20,7 +20,7 @@
 //!   [`status`]: the status page and its data.
 //! - [`demo`]: deterministic demo loans.
 //! - [`cli`]: the command line (arguments, dispatch, output); `main.rs` only calls [`cli::main`].
-//! - [`telemetry`]: structured logs.
+//! - [`telemetry`]: structured logs; [`progress`]: the one-shot commands' progress bars on a terminal.
 
 pub mod backoff;
 pub mod calendar;
@@ -32,6 +32,7 @@ pub mod fine;
 pub mod http;
 pub mod jobs;
 pub mod metrics;
+pub mod progress;
 pub mod redact;
 pub mod schedule;
 pub mod sdnotify;

@@ -32,7 +32,7 @@ pub fn init(format: LogFormat, level: &LogFilter) {
     // would leave the replica deaf to SIGTERM.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(|| crate::progress::LogWriter)
         .log_internal_errors(false);
     let _ = match format {
         LogFormat::Json => builder

@@ -23,6 +23,7 @@ use crate::{
         runner::host_name,
         JobName, RunKey,
     },
+    progress,
     schedule::drift,
     sdnotify::{Notifier, Watchdog},
     shard::ShardSpec,
@@ -187,7 +188,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Command::Migrate => {
             telemetry::init(settings.log_format, &settings.log_level);
-            store::migrate(&settings.database).await?;
+            store::migrate(&settings.database, progress::wanted()).await?;
             println!(
                 "{}",
                 serde_json::json!({"migrate": "ok", "migrations": store::MIGRATOR.iter().count()})
@@ -209,7 +210,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 business_date,
                 shard: spec,
             };
-            let report = oneshot::settle(&settings, key, force, ignore_pause).await?;
+            let report = oneshot::settle(&settings, key, force, ignore_pause, progress::wanted()).await?;
             println!("{}", serde_json::to_string(&report).unwrap_or_default());
             Ok(ExitCode::from(report.outcome.exit_code()))
         }
@@ -247,7 +248,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 business_date: date,
                 shard: spec,
             };
-            let report = oneshot::accrue(&settings, key, force, ignore_pause).await?;
+            let report = oneshot::accrue(&settings, key, force, ignore_pause, progress::wanted()).await?;
             println!("{}", serde_json::to_string(&report).unwrap_or_default());
             Ok(ExitCode::from(report.run.outcome.exit_code()))
         }
@@ -280,9 +281,14 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 return Ok(ExitCode::SUCCESS);
             }
             let signals = Signals::install()?;
-            let summary = backfill::run(&settings, &plan, pool, signals.shutdown, |r| {
-                output::print_json(r)
-            })
+            let summary = backfill::run(
+                &settings,
+                &plan,
+                pool,
+                signals.shutdown,
+                progress::wanted(),
+                output::print_json,
+            )
             .await?;
             output::print_json(&summary);
             Ok(ExitCode::from(summary.exit_code()))
@@ -295,7 +301,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                     output::print_rows(&store::ledger::list(&pool).await?, json, output::pending_table);
                 }
                 PendingAction::Retry { dead } => {
-                    let report = oneshot::retry_pending(&settings, &pool, dead).await?;
+                    let report = oneshot::retry_pending(&settings, &pool, dead, progress::wanted()).await?;
                     // As a JSON value, so that its keys print in order, as they always have.
                     let report = serde_json::to_value(report).unwrap_or_default();
                     println!("{report}");

@@ -442,6 +442,7 @@ impl Daemon {
             cancel: Some(self.shutdown.clone()),
             budget: Some(self.settings.claim.lease.batch_timeout()),
             metrics: Some(self.metrics.clone()),
+            progress: None,
         };
         match accrual::compensate_within(&self.pool, &accrual, Some(shard), true, max_attempts, &limits).await
         {

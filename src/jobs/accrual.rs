@@ -218,6 +218,8 @@ pub struct PassLimits {
     pub cancel: Option<tokio_util::sync::CancellationToken>,
     pub budget: Option<Duration>,
     pub metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
+    /// Told of every charge the pass handles (one row scanned; one updated if charged), if anything is.
+    pub progress: Option<crate::progress::RowsHook>,
 }
 
 /// Retries pending charges without limits (see [`compensate_within`]).
@@ -322,6 +324,9 @@ pub async fn compensate_within(
                         result.retried += 1;
                     }
                 }
+            }
+            if let Some(progress) = &limits.progress {
+                progress.call(1, 0);
             }
         }
         // A batch without progress is held by other replicas: leave it to them.

@@ -23,6 +23,7 @@ use super::{
 use crate::{
     calendar,
     config::{Settings, TimeSource},
+    progress::Bar,
     shard::ShardSpec,
     store::{
         self,
@@ -317,14 +318,14 @@ impl Summary {
     }
 }
 
-/// The job of a backfill, for the calls that are not generic.
-enum Job {
+/// The job of a backfill (or of a one-shot run's progress bar), for the calls that are not generic.
+pub(super) enum Job {
     Settlement(Settlement),
     Accrual(Accrual),
 }
 
 impl Job {
-    fn of(settings: &Settings, name: JobName) -> Self {
+    pub(super) fn of(settings: &Settings, name: JobName) -> Self {
         match name {
             JobName::FineSettlement => Job::Settlement(Settlement {
                 policy: settings.fine,
@@ -349,7 +350,12 @@ impl Job {
     }
 
     /// The rows a run of `key` would touch, walking from `from_id` (`None`: nothing after its cursor).
-    async fn rows(&self, pool: &PgPool, key: &RunKey, from_id: Option<i64>) -> Result<i64, JobError> {
+    pub(super) async fn rows(
+        &self,
+        pool: &PgPool,
+        key: &RunKey,
+        from_id: Option<i64>,
+    ) -> Result<i64, JobError> {
         let Some(from_id) = from_id else { return Ok(0) };
         match self {
             Job::Settlement(_) => {
@@ -527,6 +533,7 @@ pub async fn run(
     backfill: &Backfill,
     pool: PgPool,
     cancel: CancellationToken,
+    bars: bool,
     mut emit: impl FnMut(&RunReport),
 ) -> Result<Summary, BackfillError> {
     let started = tokio::time::Instant::now();
@@ -619,6 +626,21 @@ pub async fn run(
         runner.ignoring_pauses()
     } else {
         runner
+    };
+    // One bar over every selected key's rows, counted once before the runs start.
+    let bar = if bars {
+        let mut total = 0;
+        for (key, _) in &selected {
+            total += job.rows(&pool, key, Some(i64::MIN)).await.unwrap_or(0);
+        }
+        let what = format!("backfill {} ({} keys)", request.job, selected.len());
+        Some(Bar::new(&what, u64::try_from(total).unwrap_or(0), "rows"))
+    } else {
+        None
+    };
+    let runner = match &bar {
+        Some(bar) => runner.with_progress(bar.rows_hook()),
+        None => runner,
     };
     // `buffered` polls at most `concurrency` runs at once, started in key order (oldest date first), and yields
     // their reports in that order. A run not yet started when the shutdown comes does not claim its key.

@@ -8,7 +8,8 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    accrual::{compensate, Accrual, Compensation},
+    accrual::{compensate, compensate_within, Accrual, Compensation, PassLimits},
+    backfill::Job,
     runner::{process_owner, Runner},
     settlement::Settlement,
     Outcome, RunKey, RunReport,
@@ -16,9 +17,23 @@ use super::{
 use crate::{
     calendar,
     config::{Settings, TimeSource},
+    progress::Bar,
     signals::Signals,
     store::{self, pauses::Pause, StoreError},
 };
+
+/// A bar over the rows a run of `key` would touch (counted once, with the job's own predicates), when `bars`.
+async fn bar_for(settings: &Settings, runner: &Runner, key: RunKey, bars: bool) -> Option<Bar> {
+    if !bars {
+        return None;
+    }
+    let total = Job::of(settings, key.job)
+        .rows(&runner.pool, &key, Some(i64::MIN))
+        .await
+        .unwrap_or(0);
+    let what = format!("{} {} {}", key.job, key.business_date, key.shard);
+    Some(Bar::new(&what, u64::try_from(total).unwrap_or(0), "rows"))
+}
 
 /// A report for a run that could not start (no database).
 fn not_started(key: RunKey, started: tokio::time::Instant, error: String) -> RunReport {
@@ -96,6 +111,7 @@ pub async fn settle(
     key: RunKey,
     force: bool,
     ignore_pause: bool,
+    bars: bool,
 ) -> Result<RunReport, Refused> {
     let started = tokio::time::Instant::now();
     let runner = match one_shot_runner(settings, key, settings.settlement.batch_size).await {
@@ -121,7 +137,13 @@ pub async fn settle(
     let settlement = Settlement {
         policy: settings.fine,
     };
+    let bar = bar_for(settings, &runner, key, bars).await;
+    let runner = match &bar {
+        Some(bar) => runner.with_progress(bar.rows_hook()),
+        None => runner,
+    };
     let report = runner.run(&settlement, key, force).await;
+    drop(bar);
     runner.pool.close().await;
     Ok(report)
 }
@@ -159,6 +181,7 @@ pub async fn accrue(
     key: RunKey,
     force: bool,
     ignore_pause: bool,
+    bars: bool,
 ) -> Result<AccrualReport, Refused> {
     let started = tokio::time::Instant::now();
     let not_started = |e: String| AccrualReport {
@@ -219,7 +242,13 @@ pub async fn accrue(
             tracing::error!(error = %e, "compensation pass failed; accruing the day anyway");
             e.to_string()
         });
+    let bar = bar_for(settings, &runner, key, bars).await;
+    let runner = match &bar {
+        Some(bar) => runner.with_progress(bar.rows_hook()),
+        None => runner,
+    };
     let run = runner.run(&job, key, force).await;
+    drop(bar);
     let counts = store::ledger::counts(&runner.pool, Some(key.shard)).await.ok();
     runner.pool.close().await;
     Ok(AccrualReport {
@@ -247,11 +276,12 @@ pub struct RetryReport {
 }
 
 /// Retries every PENDING charge of every shard now, whatever its next attempt time (`pending retry`); with
-/// `dead`, DEAD charges get a fresh set of attempts first.
+/// `dead`, DEAD charges get a fresh set of attempts first. With `bars`, a bar over the pending charges.
 pub async fn retry_pending(
     settings: &Settings,
     pool: &PgPool,
     dead: bool,
+    bars: bool,
 ) -> Result<RetryReport, StoreError> {
     let resurrected = if dead {
         store::ledger::resurrect(pool).await?
@@ -259,12 +289,27 @@ pub async fn retry_pending(
         0
     };
     let job = Accrual::from_settings(settings);
+    let bar = if bars {
+        let (pending, _) = store::ledger::counts(pool, None).await?;
+        Some(Bar::new(
+            "pending retry",
+            u64::try_from(pending).unwrap_or(0),
+            "charges",
+        ))
+    } else {
+        None
+    };
+    let limits = PassLimits {
+        progress: bar.as_ref().map(Bar::rows_hook),
+        ..PassLimits::default()
+    };
     let Compensation {
         charged,
         not_owed,
         retried,
         dead: dead_now,
-    } = compensate(pool, &job, None, false, settings.accrual.max_attempts).await?;
+    } = compensate_within(pool, &job, None, false, settings.accrual.max_attempts, &limits).await?;
+    drop(bar);
     let (pending, dead) = store::ledger::counts(pool, None).await?;
     Ok(RetryReport {
         resurrected,

@@ -19,6 +19,7 @@ use crate::{
     calendar::CalendarError,
     config::{ClaimSettings, Lease},
     metrics::Metrics,
+    progress::RowsHook,
     redact::secrets_in as redact_secrets_in,
     store::{
         self,
@@ -166,6 +167,8 @@ pub struct Runner {
     pub cancel: CancellationToken,
     /// Where the replica's metrics go (the daemon's), if anywhere.
     pub metrics: Option<Arc<Metrics>>,
+    /// Told the rows of every committed batch (an operator's progress bar), if anything is.
+    pub progress: Option<RowsHook>,
     /// Go on through a pause of the job (`--ignore-pause`); by default a run hands its key back after the
     /// batch whose fence saw the pause.
     pub ignore_pause: bool,
@@ -212,6 +215,7 @@ impl Runner {
             batch_size,
             cancel,
             metrics: None,
+            progress: None,
             ignore_pause: false,
         }
     }
@@ -225,6 +229,12 @@ impl Runner {
     /// The same runner, reporting to `metrics`.
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = Some(metrics);
+        self
+    }
+
+    /// The same runner, telling `progress` the rows of every committed batch.
+    pub fn with_progress(mut self, progress: RowsHook) -> Self {
+        self.progress = Some(progress);
         self
     }
 
@@ -427,6 +437,9 @@ impl Runner {
                     scanned += s;
                     updated += u;
                     next = last_id.checked_add(1);
+                    if let Some(p) = &self.progress {
+                        p.call(s, u);
+                    }
                     if let Some(m) = &self.metrics {
                         m.add(
                             "fine_settler_rows_scanned_total",

@@ -224,8 +224,9 @@ pub async fn readiness(pool: &PgPool) -> Result<(), String> {
 }
 
 /// Applies the migrations; applying them twice is a no-op. Uses one connection without a statement timeout,
-/// because building an index concurrently on millions of loans takes longer than any batch.
-pub async fn migrate(db: &DatabaseSettings) -> Result<(), StoreError> {
+/// because building an index concurrently on millions of loans takes longer than any batch. With `bars`, a
+/// second connection watches the index builds and draws their progress.
+pub async fn migrate(db: &DatabaseSettings, bars: bool) -> Result<(), StoreError> {
     let options = connect_options(db, "fine-settler migrate");
     let pool = PgPoolOptions::new()
         .max_connections(1)
@@ -233,9 +234,51 @@ pub async fn migrate(db: &DatabaseSettings) -> Result<(), StoreError> {
         .connect_with(options)
         .await?;
     drop_invalid_indexes(&pool).await?;
-    MIGRATOR.run(&pool).await?;
+    let watcher = if bars {
+        // The pool's one connection runs the migrations: its backend is the one to watch.
+        let pid = sqlx::query_scalar!(r#"select pg_backend_pid() as "pid!""#)
+            .fetch_one(&pool)
+            .await?;
+        let watcher =
+            PgConnection::connect_with(&connect_options(db, "fine-settler migrate progress")).await?;
+        Some(tokio::spawn(crate::progress::watch_index_builds(watcher, pid)))
+    } else {
+        None
+    };
+    let result = MIGRATOR.run(&pool).await;
+    if let Some(watcher) = watcher {
+        watcher.abort();
+        let _ = watcher.await;
+    }
+    result?;
     pool.close().await;
     Ok(())
+}
+
+/// Where an index build of backend `pid` stands (`pg_stat_progress_create_index`), if one is running.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexBuild {
+    pub index: String,
+    pub phase: String,
+    pub blocks_done: i64,
+    pub blocks_total: i64,
+    pub tuples_done: i64,
+    pub tuples_total: i64,
+}
+
+/// The index build backend `pid` is running, if any.
+pub async fn index_build(conn: &mut PgConnection, pid: i32) -> Result<Option<IndexBuild>, sqlx::Error> {
+    sqlx::query_as!(
+        IndexBuild,
+        r#"select coalesce(c.relname::text, '') as "index!", p.phase as "phase!",
+                  p.blocks_done as "blocks_done!", p.blocks_total as "blocks_total!",
+                  p.tuples_done as "tuples_done!", p.tuples_total as "tuples_total!"
+           from pg_stat_progress_create_index p left join pg_class c on c.oid = p.index_relid
+           where p.pid = $1"#,
+        pid
+    )
+    .fetch_optional(conn)
+    .await
 }
 
 /// A `create index concurrently` that was interrupted leaves an INVALID index, which `if not exists` would then

@@ -14,6 +14,7 @@ mod helpers;
 mod lifecycle;
 mod live;
 mod pause;
+mod progress;
 mod server;
 mod settlement;
 mod status;
