@@ -90,18 +90,31 @@ pub enum Refused {
     Paused(Pause),
 }
 
-/// The pause covering `key`, unless `ignore_pause`: `Err` with the report's detail if it cannot be read.
-async fn pause_of(runner: &Runner, key: RunKey, ignore_pause: bool) -> Result<Option<Pause>, String> {
+/// Why a connected one-shot run does not start.
+enum NotAdmitted {
+    /// A pause covers the key.
+    Paused(Pause),
+    /// The pauses could not be read (the report's detail).
+    Error(String),
+}
+
+/// `runner`, if no pause covers `key` — or, with `ignore_pause`, a runner that also goes on through a pause set
+/// while it runs. A refused runner's pool is closed.
+async fn admitted(runner: Runner, key: RunKey, ignore_pause: bool) -> Result<Runner, NotAdmitted> {
     if ignore_pause {
-        return Ok(None);
+        return Ok(runner.ignoring_pauses());
     }
-    store::pauses::covering(&runner.pool, key.job, key.shard)
-        .await
-        .map_err(|e| {
+    let refused = match store::pauses::covering(&runner.pool, key.job, key.shard).await {
+        Ok(None) => return Ok(runner),
+        Ok(Some(pause)) => NotAdmitted::Paused(pause),
+        Err(e) => {
             let e = StoreError::from(e);
             tracing::error!(error = %e, "cannot tell whether the job is paused");
-            e.to_string()
-        })
+            NotAdmitted::Error(e.to_string())
+        }
+    };
+    runner.pool.close().await;
+    Err(refused)
 }
 
 /// Settles one key (`settle`); refused while a pause covers it, unless `ignore_pause` (then the run also goes on
@@ -118,21 +131,10 @@ pub async fn settle(
         Ok(runner) => runner,
         Err(e) => return Ok(not_started(key, started, e)),
     };
-    match pause_of(&runner, key, ignore_pause).await {
-        Ok(None) => {}
-        Ok(Some(pause)) => {
-            runner.pool.close().await;
-            return Err(Refused::Paused(pause));
-        }
-        Err(e) => {
-            runner.pool.close().await;
-            return Ok(not_started(key, started, e));
-        }
-    }
-    let runner = if ignore_pause {
-        runner.ignoring_pauses()
-    } else {
-        runner
+    let runner = match admitted(runner, key, ignore_pause).await {
+        Ok(runner) => runner,
+        Err(NotAdmitted::Paused(pause)) => return Err(Refused::Paused(pause)),
+        Err(NotAdmitted::Error(e)) => return Ok(not_started(key, started, e)),
     };
     let settlement = Settlement {
         policy: settings.fine,
@@ -216,21 +218,10 @@ pub async fn accrue(
             zone: settings.zone.name(),
         }));
     }
-    match pause_of(&runner, key, ignore_pause).await {
-        Ok(None) => {}
-        Ok(Some(pause)) => {
-            runner.pool.close().await;
-            return Err(Refused::Paused(pause));
-        }
-        Err(e) => {
-            runner.pool.close().await;
-            return Ok(not_started(e));
-        }
-    }
-    let runner = if ignore_pause {
-        runner.ignoring_pauses()
-    } else {
-        runner
+    let runner = match admitted(runner, key, ignore_pause).await {
+        Ok(runner) => runner,
+        Err(NotAdmitted::Paused(pause)) => return Err(Refused::Paused(pause)),
+        Err(NotAdmitted::Error(e)) => return Ok(not_started(e)),
     };
     let job = Accrual::from_settings(settings);
     let max_attempts = settings.accrual.max_attempts;

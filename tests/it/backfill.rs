@@ -9,7 +9,7 @@ use sqlx::PgPool;
 
 use crate::helpers::{
     due_now, exit_of, fine_settler, install_update_audit, max_updates_per_loan, oracle, output, seed_run,
-    settled, signal, slow_down, spawn, wait_until, StderrLog,
+    settled, signal, slow_down, spawn, wait_until, Running, StderrLog,
 };
 
 /// `fine-settler backfill ARGS` with `env`; (exit code, stdout's JSON lines, stderr).
@@ -485,14 +485,13 @@ async fn each_bad_input_is_one_line_naming_the_flag_exit_2_and_nothing_written(p
     }
 }
 
-#[sqlx::test]
-async fn sigterm_mid_backfill_finishes_the_batch_hands_the_key_back_and_starts_no_other(pool: PgPool) {
-    let url = crate::helpers::database_url(&pool);
-    let m = due_now(&pool, 3).await;
-    loans_in(&pool, &m, 6).await;
-    // 0.2 s per settled loan, batches of 2: the first key is mid-run for a good second.
-    slow_down(&pool, "update on loans", 0.2).await;
-    let mut cmd = fine_settler(&url);
+/// A backfill of three months of 6 loans each, slowed to 0.2 s per settled loan in batches of 2, started as a
+/// process and returned once its first batch has committed (the first key is mid-run for a good second).
+async fn backfill_mid_run(pool: &PgPool, url: &str) -> (Vec<NaiveDate>, Running, StderrLog) {
+    let m = due_now(pool, 3).await;
+    loans_in(pool, &m, 6).await;
+    slow_down(pool, "update on loans", 0.2).await;
+    let mut cmd = fine_settler(url);
     cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "2")
         .args([
             "backfill",
@@ -512,13 +511,20 @@ async fn sigterm_mid_backfill_finishes_the_batch_hands_the_key_back_and_starts_n
         std::time::Duration::from_secs(20),
         || async {
             sqlx::query_scalar::<_, i64>("select count(*) from job_runs where cursor is not null")
-                .fetch_one(&pool)
+                .fetch_one(pool)
                 .await
                 .expect("count")
                 > 0
         },
     )
     .await;
+    (m, child, log)
+}
+
+#[sqlx::test]
+async fn sigterm_mid_backfill_finishes_the_batch_hands_the_key_back_and_starts_no_other(pool: PgPool) {
+    let url = crate::helpers::database_url(&pool);
+    let (m, mut child, log) = backfill_mid_run(&pool, &url).await;
     signal(&child, "TERM");
     let mut stdout = String::new();
     std::io::Read::read_to_string(&mut child.stdout.take().expect("stdout"), &mut stdout).expect("stdout");
@@ -627,36 +633,7 @@ async fn a_paused_job_is_not_backfilled_unless_told_to_ignore_the_pause(pool: Pg
 #[sqlx::test]
 async fn a_pause_set_mid_backfill_starts_no_further_key(pool: PgPool) {
     let url = crate::helpers::database_url(&pool);
-    let m = due_now(&pool, 3).await;
-    loans_in(&pool, &m, 6).await;
-    slow_down(&pool, "update on loans", 0.2).await;
-    let mut cmd = fine_settler(&url);
-    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "2")
-        .args([
-            "backfill",
-            "--job",
-            "fine-settlement",
-            "--from",
-            &s(m[0]),
-            "--to",
-            &s(m[2]),
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    let mut child = spawn(&mut cmd);
-    let log = StderrLog::collect(&mut child);
-    wait_until(
-        "a committed batch",
-        std::time::Duration::from_secs(20),
-        || async {
-            sqlx::query_scalar::<_, i64>("select count(*) from job_runs where cursor is not null")
-                .fetch_one(&pool)
-                .await
-                .expect("count")
-                > 0
-        },
-    )
-    .await;
+    let (_, mut child, log) = backfill_mid_run(&pool, &url).await;
     let mut pause = fine_settler(&url);
     pause.args([
         "pause",
