@@ -69,7 +69,7 @@ pub fn loans(spec: DemoSpec) -> impl Iterator<Item = NewLoan> {
 
 /// Inserts the loans of `spec` (`demo-data`), 10,000 per statement; loans whose id exists are left alone.
 /// Returns how many were inserted.
-pub async fn insert(pool: &sqlx::PgPool, spec: DemoSpec) -> Result<u64, sqlx::Error> {
+pub async fn insert(pool: &crate::store::Db, spec: DemoSpec) -> Result<u64, sqlx::Error> {
     let mut inserted = 0;
     let mut chunk = Vec::with_capacity(10_000);
     for loan in loans(spec) {

@@ -12,7 +12,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use sqlx::PgPool;
+use crate::store::Db;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
@@ -28,7 +28,7 @@ use crate::{
 #[derive(Debug, Clone)]
 pub struct Probes {
     pub metrics: Arc<Metrics>,
-    pub pool: PgPool,
+    pub pool: Db,
     /// `/healthz` fails when the last progress is older than this.
     pub window: Duration,
     /// When the replica started (unix ms): before its first progress it counts as progress.

@@ -15,9 +15,9 @@
 
 use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
+use crate::store::Db;
 use chrono::{DateTime, NaiveDate, TimeZone, Utc};
 use maud::{html, Markup, DOCTYPE};
-use sqlx::PgPool;
 
 use crate::{
     calendar,
@@ -45,7 +45,7 @@ pub struct StatusSource {
     settings: Arc<Settings>,
     owner: String,
     metrics: Arc<Metrics>,
-    pool: PgPool,
+    pool: Db,
 }
 
 impl StatusSource {

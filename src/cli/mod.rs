@@ -187,6 +187,16 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Migrate => {
+            if settings.database.pooler == crate::config::Pooler::Transaction {
+                // sqlx's migrator holds a session-level advisory lock, and indexes are built concurrently: both
+                // need a session of their own, which a transaction-mode pool does not give.
+                return Err(CliError::Usage(
+                    "migrate needs a session of its own, which database.pooler = \"transaction\" does not give: \
+                     run it against the server directly or through a session-mode pool (e.g. \
+                     FINE_SETTLER__DATABASE__POOLER=none DATABASE_URL=postgres://…direct…)"
+                        .into(),
+                ));
+            }
             telemetry::init(settings.log_format, &settings.log_level);
             store::migrate(&settings.database, progress::wanted()).await?;
             println!(
@@ -477,7 +487,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
 }
 
 /// A pool for an operator command.
-async fn connect(settings: &Settings, application_name: &str) -> Result<sqlx::PgPool, StoreError> {
+async fn connect(settings: &Settings, application_name: &str) -> Result<crate::store::Db, StoreError> {
     store::connect(
         &settings.database,
         application_name,

@@ -19,7 +19,7 @@ use std::{collections::HashMap, path::Path};
 pub use raw::RawSettings;
 pub use settings::{
     derived_batch_timeout, derived_lock_timeout, AccrualSettings, ClaimSettings, DatabaseSettings,
-    DatabaseUrl, Lease, LeaseError, LogFilter, LogFormat, ScheduleMode, ScheduleSettings, Settings,
+    DatabaseUrl, Lease, LeaseError, LogFilter, LogFormat, Pooler, ScheduleMode, ScheduleSettings, Settings,
     SettlementSettings, TimeSource,
 };
 pub use validate::{pod_ordinal, MAX_BATCH_SIZE};

@@ -29,6 +29,7 @@ pub struct RawDatabase {
     pub url: String,
     pub max_connections: i64,
     pub connect_timeout: String,
+    pub pooler: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

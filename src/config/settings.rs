@@ -46,6 +46,34 @@ pub struct DatabaseSettings {
     pub url: DatabaseUrl,
     pub max_connections: u32,
     pub connect_timeout: Duration,
+    /// What sits between the replica and PostgreSQL (`database.pooler`).
+    pub pooler: Pooler,
+}
+
+/// What sits between fine-settler and PostgreSQL (`database.pooler`), which decides how a connection gets its
+/// session settings and whether it may keep prepared statements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooler {
+    /// A direct connection (or a pooler that hands each client one server connection for its whole session
+    /// *and* accepts startup options): settings travel in the startup packet, statements stay prepared.
+    None,
+    /// A pooler in session mode (PgBouncer `pool_mode = session`): no startup options (PgBouncer rejects
+    /// them); the settings are `SET` once per connection, statements stay prepared.
+    Session,
+    /// A pooler in transaction mode (PgBouncer `pool_mode = transaction`): a server connection is ours only
+    /// inside a transaction, so every statement runs in one that first sets its settings `LOCAL`, and no
+    /// prepared statement outlives the transaction.
+    Transaction,
+}
+
+impl Pooler {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pooler::None => "none",
+            Pooler::Session => "session",
+            Pooler::Transaction => "transaction",
+        }
+    }
 }
 
 /// `database.url`, parsed once into the options every connection is opened with. Its `Debug` and `Display`

@@ -12,7 +12,7 @@ use super::{
         RawTime,
     },
     AccrualSettings, ClaimSettings, ConfigError, DatabaseSettings, DatabaseUrl, Lease, LeaseError, LogFilter,
-    LogFormat, Problem, RawSettings, ScheduleMode, ScheduleSettings, Settings, SettlementSettings,
+    LogFormat, Pooler, Problem, RawSettings, ScheduleMode, ScheduleSettings, Settings, SettlementSettings,
     TimeSource,
 };
 use crate::{
@@ -125,10 +125,23 @@ fn database(c: &mut Checker, raw: &RawDatabase) -> Option<DatabaseSettings> {
     let url = c.check("database.url", DatabaseUrl::parse(&raw.url));
     let max_connections = c.int_in("database.max_connections", raw.max_connections, 1..=100);
     let connect_timeout = c.duration("database.connect_timeout", &raw.connect_timeout);
+    let pooler = match raw.pooler.trim() {
+        "none" => Some(Pooler::None),
+        "session" => Some(Pooler::Session),
+        "transaction" => Some(Pooler::Transaction),
+        other => {
+            c.fail(
+                "database.pooler",
+                format!("{other:?} is not one of none, session, transaction"),
+            );
+            None
+        }
+    };
     Some(DatabaseSettings {
         url: url?,
         max_connections: max_connections?,
         connect_timeout: connect_timeout?,
+        pooler: pooler?,
     })
 }
 

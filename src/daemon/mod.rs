@@ -11,8 +11,8 @@ pub mod lifecycle;
 
 use std::{collections::HashSet, sync::Arc, time::Duration};
 
+use crate::store::Db;
 use chrono::{DateTime, NaiveDate, Utc};
-use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -92,7 +92,7 @@ pub async fn plan(settings: &Settings, at: Option<DateTime<Utc>>) -> Result<Vec<
 #[derive(Debug)]
 pub struct Daemon {
     settings: Settings,
-    pool: PgPool,
+    pool: Db,
     session: Session,
     owner: String,
     wall: Arc<dyn WallClock>,
@@ -231,7 +231,7 @@ impl Daemon {
     }
 
     /// The pool the jobs use (for the readiness probe).
-    pub fn pool(&self) -> PgPool {
+    pub fn pool(&self) -> Db {
         self.pool.clone()
     }
 

@@ -17,7 +17,9 @@
 use std::time::Duration;
 
 use chrono::NaiveDate;
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{Connection, PgConnection};
+
+use crate::store::Db;
 
 use super::{
     runner::{BatchJob, JobError},
@@ -116,7 +118,7 @@ fn rejected(e: &sqlx::Error) -> bool {
 impl BatchJob for Accrual {
     type Batch = Vec<Overdue>;
 
-    async fn late(&self, pool: &PgPool, key: &RunKey) -> Result<bool, JobError> {
+    async fn late(&self, pool: &Db, key: &RunKey) -> Result<bool, JobError> {
         if self.policy.daily_rate().get() == 0 {
             return Ok(false);
         }
@@ -129,7 +131,7 @@ impl BatchJob for Accrual {
 
     async fn fetch(
         &self,
-        pool: &PgPool,
+        pool: &Db,
         key: &RunKey,
         from_id: i64,
         limit: i64,
@@ -224,7 +226,7 @@ pub struct PassLimits {
 
 /// Retries pending charges without limits (see [`compensate_within`]).
 pub async fn compensate(
-    pool: &PgPool,
+    pool: &Db,
     accrual: &Accrual,
     shard: Option<ShardSpec>,
     due_only: bool,
@@ -246,7 +248,7 @@ pub async fn compensate(
 /// changed since the list was read), charge it under the loan's lock and remove it; or, if the charge is
 /// rejected again, count the attempt and schedule the next (DEAD after `max_attempts`).
 pub async fn compensate_within(
-    pool: &PgPool,
+    pool: &Db,
     accrual: &Accrual,
     shard: Option<ShardSpec>,
     due_only: bool,

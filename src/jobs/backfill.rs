@@ -9,9 +9,9 @@
 //! [`ClaimMode::Force`], as `settle --force` does (rows already settled or charged are never changed). A key a
 //! live owner holds is skipped in every mode: a claim never displaces a live owner.
 
+use crate::store::Db;
 use chrono::{Datelike, Months, NaiveDate, Utc};
 use futures_util::StreamExt;
-use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::{
@@ -342,7 +342,7 @@ impl Job {
     }
 
     /// The runner's re-open question for a SUCCESS key, asked the way the runner asks it.
-    async fn late(&self, pool: &PgPool, key: &RunKey) -> Result<bool, JobError> {
+    async fn late(&self, pool: &Db, key: &RunKey) -> Result<bool, JobError> {
         match self {
             Job::Settlement(j) => j.late(pool, key).await,
             Job::Accrual(j) => j.late(pool, key).await,
@@ -350,12 +350,7 @@ impl Job {
     }
 
     /// The rows a run of `key` would touch, walking from `from_id` (`None`: nothing after its cursor).
-    pub(super) async fn rows(
-        &self,
-        pool: &PgPool,
-        key: &RunKey,
-        from_id: Option<i64>,
-    ) -> Result<i64, JobError> {
+    pub(super) async fn rows(&self, pool: &Db, key: &RunKey, from_id: Option<i64>) -> Result<i64, JobError> {
         let Some(from_id) = from_id else { return Ok(0) };
         match self {
             Job::Settlement(_) => {
@@ -376,7 +371,7 @@ impl Job {
 /// The pool of a backfill, once the range is known to be over by the configured clock (the database's by
 /// default, as for the daemon): a business date is run once it is over — a month end from the next day on, like
 /// an accrual day.
-pub async fn connect(settings: &Settings, backfill: &Backfill) -> Result<PgPool, BackfillError> {
+pub async fn connect(settings: &Settings, backfill: &Backfill) -> Result<Db, BackfillError> {
     let pool = store::connect(
         &settings.database,
         &format!("fine-settler backfill {}", backfill.request.job),
@@ -410,7 +405,7 @@ pub async fn connect(settings: &Settings, backfill: &Backfill) -> Result<PgPool,
 }
 
 /// The keys of the backfill, oldest date first, shards in order, each with its row's state (if any).
-async fn keys(pool: &PgPool, backfill: &Backfill) -> Result<Vec<(RunKey, Option<RangeKey>)>, BackfillError> {
+async fn keys(pool: &Db, backfill: &Backfill) -> Result<Vec<(RunKey, Option<RangeKey>)>, BackfillError> {
     let (job, shards) = (backfill.request.job, backfill.shards);
     let (first, last) = match (backfill.dates.first(), backfill.dates.last()) {
         (Some(f), Some(l)) => (*f, *l),
@@ -442,7 +437,7 @@ async fn keys(pool: &PgPool, backfill: &Backfill) -> Result<Vec<(RunKey, Option<
 }
 
 /// The pauses in force that stop some shard of the backfill's shard count.
-async fn pauses(pool: &PgPool, backfill: &Backfill) -> Result<Vec<Pause>, sqlx::Error> {
+async fn pauses(pool: &Db, backfill: &Backfill) -> Result<Vec<Pause>, sqlx::Error> {
     let shards: Vec<ShardSpec> = (0..backfill.shards)
         .filter_map(|s| ShardSpec::new(i64::from(s), i64::from(backfill.shards)).ok())
         .collect();
@@ -460,7 +455,7 @@ async fn pauses(pool: &PgPool, backfill: &Backfill) -> Result<Vec<Pause>, sqlx::
 pub async fn dry_run(
     settings: &Settings,
     backfill: &Backfill,
-    pool: &PgPool,
+    pool: &Db,
     mut emit: impl FnMut(&DryKey),
 ) -> Result<DrySummary, BackfillError> {
     let request = backfill.request;
@@ -531,7 +526,7 @@ pub async fn dry_run(
 pub async fn run(
     settings: &Settings,
     backfill: &Backfill,
-    pool: PgPool,
+    pool: Db,
     cancel: CancellationToken,
     bars: bool,
     mut emit: impl FnMut(&RunReport),

@@ -3,8 +3,8 @@
 //! produces a report; an error that keeps a run from starting is the report's `detail`. A run of a paused job
 //! (or shard) is refused before anything is written, unless the operator says to ignore the pause.
 
+use crate::store::Db;
 use chrono::Utc;
-use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::{
@@ -270,7 +270,7 @@ pub struct RetryReport {
 /// `dead`, DEAD charges get a fresh set of attempts first. With `bars`, a bar over the pending charges.
 pub async fn retry_pending(
     settings: &Settings,
-    pool: &PgPool,
+    pool: &Db,
     dead: bool,
     bars: bool,
 ) -> Result<RetryReport, StoreError> {

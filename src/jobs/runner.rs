@@ -8,7 +8,9 @@
 
 use std::{future::Future, hash::BuildHasher, sync::Arc, time::Duration};
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
+
+use crate::store::Db;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -38,7 +40,7 @@ pub trait BatchJob: Send + Sync {
     /// ascending id order; `None` when nothing is left.
     fn fetch(
         &self,
-        pool: &PgPool,
+        pool: &Db,
         key: &RunKey,
         from_id: i64,
         limit: i64,
@@ -48,7 +50,7 @@ pub trait BatchJob: Send + Sync {
     /// so that a run with nothing to do ends at once. By default every id may.
     fn first_id(
         &self,
-        _pool: &PgPool,
+        _pool: &Db,
         _key: &RunKey,
     ) -> impl Future<Output = Result<Option<i64>, JobError>> + Send {
         async { Ok(Some(i64::MIN)) }
@@ -57,7 +59,7 @@ pub trait BatchJob: Send + Sync {
     /// Whether `key`, which is SUCCESS, still has items to do — items that became due after its run passed them
     /// (a back-dated return, a row left behind because libraryd held it locked). A plain run of such a key
     /// re-opens it. By default nothing arrives late.
-    fn late(&self, _pool: &PgPool, _key: &RunKey) -> impl Future<Output = Result<bool, JobError>> + Send {
+    fn late(&self, _pool: &Db, _key: &RunKey) -> impl Future<Output = Result<bool, JobError>> + Send {
         async { Ok(false) }
     }
 
@@ -157,7 +159,7 @@ pub fn process_owner() -> String {
 /// What the runner needs besides the job: where, as whom, and with which limits.
 #[derive(Debug, Clone)]
 pub struct Runner {
-    pub pool: PgPool,
+    pub pool: Db,
     pub owner: String,
     /// The lease every committed batch renews, the longest a batch transaction may take and how long a batch
     /// statement waits for a row lock.
@@ -202,7 +204,7 @@ pub const SHUTDOWN_ERROR: &str = "shutdown requested: stopped between batches an
 impl Runner {
     /// A runner with the claim settings of the configuration, and no metrics.
     pub fn new(
-        pool: PgPool,
+        pool: Db,
         owner: String,
         claim: &ClaimSettings,
         batch_size: u32,

@@ -1,7 +1,9 @@
 //! Month-end fine settlement: for each loan returned in the business month, set `fine_cents` from the fine
 //! policy and stamp `fine_settled_at`. The business date is the month's last day.
 
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{Connection, PgConnection};
+
+use crate::store::Db;
 
 use super::{
     runner::{BatchJob, JobError},
@@ -27,7 +29,7 @@ impl BatchJob for Settlement {
 
     async fn fetch(
         &self,
-        pool: &PgPool,
+        pool: &Db,
         key: &RunKey,
         from_id: i64,
         limit: i64,
@@ -43,7 +45,7 @@ impl BatchJob for Settlement {
         Ok(batch)
     }
 
-    async fn first_id(&self, pool: &PgPool, key: &RunKey) -> Result<Option<i64>, JobError> {
+    async fn first_id(&self, pool: &Db, key: &RunKey) -> Result<Option<i64>, JobError> {
         let month = calendar::settlement_month(key.business_date)?;
         let any = loans::month_has_unsettled(pool, month, key.shard).await?;
         Ok(any.then_some(i64::MIN))
@@ -53,7 +55,7 @@ impl BatchJob for Settlement {
         (batch.last_id, batch.count)
     }
 
-    async fn late(&self, pool: &PgPool, key: &RunKey) -> Result<bool, JobError> {
+    async fn late(&self, pool: &Db, key: &RunKey) -> Result<bool, JobError> {
         let month = calendar::settlement_month(key.business_date)?;
         Ok(loans::month_has_unsettled(pool, month, key.shard).await?)
     }

@@ -1,7 +1,7 @@
 //! The audit behind `verify`: recomputes a settled month in plain SQL, independently of the settlement code.
 
+use crate::store::Db;
 use chrono::NaiveDate;
-use sqlx::PgPool;
 
 use crate::fine::FinePolicy;
 
@@ -35,7 +35,7 @@ pub struct MonthAudit {
 /// Audits the loans returned in `[first, last]` against `policy`. The expected fine is computed by the database
 /// (`least` ignores a null cap), a second implementation of the policy that the Rust code does not share.
 pub async fn month(
-    pool: &PgPool,
+    pool: &Db,
     (first, last): (NaiveDate, NaiveDate),
     policy: &FinePolicy,
 ) -> Result<MonthAudit, sqlx::Error> {

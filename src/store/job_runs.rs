@@ -11,9 +11,10 @@ use chrono::{DateTime, NaiveDate, Utc};
 use sqlx::{
     encode::IsNull,
     postgres::{PgArgumentBuffer, PgTypeInfo, PgValueRef},
-    PgConnection, PgPool, Postgres,
+    PgConnection, Postgres,
 };
 
+use super::Db;
 use crate::jobs::RunKey;
 
 /// How a claim was won.
@@ -71,7 +72,7 @@ fn millis(d: Duration) -> i64 {
 /// Claims `key` for `owner`: insert, else take over (or, by `mode`, re-open or force a SUCCESS row), else skip
 /// (README, "How a settlement run works").
 pub async fn claim(
-    pool: &PgPool,
+    pool: &Db,
     key: &RunKey,
     owner: &str,
     lease: Duration,
@@ -365,7 +366,7 @@ pub enum Ending<'a> {
 /// lost with the connection), the row is already in the target state under this epoch, which counts as
 /// finished — it is not a lost lease — and no second history row is written.
 pub async fn finish(
-    pool: &PgPool,
+    pool: &Db,
     key: &RunKey,
     epoch: i64,
     ending: Ending<'_>,
@@ -427,7 +428,7 @@ pub async fn finish(
 /// Appends a `lease_lost` history row: this replica found its epoch superseded. History only; the key's row
 /// belongs to the new owner and is not touched.
 pub async fn record_lease_lost(
-    pool: &PgPool,
+    pool: &Db,
     key: &RunKey,
     epoch: i64,
     owner: &str,
@@ -476,7 +477,7 @@ pub struct JobRun {
 
 /// The `job_runs` rows, optionally for one job and/or business date, newest business date first.
 pub async fn list(
-    pool: &PgPool,
+    pool: &Db,
     job: Option<&str>,
     business_date: Option<NaiveDate>,
 ) -> Result<Vec<JobRun>, sqlx::Error> {
@@ -511,7 +512,7 @@ pub struct RangeKey {
 
 /// The `job_runs` rows of `job` under `shards` for business dates in `[first, last]` (`backfill`).
 pub async fn range(
-    pool: &PgPool,
+    pool: &Db,
     job: &str,
     (first, last): (NaiveDate, NaiveDate),
     shards: i32,
@@ -732,7 +733,7 @@ pub struct Released {
 /// next run takes it over under a new epoch and the old owner, if it is still alive, is fenced out. The release
 /// is recorded in the history with who did it and why. `None` if the key does not exist.
 pub async fn release(
-    pool: &PgPool,
+    pool: &Db,
     key: &RunKey,
     by: &str,
     reason: &str,
@@ -789,7 +790,7 @@ pub struct Attempt {
 
 /// The attempt history, optionally for one job and/or business date, oldest first.
 pub async fn history(
-    pool: &PgPool,
+    pool: &Db,
     job: Option<&str>,
     business_date: Option<NaiveDate>,
 ) -> Result<Vec<Attempt>, sqlx::Error> {
@@ -808,7 +809,7 @@ pub async fn history(
 
 /// Deletes up to `limit` `job_run_attempts` rows older than `older_than`, oldest first; returns how many.
 /// `job_runs` rows are never pruned: deduplication depends on them.
-pub async fn prune_history(pool: &PgPool, older_than: Duration, limit: i64) -> Result<u64, sqlx::Error> {
+pub async fn prune_history(pool: &Db, older_than: Duration, limit: i64) -> Result<u64, sqlx::Error> {
     let done = sqlx::query!(
         r#"delete from job_run_attempts
            where id in (select id from job_run_attempts

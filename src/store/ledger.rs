@@ -1,7 +1,9 @@
 //! `fine_ledger` and `fine_pending`: the accrual scan, its charges, and the compensation queue.
 
 use chrono::{DateTime, NaiveDate, Utc};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
+
+use crate::store::Db;
 
 use crate::{fine::FinePolicy, shard::ShardSpec};
 
@@ -20,7 +22,7 @@ pub struct Overdue {
 /// ledger holds millions of rows, more than the batch timeout when a re-opened or forced day finds every loan
 /// already charged); and the cap's sum over the loan's ledger is taken only for the loans still to charge.
 pub async fn overdue_batch(
-    pool: &PgPool,
+    pool: &Db,
     day: NaiveDate,
     shard: ShardSpec,
     grace_days: i64,
@@ -61,7 +63,7 @@ pub async fn overdue_batch(
 /// [`overdue_batch`] finds, counted (`backfill --dry-run`). The predicate is [`overdue_batch`]'s, without its
 /// limit.
 pub async fn count_overdue(
-    pool: &PgPool,
+    pool: &Db,
     day: NaiveDate,
     shard: ShardSpec,
     grace_days: i64,
@@ -189,7 +191,7 @@ pub async fn set_local_statement_timeout(tx: &mut PgConnection, millis: u64) -> 
 /// for every key ([`crate::store::job_runs::tick_status`]); both call the SQL function
 /// `fine_settler_uncharged_days` (migrations/20261201000008), where the question is written once.
 pub async fn day_has_uncharged(
-    pool: &PgPool,
+    pool: &Db,
     day: NaiveDate,
     shard: ShardSpec,
     policy: &FinePolicy,
@@ -244,7 +246,7 @@ pub struct Pending {
 
 /// Pending charges of `shard` due for a retry (or all PENDING ones with `due_only = false`), oldest first.
 pub async fn due_pending(
-    pool: &PgPool,
+    pool: &Db,
     shard: Option<ShardSpec>,
     due_only: bool,
     limit: i64,
@@ -328,7 +330,7 @@ pub async fn retry_failed(
 }
 
 /// Gives DEAD charges (optionally of one loan) a fresh set of attempts, due now. Returns how many.
-pub async fn resurrect(pool: &PgPool) -> Result<u64, sqlx::Error> {
+pub async fn resurrect(pool: &Db) -> Result<u64, sqlx::Error> {
     let done = sqlx::query!(
         r#"update fine_pending set status = 'PENDING', attempts = 0, next_attempt_at = now(), updated_at = now()
            where status = 'DEAD'"#
@@ -339,7 +341,7 @@ pub async fn resurrect(pool: &PgPool) -> Result<u64, sqlx::Error> {
 }
 
 /// (PENDING, DEAD) counts, for one shard or all.
-pub async fn counts(pool: &PgPool, shard: Option<ShardSpec>) -> Result<(i64, i64), sqlx::Error> {
+pub async fn counts(pool: &Db, shard: Option<ShardSpec>) -> Result<(i64, i64), sqlx::Error> {
     let (shards, index) = shard.map_or((1, 0), |s| (i64::from(s.shards()), i64::from(s.shard())));
     let row = sqlx::query!(
         r#"select count(*) filter (where status = 'PENDING') as "pending!",
@@ -354,7 +356,7 @@ pub async fn counts(pool: &PgPool, shard: Option<ShardSpec>) -> Result<(i64, i64
 }
 
 /// Every queued charge, DEAD first, for `pending list`.
-pub async fn list(pool: &PgPool) -> Result<Vec<Pending>, sqlx::Error> {
+pub async fn list(pool: &Db) -> Result<Vec<Pending>, sqlx::Error> {
     sqlx::query_as!(
         Pending,
         r#"select loan_id, accrual_date, amount_cents, attempts, next_attempt_at, last_error, status

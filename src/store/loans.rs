@@ -2,7 +2,9 @@
 //! `fine_settled_at`, and only on rows whose `fine_settled_at` is still null.
 
 use chrono::NaiveDate;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
+
+use crate::store::Db;
 
 use crate::{fine::FinePolicy, shard::ShardSpec};
 
@@ -25,7 +27,7 @@ pub struct SettleBatch {
 /// zero and must not be picked up again. The predicate matches the partial index `loans_unsettled_returned_idx`
 /// (`(id, returned_on) include (due_on)`), so this is an index-only scan that reads no table page.
 pub async fn next_batch(
-    pool: &PgPool,
+    pool: &Db,
     (first, last): (NaiveDate, NaiveDate),
     shard: ShardSpec,
     from_id: i64,
@@ -63,7 +65,7 @@ pub async fn next_batch(
 /// month has none, so either answer takes a fraction of a millisecond — whereas the batch scan, walking ids,
 /// would read every other month's unsettled loans before concluding that this month has none.
 pub async fn month_has_unsettled(
-    pool: &PgPool,
+    pool: &Db,
     (first, last): (NaiveDate, NaiveDate),
     shard: ShardSpec,
 ) -> Result<bool, sqlx::Error> {
@@ -86,7 +88,7 @@ pub async fn month_has_unsettled(
 /// How many unsettled loans of the shard were returned in `[first, last]` with `id >= from_id`: the rows a run
 /// of the key starting at `from_id` would settle, by the predicate of [`next_batch`] (`backfill --dry-run`).
 pub async fn count_unsettled(
-    pool: &PgPool,
+    pool: &Db,
     (first, last): (NaiveDate, NaiveDate),
     shard: ShardSpec,
     from_id: i64,
@@ -195,7 +197,7 @@ pub struct NewLoan {
 }
 
 /// Inserts loans that do not exist yet (by id); returns how many were new.
-pub async fn insert_new(pool: &PgPool, loans: &[NewLoan]) -> Result<u64, sqlx::Error> {
+pub async fn insert_new(pool: &Db, loans: &[NewLoan]) -> Result<u64, sqlx::Error> {
     let ids: Vec<i64> = loans.iter().map(|l| l.id).collect();
     let members: Vec<i64> = loans.iter().map(|l| l.member_id).collect();
     let books: Vec<i64> = loans.iter().map(|l| l.book_id).collect();

@@ -10,12 +10,16 @@ pub mod status;
 
 use std::time::Duration;
 
+use futures_util::{future::BoxFuture, stream::BoxStream, TryStreamExt};
 use sqlx::{
-    postgres::{PgConnectOptions, PgPoolOptions},
-    Connection, PgConnection, PgPool,
+    postgres::{PgConnectOptions, PgPoolOptions, PgQueryResult, PgRow, PgTypeInfo},
+    Connection, Executor, PgConnection, PgPool, Postgres, Transaction,
 };
 
-use crate::{config::DatabaseSettings, redact::secrets_in as redact_secrets_in};
+use crate::{
+    config::{DatabaseSettings, Pooler},
+    redact::secrets_in as redact_secrets_in,
+};
 
 /// The migrations in `migrations/`, embedded in the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -41,30 +45,297 @@ pub enum StoreError {
 }
 
 /// Connection settings shared by every pool: the application name shows the replica in `pg_stat_activity`.
+/// Behind a pooler, sqlx's `extra_float_digits` startup parameter is not sent (PgBouncer refuses every startup
+/// parameter it does not know; fine-settler reads no floats); behind one in transaction mode no statement is kept
+/// prepared beyond its transaction (see [`Db`]).
 fn connect_options(db: &DatabaseSettings, application_name: &str) -> PgConnectOptions {
-    db.url
+    let options = db
+        .url
         .connect_options()
         .clone()
-        .application_name(application_name)
+        .application_name(application_name);
+    match db.pooler {
+        Pooler::None => options,
+        Pooler::Session => options.extra_float_digits(None),
+        Pooler::Transaction => options.extra_float_digits(None).statement_cache_capacity(0),
+    }
 }
 
-/// The options every job connection uses: the application name; the batch timeout as both
-/// `statement_timeout` and `idle_in_transaction_session_timeout`; no parallel query; and generic plans.
+/// The session settings a pool's connections run under, each a PostgreSQL parameter and its value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Gucs(Vec<(&'static str, String)>);
+
+impl Gucs {
+    /// The job connections' settings: the batch timeout as both `statement_timeout` and
+    /// `idle_in_transaction_session_timeout`; no parallel query; and generic plans.
+    ///
+    /// A batch reads a few thousand rows through an index. With parallel workers allowed, the planner started
+    /// workers (and a parallel scan plus sort) for every batch query, several times slower than the index walk.
+    /// With custom plans (PostgreSQL's default for a statement's first five executions), the literal month made
+    /// the planner read the month's whole range from the index ordered by return date, or the whole table, and
+    /// sort it for each batch, 80–150 ms each; the generic plan walks the id-ordered index, as a keyset batch
+    /// should (measured with auto_explain; see bench/RESULTS.md).
+    fn jobs(batch_timeout: Duration) -> Self {
+        let timeout = batch_timeout.as_millis().max(1).to_string();
+        Gucs(vec![
+            ("statement_timeout", timeout.clone()),
+            ("idle_in_transaction_session_timeout", timeout),
+            ("max_parallel_workers_per_gather", "0".into()),
+            ("plan_cache_mode", "force_generic_plan".into()),
+        ])
+    }
+
+    /// The status page's: every statement under `statement_timeout = timeout`, no parallel query.
+    fn status(timeout: Duration) -> Self {
+        Gucs(vec![
+            ("statement_timeout", timeout.as_millis().max(1).to_string()),
+            ("max_parallel_workers_per_gather", "0".into()),
+        ])
+    }
+
+    /// The settings as startup `options` (a direct connection).
+    fn apply(&self, options: PgConnectOptions) -> PgConnectOptions {
+        options.options(self.0.iter().map(|(k, v)| (*k, v.as_str())))
+    }
+
+    /// One statement setting them for the session (behind a session-mode pooler, run after connecting).
+    fn set_session(&self) -> String {
+        self.0
+            .iter()
+            .map(|(k, v)| format!("set {k} = '{v}'"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
+    /// The statement that begins a transaction behind a transaction-mode pooler: `begin`; drop whatever
+    /// prepared statements an earlier client left on the server connection the pooler assigned (sqlx names
+    /// its statements per client connection, so another client's could collide with ours); then the settings,
+    /// local to the transaction. One round trip.
+    fn begin_local(&self) -> String {
+        let sets = self
+            .0
+            .iter()
+            .map(|(k, v)| format!("set_config('{k}', '{v}', true)"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!("begin; deallocate all; select {sets}")
+    }
+}
+
+/// The options a connection with settings `gucs` is opened with, and what must run after it connects.
+fn options_with(
+    db: &DatabaseSettings,
+    application_name: &str,
+    gucs: &Gucs,
+) -> (PgConnectOptions, Option<String>) {
+    let options = connect_options(db, application_name);
+    match db.pooler {
+        Pooler::None => (gucs.apply(options), None),
+        Pooler::Session => (options, Some(gucs.set_session())),
+        Pooler::Transaction => (options, None),
+    }
+}
+
+/// A pool and the way its connections reach PostgreSQL (`database.pooler`): every statement fine-settler runs
+/// against the database goes through one.
 ///
-/// A batch reads a few thousand rows through an index. With parallel workers allowed, the planner started
-/// workers (and a parallel scan plus sort) for every batch query, several times slower than the index walk.
-/// With custom plans (PostgreSQL's default for a statement's first five executions), the literal month made the
-/// planner read the month's whole range from the index ordered by return date, or the whole table, and sort it
-/// for each batch, 80–150 ms each; the generic plan walks the id-ordered index, as a keyset batch should
-/// (measured with auto_explain; see bench/RESULTS.md).
-fn job_options(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> PgConnectOptions {
-    let timeout = batch_timeout.as_millis().to_string();
-    connect_options(db, application_name).options([
-        ("statement_timeout", timeout.as_str()),
-        ("idle_in_transaction_session_timeout", timeout.as_str()),
-        ("max_parallel_workers_per_gather", "0"),
-        ("plan_cache_mode", "force_generic_plan"),
-    ])
+/// Directly or behind a session-mode pooler it is the pool, nothing more. Behind a transaction-mode pooler a
+/// server connection belongs to this client only until its transaction ends, and PgBouncer's defaults forward
+/// neither startup options nor prepared statements across transactions. So there every statement runs inside a
+/// transaction ([`Db::begin`], or one of its own when run on the `Db` itself, as an [`Executor`]) whose first
+/// round trip sets the connection's settings `LOCAL` and clears prepared statements left by earlier clients,
+/// and sqlx caches no statement (each is prepared anew in the transaction that runs it).
+#[derive(Clone)]
+pub struct Db {
+    pool: PgPool,
+    pooler: Pooler,
+    /// Behind a transaction-mode pooler, the statement every transaction begins with.
+    begin: Option<std::sync::Arc<str>>,
+}
+
+impl std::fmt::Debug for Db {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Db")
+            .field("pooler", &self.pooler)
+            .field("size", &self.pool.size())
+            .finish_non_exhaustive()
+    }
+}
+
+impl From<PgPool> for Db {
+    /// A pool of direct connections.
+    fn from(pool: PgPool) -> Self {
+        Db {
+            pool,
+            pooler: Pooler::None,
+            begin: None,
+        }
+    }
+}
+
+/// A connection checked out of a [`Db`] for one statement: a plain pooled connection, or (behind a
+/// transaction-mode pooler) a transaction, committed by [`Unit::done`].
+pub enum Unit {
+    Plain(sqlx::pool::PoolConnection<Postgres>),
+    Tx(Transaction<'static, Postgres>),
+}
+
+impl std::fmt::Debug for Unit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Unit::Plain(_) => "Unit::Plain",
+            Unit::Tx(_) => "Unit::Tx",
+        })
+    }
+}
+
+impl std::ops::Deref for Unit {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        match self {
+            Unit::Plain(c) => c,
+            Unit::Tx(t) => t,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Unit {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        match self {
+            Unit::Plain(c) => c,
+            Unit::Tx(t) => t,
+        }
+    }
+}
+
+impl Unit {
+    /// Ends the unit: commits its transaction, if it has one.
+    pub async fn done(self) -> Result<(), sqlx::Error> {
+        match self {
+            Unit::Plain(_) => Ok(()),
+            Unit::Tx(t) => t.commit().await,
+        }
+    }
+}
+
+impl Db {
+    fn new(pool: PgPool, pooler: Pooler, gucs: &Gucs) -> Self {
+        let begin = (pooler == Pooler::Transaction).then(|| gucs.begin_local().into());
+        Db { pool, pooler, begin }
+    }
+
+    /// The pool underneath.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// What sits between this pool and PostgreSQL.
+    pub fn pooler(&self) -> Pooler {
+        self.pooler
+    }
+
+    /// Begins a transaction (with the connection's settings made local to it, behind a transaction-mode
+    /// pooler).
+    pub async fn begin(&self) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+        match &self.begin {
+            None => self.pool.begin().await,
+            Some(begin) => self.pool.begin_with(begin.to_string()).await,
+        }
+    }
+
+    /// A connection for one statement (see [`Unit`]).
+    pub async fn unit(&self) -> Result<Unit, sqlx::Error> {
+        match &self.begin {
+            None => Ok(Unit::Plain(self.pool.acquire().await?)),
+            Some(_) => Ok(Unit::Tx(self.begin().await?)),
+        }
+    }
+
+    /// Closes every connection (waiting for checked-out ones to come back).
+    pub async fn close(&self) {
+        self.pool.close().await
+    }
+}
+
+impl<'d> sqlx::Executor<'d> for &'_ Db {
+    type Database = Postgres;
+
+    fn fetch_many<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> BoxStream<'e, Result<sqlx::Either<PgQueryResult, PgRow>, sqlx::Error>>
+    where
+        E: 'q + sqlx::Execute<'q, Postgres>,
+    {
+        if self.begin.is_none() {
+            return self.pool.fetch_many(query);
+        }
+        let db = self.clone();
+        Box::pin(
+            futures_util::stream::once(async move {
+                let mut unit = db.unit().await?;
+                let all: Vec<_> = unit.fetch_many(query).try_collect().await?;
+                unit.done().await?;
+                Ok::<_, sqlx::Error>(futures_util::stream::iter(all.into_iter().map(Ok)))
+            })
+            .try_flatten(),
+        )
+    }
+
+    fn fetch_optional<'e, 'q: 'e, E>(self, query: E) -> BoxFuture<'e, Result<Option<PgRow>, sqlx::Error>>
+    where
+        E: 'q + sqlx::Execute<'q, Postgres>,
+    {
+        if self.begin.is_none() {
+            return self.pool.fetch_optional(query);
+        }
+        let db = self.clone();
+        Box::pin(async move {
+            let mut unit = db.unit().await?;
+            let row = unit.fetch_optional(query).await?;
+            unit.done().await?;
+            Ok(row)
+        })
+    }
+
+    fn prepare_with<'e, 'q: 'e>(
+        self,
+        sql: &'q str,
+        parameters: &'e [PgTypeInfo],
+    ) -> BoxFuture<'e, Result<sqlx::postgres::PgStatement<'q>, sqlx::Error>> {
+        self.pool.prepare_with(sql, parameters)
+    }
+
+    fn describe<'e, 'q: 'e>(
+        self,
+        sql: &'q str,
+    ) -> BoxFuture<'e, Result<sqlx::Describe<Postgres>, sqlx::Error>> {
+        self.pool.describe(sql)
+    }
+}
+
+/// `pool`'s options and the connection options for connections with settings `gucs`.
+fn with_gucs(
+    db: &DatabaseSettings,
+    application_name: &str,
+    gucs: &Gucs,
+    pool: PgPoolOptions,
+) -> (PgPoolOptions, PgConnectOptions) {
+    let (options, after) = options_with(db, application_name, gucs);
+    let pool = match after {
+        None => pool,
+        Some(sql) => {
+            let sql: std::sync::Arc<str> = sql.into();
+            pool.after_connect(move |conn, _| {
+                let sql = sql.clone();
+                Box::pin(async move {
+                    conn.execute(&*sql).await?;
+                    Ok(())
+                })
+            })
+        }
+    };
+    (pool, options)
 }
 
 /// Sets this transaction's `lock_timeout` (`claim.lock_timeout`): a statement that waits longer for a row lock
@@ -82,7 +353,7 @@ pub async fn set_local_lock_timeout(tx: &mut PgConnection, timeout: Duration) ->
 }
 
 /// The database clock.
-pub async fn database_now(pool: &PgPool) -> Result<chrono::DateTime<chrono::Utc>, sqlx::Error> {
+pub async fn database_now(pool: &Db) -> Result<chrono::DateTime<chrono::Utc>, sqlx::Error> {
     sqlx::query_scalar!(r#"select now() as "now!""#)
         .fetch_one(pool)
         .await
@@ -102,11 +373,10 @@ pub async fn connect(
     db: &DatabaseSettings,
     application_name: &str,
     batch_timeout: Duration,
-) -> Result<PgPool, StoreError> {
-    let pool = pool_options(db)
-        .connect_with(job_options(db, application_name, batch_timeout))
-        .await?;
-    Ok(pool)
+) -> Result<Db, StoreError> {
+    let gucs = Gucs::jobs(batch_timeout);
+    let (pool, options) = with_gucs(db, application_name, &gucs, pool_options(db));
+    Ok(Db::new(pool.connect_with(options).await?, db.pooler, &gucs))
 }
 
 fn pool_options(db: &DatabaseSettings) -> PgPoolOptions {
@@ -117,8 +387,10 @@ fn pool_options(db: &DatabaseSettings) -> PgPoolOptions {
 
 /// Like [`connect`], but opens no connection until one is needed: the daemon starts (and keeps running) while
 /// the database is down.
-pub fn connect_lazy(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> PgPool {
-    pool_options(db).connect_lazy_with(job_options(db, application_name, batch_timeout))
+pub fn connect_lazy(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> Db {
+    let gucs = Gucs::jobs(batch_timeout);
+    let (pool, options) = with_gucs(db, application_name, &gucs, pool_options(db));
+    Db::new(pool.connect_lazy_with(options), db.pooler, &gucs)
 }
 
 /// The status page's own pool: one connection at most, opened when a page is first loaded and closed after a
@@ -127,17 +399,15 @@ pub fn connect_lazy(db: &DatabaseSettings, application_name: &str, batch_timeout
 /// a claim is waiting for: however many arrive, they queue for this one connection (and give up after
 /// `timeout`), and the replica holds at most one connection more than `database.max_connections` and the
 /// tick's.
-pub fn connect_status(db: &DatabaseSettings, application_name: &str, timeout: Duration) -> PgPool {
-    let millis = timeout.as_millis().to_string();
-    PgPoolOptions::new()
+pub fn connect_status(db: &DatabaseSettings, application_name: &str, timeout: Duration) -> Db {
+    let gucs = Gucs::status(timeout);
+    let pool = PgPoolOptions::new()
         .max_connections(1)
         .min_connections(0)
         .acquire_timeout(timeout)
-        .idle_timeout(Duration::from_secs(60))
-        .connect_lazy_with(connect_options(db, application_name).options([
-            ("statement_timeout", millis.as_str()),
-            ("max_parallel_workers_per_gather", "0"),
-        ]))
+        .idle_timeout(Duration::from_secs(60));
+    let (pool, options) = with_gucs(db, application_name, &gucs, pool);
+    Db::new(pool.connect_lazy_with(options), db.pooler, &gucs)
 }
 
 /// One dedicated connection, re-opened after any error. The daemon reads its tick status through it, so an idle
@@ -145,6 +415,10 @@ pub fn connect_status(db: &DatabaseSettings, application_name: &str, timeout: Du
 pub struct Session {
     /// Holds the password: never printed (see the `Debug` below).
     options: PgConnectOptions,
+    /// Run after connecting (behind a session-mode pooler: the settings).
+    after_connect: Option<String>,
+    /// Begins the transaction each statement runs in (behind a transaction-mode pooler).
+    begin: Option<String>,
     connect_timeout: Duration,
     conn: Option<PgConnection>,
 }
@@ -161,8 +435,12 @@ impl std::fmt::Debug for Session {
 
 impl Session {
     pub fn new(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> Self {
+        let gucs = Gucs::jobs(batch_timeout);
+        let (options, after_connect) = options_with(db, application_name, &gucs);
         Session {
-            options: job_options(db, application_name, batch_timeout),
+            options,
+            after_connect,
+            begin: (db.pooler == Pooler::Transaction).then(|| gucs.begin_local()),
             connect_timeout: db.connect_timeout,
             conn: None,
         }
@@ -178,15 +456,29 @@ impl Session {
     ) -> Result<job_runs::TickStatus, sqlx::Error> {
         if self.conn.is_none() {
             let connect = PgConnection::connect_with(&self.options);
-            let conn = tokio::time::timeout(self.connect_timeout, connect)
+            let mut conn = tokio::time::timeout(self.connect_timeout, connect)
                 .await
                 .map_err(|_| sqlx::Error::PoolTimedOut)??;
+            if let Some(sql) = &self.after_connect {
+                conn.execute(sql.as_str()).await?;
+            }
             self.conn = Some(conn);
         }
         let Some(conn) = self.conn.as_mut() else {
             return Err(sqlx::Error::PoolClosed);
         };
-        let result = job_runs::tick_status(conn, shard, since, late).await;
+        let result = match &self.begin {
+            None => job_runs::tick_status(conn, shard, since, late).await,
+            Some(begin) => {
+                async {
+                    let mut tx = conn.begin_with(begin.clone()).await?;
+                    let status = job_runs::tick_status(&mut tx, shard, since, late).await?;
+                    tx.commit().await?;
+                    Ok(status)
+                }
+                .await
+            }
+        };
         if result.is_err() {
             // Whatever went wrong, the next tick starts from a fresh connection.
             self.conn = None;
@@ -197,7 +489,7 @@ impl Session {
 
 /// Whether the replica can work: the database answers within 2 s and every migration this binary knows is
 /// applied. `Err` carries the reason, for `/readyz` and the startup log.
-pub async fn readiness(pool: &PgPool) -> Result<(), String> {
+pub async fn readiness(pool: &Db) -> Result<(), String> {
     let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
     // `_sqlx_migrations` is sqlx's own table, not part of the checked schema: an unchecked query.
     let applied = tokio::time::timeout(

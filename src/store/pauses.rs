@@ -4,8 +4,8 @@
 //! ([`crate::store::job_runs::tick_status`]) and a run learns of one at its batch fence
 //! ([`crate::store::job_runs::advance`]); this module holds the operator's statements.
 
+use crate::store::Db;
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
 
 use crate::{jobs::JobName, shard::ShardSpec};
 
@@ -115,7 +115,7 @@ const PAUSE_ATTEMPTS: u32 = 5;
 /// Pauses `job` for `scope`, recording it in the history. Idempotent: an existing pause of the same scope is
 /// left as it is (its who, why and since stay those of the first pause) and nothing is recorded.
 pub async fn pause(
-    pool: &PgPool,
+    pool: &Db,
     job: JobName,
     scope: PauseScope,
     by: &str,
@@ -168,7 +168,7 @@ pub async fn pause(
 /// Lifts the pause of `job` for exactly `scope` (a pause of the whole job is not lifted by resuming one shard,
 /// nor the other way round), recording who did it. Returns the pause that was lifted, `None` if there was none.
 pub async fn resume(
-    pool: &PgPool,
+    pool: &Db,
     job: JobName,
     scope: PauseScope,
     by: &str,
@@ -200,7 +200,7 @@ pub async fn resume(
 }
 
 /// Every pause in force, optionally of one job: by job, the whole job's first, then by shard count and shard.
-pub async fn list(pool: &PgPool, job: Option<&str>) -> Result<Vec<Pause>, sqlx::Error> {
+pub async fn list(pool: &Db, job: Option<&str>) -> Result<Vec<Pause>, sqlx::Error> {
     let rows = sqlx::query!(
         r#"select job_name, shards, shard, paused_by, reason, paused_at from job_pauses
            where $1::text is null or job_name = $1
@@ -224,7 +224,7 @@ pub async fn list(pool: &PgPool, job: Option<&str>) -> Result<Vec<Pause>, sqlx::
 }
 
 /// The pause that stops `job` on `shard`, if any (the whole job's before the shard's own).
-pub async fn covering(pool: &PgPool, job: JobName, shard: ShardSpec) -> Result<Option<Pause>, sqlx::Error> {
+pub async fn covering(pool: &Db, job: JobName, shard: ShardSpec) -> Result<Option<Pause>, sqlx::Error> {
     Ok(list(pool, Some(job.as_str()))
         .await?
         .into_iter()
@@ -246,7 +246,7 @@ pub struct PauseEvent {
 }
 
 /// The pause history, optionally of one job, oldest first.
-pub async fn history(pool: &PgPool, job: Option<&str>) -> Result<Vec<PauseEvent>, sqlx::Error> {
+pub async fn history(pool: &Db, job: Option<&str>) -> Result<Vec<PauseEvent>, sqlx::Error> {
     sqlx::query_as!(
         PauseEvent,
         r#"select id, job_name, shards, shard, event, by, reason, paused_at, at from job_pause_events

@@ -2,8 +2,8 @@
 //! the to-do count of each RUNNING key, and the compensation queue. Two statements per page load, run through a
 //! pool of their own (see [`connect_status`](super::connect_status)) under a short `statement_timeout`.
 
+use crate::store::Db;
 use chrono::{DateTime, NaiveDate, Utc};
-use sqlx::PgPool;
 
 use super::job_runs::RunStatus;
 
@@ -55,7 +55,7 @@ pub struct AccrualPolicy {
 /// of unsettled loans (what is left of the month, 7 ms for a month of 34,000 loans); for the accrual the
 /// primary key after the cursor, checking the ledger and the queue for each overdue loan (42 ms for 100,000
 /// loans) — the page's `statement_timeout` bounds it.
-pub async fn keys(pool: &PgPool, since: NaiveDate, policy: AccrualPolicy) -> Result<StatusRows, sqlx::Error> {
+pub async fn keys(pool: &Db, since: NaiveDate, policy: AccrualPolicy) -> Result<StatusRows, sqlx::Error> {
     let rows = sqlx::query!(
         r#"select t.now as "now!", q.pending as "pending!", q.pending_due as "pending_due!", q.dead as "dead!",
                   r.job_name as "job_name?", r.business_date as "business_date?", r.shards as "shards?",
@@ -139,7 +139,7 @@ pub struct DeadCharge {
 }
 
 /// The `limit` oldest DEAD charges (by accrual day), every shard's.
-pub async fn oldest_dead(pool: &PgPool, limit: i64) -> Result<Vec<DeadCharge>, sqlx::Error> {
+pub async fn oldest_dead(pool: &Db, limit: i64) -> Result<Vec<DeadCharge>, sqlx::Error> {
     sqlx::query_as!(
         DeadCharge,
         r#"select loan_id, accrual_date, amount_cents, attempts, last_error, updated_at

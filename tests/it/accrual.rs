@@ -1,6 +1,7 @@
 //! Daily overdue accrual: one ledger row per loan and day however often it runs, a compensation queue for
 //! rejected charges, and reconciliation with the month-end settlement.
 
+use crate::helpers::db;
 use std::{process::Stdio, time::Duration};
 
 use chrono::NaiveDate;
@@ -190,7 +191,7 @@ async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool:
         .expect("lift");
     // Not due yet: nothing happens.
     assert_eq!(
-        compensate(&pool, &job, Some(ShardSpec::SINGLE), true, 10)
+        compensate(&db(&pool), &job, Some(ShardSpec::SINGLE), true, 10)
             .await
             .expect("pass")
             .charged,
@@ -218,11 +219,11 @@ async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool:
         },
     )
     .await;
-    let done = compensate(&pool, &job, Some(ShardSpec::SINGLE), true, 10)
+    let done = compensate(&db(&pool), &job, Some(ShardSpec::SINGLE), true, 10)
         .await
         .expect("pass");
     assert_eq!(done.charged, 3);
-    let again = compensate(&pool, &job, Some(ShardSpec::SINGLE), true, 10)
+    let again = compensate(&db(&pool), &job, Some(ShardSpec::SINGLE), true, 10)
         .await
         .expect("pass");
     assert_eq!(again.charged, 0);
@@ -262,7 +263,7 @@ async fn a_charge_that_keeps_failing_goes_dead_with_growing_capped_backoff(pool:
             .execute(&pool)
             .await
             .expect("make due");
-        compensate(&pool, &job, None, true, 4).await.expect("pass");
+        compensate(&db(&pool), &job, None, true, 4).await.expect("pass");
         let (status, attempts): (String, i32) = sqlx::query_as("select status, attempts from fine_pending")
             .fetch_one(&pool)
             .await
@@ -286,7 +287,7 @@ async fn a_charge_that_keeps_failing_goes_dead_with_growing_capped_backoff(pool:
     );
     // DEAD rows are left alone by the daemon's passes...
     assert_eq!(
-        compensate(&pool, &job, None, true, 4)
+        compensate(&db(&pool), &job, None, true, 4)
             .await
             .expect("pass")
             .charged,

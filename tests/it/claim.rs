@@ -1,5 +1,6 @@
 //! The claim protocol: insert, take over, skip; and its history.
 
+use crate::helpers::db;
 use std::time::Duration;
 
 use fine_settler::store::job_runs::{claim, finish, Claim, ClaimKind, ClaimMode, Ending};
@@ -11,7 +12,7 @@ const LEASE: Duration = Duration::from_secs(60);
 
 async fn won(pool: &PgPool, owner: &str, force: bool) -> Option<(i64, ClaimKind)> {
     let mode = if force { ClaimMode::Force } else { ClaimMode::Free };
-    match claim(pool, &key("2026-10-31", 0, 1), owner, LEASE, mode)
+    match claim(&db(pool), &key("2026-10-31", 0, 1), owner, LEASE, mode)
         .await
         .expect("claim")
     {
@@ -44,7 +45,7 @@ async fn first_insert_wins_and_the_second_skips(pool: PgPool) {
 #[sqlx::test]
 async fn a_live_running_key_is_skipped_even_by_force(pool: PgPool) {
     won(&pool, "a", false).await;
-    match claim(&pool, &key("2026-10-31", 0, 1), "b", LEASE, ClaimMode::Force)
+    match claim(&db(&pool), &key("2026-10-31", 0, 1), "b", LEASE, ClaimMode::Force)
         .await
         .expect("claim")
     {
@@ -66,15 +67,19 @@ async fn an_expired_running_key_is_taken_over_with_the_next_epoch(pool: PgPool) 
     assert_eq!(status(&pool).await, ("RUNNING".into(), "b".into(), 2));
     // The old owner can no longer finish the key.
     let k = key("2026-10-31", 0, 1);
-    assert!(!finish(&pool, &k, 1, Ending::Success, 0, 0).await.expect("finish"));
-    assert!(finish(&pool, &k, 2, Ending::Success, 0, 0).await.expect("finish"));
+    assert!(!finish(&db(&pool), &k, 1, Ending::Success, 0, 0)
+        .await
+        .expect("finish"));
+    assert!(finish(&db(&pool), &k, 2, Ending::Success, 0, 0)
+        .await
+        .expect("finish"));
 }
 
 #[sqlx::test]
 async fn a_failed_key_is_taken_over_at_once(pool: PgPool) {
     won(&pool, "a", false).await;
     let k = key("2026-10-31", 0, 1);
-    assert!(finish(&pool, &k, 1, Ending::Failed("boom"), 3, 2)
+    assert!(finish(&db(&pool), &k, 1, Ending::Failed("boom"), 3, 2)
         .await
         .expect("fail"));
     assert_eq!(won(&pool, "b", false).await, Some((2, ClaimKind::TakenOver)));
@@ -93,11 +98,11 @@ async fn success_is_skipped_unless_forced_and_force_resets_the_cursor(pool: PgPo
         .await
         .expect("progress");
     let k = key("2026-10-31", 0, 1);
-    assert!(finish(&pool, &k, 1, Ending::Success, 10, 7)
+    assert!(finish(&db(&pool), &k, 1, Ending::Success, 10, 7)
         .await
         .expect("finish"));
     assert_eq!(won(&pool, "b", false).await, None);
-    match claim(&pool, &k, "c", LEASE, ClaimMode::Force)
+    match claim(&db(&pool), &k, "c", LEASE, ClaimMode::Force)
         .await
         .expect("claim")
     {
@@ -119,7 +124,7 @@ async fn a_takeover_resumes_from_the_stored_cursor(pool: PgPool) {
         .await
         .expect("progress");
     expire_lease(&pool).await;
-    match claim(&pool, &key("2026-10-31", 0, 1), "b", LEASE, ClaimMode::Free)
+    match claim(&db(&pool), &key("2026-10-31", 0, 1), "b", LEASE, ClaimMode::Free)
         .await
         .expect("claim")
     {
@@ -132,7 +137,7 @@ async fn a_takeover_resumes_from_the_stored_cursor(pool: PgPool) {
 async fn keys_differ_by_shard_count(pool: PgPool) {
     for (shard, shards) in [(0, 3), (0, 4), (1, 4)] {
         match claim(
-            &pool,
+            &db(&pool),
             &key("2026-10-31", shard, shards),
             "a",
             LEASE,
@@ -163,7 +168,7 @@ async fn sixteen_concurrent_claimers_get_exactly_one_winner(pool: PgPool) {
             drop(_conn_warm);
             barrier.wait().await;
             claim(
-                &pool,
+                &db(&pool),
                 &key("2026-10-31", 0, 1),
                 &format!("claimer-{i}"),
                 LEASE,
@@ -193,11 +198,13 @@ async fn every_transition_appends_history(pool: PgPool) {
     won(&pool, "a", false).await;
     expire_lease(&pool).await;
     won(&pool, "b", false).await;
-    finish(&pool, &k, 2, Ending::Failed("disk full"), 5, 5)
+    finish(&db(&pool), &k, 2, Ending::Failed("disk full"), 5, 5)
         .await
         .expect("fail");
     won(&pool, "c", false).await;
-    finish(&pool, &k, 3, Ending::Success, 1, 1).await.expect("finish");
+    finish(&db(&pool), &k, 3, Ending::Success, 1, 1)
+        .await
+        .expect("finish");
     let events: Vec<(i64, String, String, Option<String>)> =
         sqlx::query_as("select epoch, owner, event, error from job_run_attempts order by id")
             .fetch_all(&pool)
@@ -234,7 +241,7 @@ async fn old_attempt_history_is_pruned_in_batches_and_job_runs_are_kept(pool: Pg
     let batches: Vec<u64> = {
         let mut v = Vec::new();
         loop {
-            let n = fine_settler::store::job_runs::prune_history(&pool, ninety_days, 1000)
+            let n = fine_settler::store::job_runs::prune_history(&db(&pool), ninety_days, 1000)
                 .await
                 .expect("prune");
             v.push(n);
@@ -259,9 +266,11 @@ async fn old_attempt_history_is_pruned_in_batches_and_job_runs_are_kept(pool: Pg
 async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool) {
     won(&pool, "a", false).await;
     let k = key("2026-10-31", 0, 1);
-    assert!(finish(&pool, &k, 1, Ending::Success, 5, 5).await.expect("finish"));
+    assert!(finish(&db(&pool), &k, 1, Ending::Success, 5, 5)
+        .await
+        .expect("finish"));
     assert!(
-        finish(&pool, &k, 1, Ending::Success, 5, 5)
+        finish(&db(&pool), &k, 1, Ending::Success, 5, 5)
             .await
             .expect("retried finish"),
         "the retry sees its own SUCCESS"
@@ -272,7 +281,9 @@ async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool
         .expect("history");
     assert_eq!(events, ["claimed", "success"]);
     // Another epoch's finish is still refused.
-    assert!(!finish(&pool, &k, 2, Ending::Success, 0, 0).await.expect("finish"));
+    assert!(!finish(&db(&pool), &k, 2, Ending::Success, 0, 0)
+        .await
+        .expect("finish"));
     // And a retried FAILED finish after a peer took the key over is a lost lease.
     expire_lease(&pool).await;
     sqlx::query("update job_runs set status = 'FAILED'")
@@ -280,7 +291,7 @@ async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool
         .await
         .expect("fail");
     assert_eq!(won(&pool, "b", false).await, Some((2, ClaimKind::TakenOver)));
-    assert!(!finish(&pool, &k, 1, Ending::Failed("x"), 0, 0)
+    assert!(!finish(&db(&pool), &k, 1, Ending::Failed("x"), 0, 0)
         .await
         .expect("finish"));
 }
@@ -381,7 +392,7 @@ async fn the_tick_s_action_and_the_claim_agree_on_every_state(pool: PgPool) {
             .await
             .expect("reset");
         if name != "none" {
-            claim(&pool, &k, "holder", LEASE, ClaimMode::Free)
+            claim(&db(&pool), &k, "holder", LEASE, ClaimMode::Free)
                 .await
                 .expect("seed claim");
         }
@@ -406,7 +417,7 @@ async fn the_tick_s_action_and_the_claim_agree_on_every_state(pool: PgPool) {
             ClaimMode::Free
         };
         let won = matches!(
-            claim(&pool, &k, "tick", LEASE, mode).await.expect("claim"),
+            claim(&db(&pool), &k, "tick", LEASE, mode).await.expect("claim"),
             Claim::Won { .. }
         );
         assert_eq!(

@@ -1,5 +1,6 @@
 //! Fencing: a replica whose key was taken over commits nothing more.
 
+use crate::helpers::db;
 use std::{
     sync::{
         atomic::{AtomicU64, AtomicUsize, Ordering},
@@ -18,6 +19,7 @@ use fine_settler::{
     store::{
         job_runs::{self, Claim, ClaimKind},
         loans::SettleBatch,
+        Db,
     },
 };
 use sqlx::{pool::PoolConnection, postgres::PgPoolOptions, PgConnection, PgPool, Postgres};
@@ -72,7 +74,7 @@ impl BatchJob for PausesBeforeBatch {
 
     async fn fetch(
         &self,
-        pool: &PgPool,
+        pool: &Db,
         key: &RunKey,
         from_id: i64,
         limit: i64,
@@ -295,13 +297,13 @@ async fn a_batch_whose_claim_is_taken_over_while_it_writes_rolls_back(pool: PgPo
         async move { replica.run(&settlement, k, false).await }
     });
     gate.wait_for_a_writer(&pool).await;
-    let released = job_runs::release(&pool, &k, "operator", "looked stuck")
+    let released = job_runs::release(&db(&pool), &k, "operator", "looked stuck")
         .await
         .expect("release")
         .expect("the key exists");
     assert!(released.released, "{released:?}");
     let claim = job_runs::claim(
-        &pool,
+        &db(&pool),
         &k,
         "peer",
         Duration::from_secs(60),

@@ -2,6 +2,7 @@
 //! rows it keeps locked, triggers and deferred constraints that reject charges, and two runs charging the same
 //! capped loan at once. Each test here failed before the behaviour it names was built.
 
+use crate::helpers::db;
 use std::{process::Stdio, time::Duration};
 
 use chrono::{DateTime, NaiveDate, Utc};
@@ -325,7 +326,7 @@ impl Libraryd {
 fn runner_with_lock_timeout(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
     let claim = claim_settings(Duration::from_millis(300));
     Runner::new(
-        pool.clone(),
+        db(&pool),
         owner.into(),
         &claim,
         batch_size,
@@ -434,7 +435,7 @@ async fn a_charge_blocked_by_a_libraryd_lock_goes_to_pending_and_is_charged_once
     assert!(pending[0].1.contains("lock"), "{pending:?}");
 
     libraryd.commit().await;
-    let done = compensate(&pool, &job, Some(ShardSpec::SINGLE), false, 10)
+    let done = compensate(&db(&pool), &job, Some(ShardSpec::SINGLE), false, 10)
         .await
         .expect("compensation");
     assert_eq!(done.charged, 1);
@@ -465,7 +466,8 @@ async fn concurrent_compensation_passes_spend_one_attempt_per_backoff_period(poo
     .await;
     // Two replicas of the shard read the same due list; each then reaches the charge the other just retried.
     let job = accrual(FinePolicy::default(), Duration::from_secs(60));
-    let pass = || compensate(&pool, &job, Some(ShardSpec::SINGLE), true, 10);
+    let shared = db(&pool);
+    let pass = || compensate(&shared, &job, Some(ShardSpec::SINGLE), true, 10);
     let (a, b) = tokio::join!(pass(), pass());
     let (a, b) = (a.expect("pass a"), b.expect("pass b"));
     assert_eq!(a.retried + b.retried, 2, "{a:?} {b:?}");
@@ -576,7 +578,7 @@ async fn a_pending_charge_for_a_day_no_longer_overdue_is_resolved_and_verify_rep
     .await;
     // Loan 1 was returned on the 15th, recorded late: nothing is owed for the 20th.
     let job = accrual(FinePolicy::default(), Duration::from_millis(100));
-    let done = compensate(&pool, &job, Some(ShardSpec::SINGLE), true, 10)
+    let done = compensate(&db(&pool), &job, Some(ShardSpec::SINGLE), true, 10)
         .await
         .expect("compensation");
     assert_eq!((done.charged, done.not_owed), (0, 1));
@@ -714,7 +716,7 @@ async fn with_a_daily_rate_of_zero_accrual_days_do_not_reopen_at_every_tick(pool
 async fn a_retried_finish_racing_its_own_first_attempt_counts_as_finished(pool: PgPool) {
     use fine_settler::store::job_runs::{claim, finish, ClaimMode, Ending};
     let k = key("2026-10-31", 0, 1);
-    claim(&pool, &k, "a", Duration::from_secs(60), ClaimMode::Free)
+    claim(&db(&pool), &k, "a", Duration::from_secs(60), ClaimMode::Free)
         .await
         .expect("claim");
     let mut first = pool.begin().await.expect("begin");
@@ -724,7 +726,7 @@ async fn a_retried_finish_racing_its_own_first_attempt_counts_as_finished(pool: 
         .expect("first attempt");
     let retry = tokio::spawn({
         let pool = pool.clone();
-        async move { finish(&pool, &k, 1, Ending::Success, 0, 0).await }
+        async move { finish(&db(&pool), &k, 1, Ending::Success, 0, 0).await }
     });
     crate::helpers::wait_until(
         "the retry waits for the first attempt",

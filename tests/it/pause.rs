@@ -2,6 +2,7 @@
 //! after the batch whose fence saw the pause, `resume` lets the next tick go on from the cursor, a shard's pause
 //! stops only that shard, and `settle`/`accrue` by hand refuse a paused key unless `--ignore-pause`.
 
+use crate::helpers::db;
 use std::{process::Output, time::Duration};
 
 use chrono::NaiveDate;
@@ -232,9 +233,15 @@ async fn a_pause_stops_a_running_replica_within_one_batch_and_resume_finishes_fr
 #[sqlx::test]
 async fn a_run_claimed_before_the_pause_commits_one_batch_and_hands_the_key_back(pool: PgPool) {
     returned_in(&pool, "2026-10-31".parse().expect("date"), 50).await;
-    pauses::pause(&pool, JobName::FineSettlement, PauseScope::Job, "ops", "audit")
-        .await
-        .expect("pause");
+    pauses::pause(
+        &db(&pool),
+        JobName::FineSettlement,
+        PauseScope::Job,
+        "ops",
+        "audit",
+    )
+    .await
+    .expect("pause");
     let k = key("2026-10-31", 0, 1);
     let run = runner(&pool, "r", 10).run(&POLICY, k, false).await;
     assert_eq!(
@@ -266,7 +273,7 @@ async fn a_run_claimed_before_the_pause_commits_one_batch_and_hands_the_key_back
 async fn the_fence_reports_a_pause_and_never_mistakes_it_for_a_lost_lease(pool: PgPool) {
     let k = key("2026-10-31", 1, 4);
     assert!(matches!(
-        claim(&pool, &k, "a", Duration::from_secs(60), ClaimMode::Free)
+        claim(&db(&pool), &k, "a", Duration::from_secs(60), ClaimMode::Free)
             .await
             .expect("claim"),
         Claim::Won { epoch: 1, .. }
@@ -290,7 +297,7 @@ async fn the_fence_reports_a_pause_and_never_mistakes_it_for_a_lost_lease(pool: 
     assert_eq!(fence(1).await, Fence::Passed { paused: None });
     let other = ShardSpec::new(2, 4).expect("shard");
     pauses::pause(
-        &pool,
+        &db(&pool),
         JobName::FineSettlement,
         PauseScope::Shard(other),
         "x",
@@ -298,12 +305,18 @@ async fn the_fence_reports_a_pause_and_never_mistakes_it_for_a_lost_lease(pool: 
     )
     .await
     .expect("pause");
-    pauses::pause(&pool, JobName::OverdueAccrual, PauseScope::Job, "x", "other job")
-        .await
-        .expect("pause");
+    pauses::pause(
+        &db(&pool),
+        JobName::OverdueAccrual,
+        PauseScope::Job,
+        "x",
+        "other job",
+    )
+    .await
+    .expect("pause");
     assert_eq!(fence(1).await, Fence::Passed { paused: None });
     pauses::pause(
-        &pool,
+        &db(&pool),
         JobName::FineSettlement,
         PauseScope::Shard(k.shard),
         "s",
@@ -317,9 +330,15 @@ async fn the_fence_reports_a_pause_and_never_mistakes_it_for_a_lost_lease(pool: 
             paused: Some(("s".into(), "this shard".into()))
         }
     );
-    pauses::pause(&pool, JobName::FineSettlement, PauseScope::Job, "j", "whole job")
-        .await
-        .expect("pause");
+    pauses::pause(
+        &db(&pool),
+        JobName::FineSettlement,
+        PauseScope::Job,
+        "j",
+        "whole job",
+    )
+    .await
+    .expect("pause");
     assert_eq!(
         fence(1).await,
         Fence::Passed {
@@ -574,7 +593,7 @@ async fn pause_and_resume_report_what_they_did_and_keep_a_history(pool: PgPool) 
     assert_success(&twice);
     assert_eq!(report(&twice)["resumed"].as_bool(), Some(false));
 
-    let history = pauses::history(&pool, None).await.expect("history");
+    let history = pauses::history(&db(&pool), None).await.expect("history");
     let seen: Vec<(&str, &str, Option<&str>)> = history
         .iter()
         .map(|e| (e.event.as_str(), e.by.as_str(), e.reason.as_deref()))
@@ -613,11 +632,11 @@ async fn pause_and_resume_report_what_they_did_and_keep_a_history(pool: PgPool) 
         assert!(!out.stderr.is_empty(), "{bad:?} says why");
     }
     assert_eq!(
-        pauses::history(&pool, None).await.expect("history").len(),
+        pauses::history(&db(&pool), None).await.expect("history").len(),
         2,
         "nothing written"
     );
-    assert!(pauses::list(&pool, None).await.expect("pauses").is_empty());
+    assert!(pauses::list(&db(&pool), None).await.expect("pauses").is_empty());
 }
 
 /// A pause that comes while a replica's pass works through several keys: the key in flight is handed back, and

@@ -1,5 +1,6 @@
 //! Settlement end to end: idempotence, the seed's zero-fine trap, resharding, month edges, crash and resume.
 
+use crate::helpers::db;
 use std::{process::Stdio, time::Duration};
 
 use chrono::NaiveDate;
@@ -509,7 +510,7 @@ async fn settlement_and_the_audit_charge_the_policys_fine_on_random_and_extreme_
             (Outcome::Settled, 206, 206),
             "{policy:?}: {run:?}"
         );
-        let audit = fine_settler::store::audit::month(&pool, (first, last), &policy)
+        let audit = fine_settler::store::audit::month(&db(&pool), (first, last), &policy)
             .await
             .expect("audit");
         assert_eq!(

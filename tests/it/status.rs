@@ -1,6 +1,7 @@
 //! The status page of running replicas: `/status.json` as keys go from RUNNING (with their progress) to SUCCESS
 //! across shards, 503 when the database cannot be read, and `/status` rendered by a real headless Chromium.
 
+use crate::helpers::db;
 use std::{
     path::{Path, PathBuf},
     process::Command,
@@ -400,7 +401,7 @@ async fn running_keys_count_what_their_batches_still_have_to_do_after_the_cursor
     .await
     .expect("rows");
     let rows = keys(
-        &pool,
+        &db(&pool),
         d("2026-01-01"),
         AccrualPolicy {
             grace_days: 2,

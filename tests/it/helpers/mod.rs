@@ -11,7 +11,10 @@ use fine_settler::{
     config::{ClaimSettings, Lease},
     jobs::{runner::Runner, JobName, RunKey},
     shard::ShardSpec,
-    store::loans::{insert_new, NewLoan},
+    store::{
+        loans::{insert_new, NewLoan},
+        Db,
+    },
 };
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -66,7 +69,7 @@ pub fn loan(id: i64, due: &str, returned: Option<&str>) -> NewLoan {
 }
 
 pub async fn insert(pool: &PgPool, loans: &[NewLoan]) {
-    insert_new(pool, loans).await.expect("insert loans");
+    insert_new(&db(pool), loans).await.expect("insert loans");
 }
 
 /// A `job_runs` row for shard 0 of 1 as some other replica left it: `lease` is the lease left, as a PostgreSQL
@@ -192,9 +195,14 @@ pub fn claim_settings(lock_timeout: Duration) -> ClaimSettings {
 /// The lock wait of in-process test runners.
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The pool as the product's [`Db`] (direct connections).
+pub fn db(pool: &PgPool) -> Db {
+    Db::from(pool.clone())
+}
+
 pub fn runner(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
     Runner::new(
-        pool.clone(),
+        db(&pool),
         owner.to_string(),
         &claim_settings(LOCK_TIMEOUT),
         batch_size,
