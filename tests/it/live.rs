@@ -326,7 +326,7 @@ impl Libraryd {
 fn runner_with_lock_timeout(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
     let claim = claim_settings(Duration::from_millis(300));
     Runner::new(
-        db(&pool),
+        db(pool),
         owner.into(),
         &claim,
         batch_size,

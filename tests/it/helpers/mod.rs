@@ -202,7 +202,7 @@ pub fn db(pool: &PgPool) -> Db {
 
 pub fn runner(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
     Runner::new(
-        db(&pool),
+        db(pool),
         owner.to_string(),
         &claim_settings(LOCK_TIMEOUT),
         batch_size,
