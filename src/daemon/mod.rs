@@ -62,16 +62,38 @@ pub enum TickError {
     /// not migrated.
     #[error("cannot read the tick status: {}", crate::redact::secrets_in(&.0.to_string()))]
     Database(#[from] sqlx::Error),
+    /// The server cannot write (a standby, or read-only transactions): the tick claims nothing.
+    #[error("{0}")]
+    ReadOnly(String),
+}
+
+impl TickError {
+    /// The error, with a read-only server told apart from an unreachable one.
+    fn classify(e: sqlx::Error) -> Self {
+        if store::read_only(&e) {
+            TickError::ReadOnly(match &e {
+                sqlx::Error::Io(io) => io.to_string(),
+                other => format!(
+                    "connected to a read-only server ({})",
+                    crate::redact::secrets_in(&other.to_string())
+                ),
+            })
+        } else {
+            TickError::Database(e)
+        }
+    }
 }
 
 /// What a tick at `at` would do (default: now, by the configured clock), one line per due key, as `plan`
 /// prints it. Reads the tick status; writes nothing.
 pub async fn plan(settings: &Settings, at: Option<DateTime<Utc>>) -> Result<Vec<Due>, TickError> {
-    let mut session = Session::new(
+    let pool = store::connect_lazy(
         &settings.database,
         "fine-settler plan",
         settings.claim.lease.batch_timeout(),
     );
+    pool.reconnect().await?;
+    let mut session = Session::new(&pool, "fine-settler plan", settings.database.connect_timeout);
     let around = at.unwrap_or_else(Utc::now);
     let status = session
         .tick_status(
@@ -123,11 +145,7 @@ impl Daemon {
         let owner = process_owner();
         let app = format!("fine-settler run {}", settings.instance);
         let pool = store::connect_lazy(&settings.database, &app, settings.claim.lease.batch_timeout());
-        let session = Session::new(
-            &settings.database,
-            &format!("{app} tick"),
-            settings.claim.lease.batch_timeout(),
-        );
+        let session = Session::new(&pool, &format!("{app} tick"), settings.database.connect_timeout);
         let metrics = Arc::new(Metrics::new(settings.instance.to_string()));
         // Counters an alert watches start at 0, so that their first increase is seen.
         for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
@@ -299,20 +317,23 @@ impl Daemon {
     /// reports (empty if shut down before the database came back).
     pub async fn tick_through_outages(&mut self, tick: Tick) -> Vec<RunReport> {
         let mut failures = 0u32;
-        let mut outage_started: Option<tokio::time::Instant> = None;
+        // When the episode started, and whether it is a read-only server (rather than no server).
+        let mut outage_started: Option<(tokio::time::Instant, bool)> = None;
         loop {
             let result = self.tick().await;
             self.metrics.progress_now();
             match result {
                 Ok(reports) => {
                     self.metrics.add("fine_settler_ticks_total", None, None, 1.0);
-                    if let Some(started) = outage_started {
-                        self.status("STATUS=database reachable again");
-                        tracing::info!(
-                            down_ms = started.elapsed().as_millis() as u64,
-                            attempts = failures,
-                            "database reachable again; resuming"
-                        );
+                    if let Some((started, read_only)) = outage_started {
+                        let down_ms = started.elapsed().as_millis() as u64;
+                        if read_only {
+                            self.status("STATUS=writable server found again");
+                            tracing::info!(down_ms, attempts = failures, "writable server found again; resuming");
+                        } else {
+                            self.status("STATUS=database reachable again");
+                            tracing::info!(down_ms, attempts = failures, "database reachable again; resuming");
+                        }
                     }
                     return reports;
                 }
@@ -321,9 +342,21 @@ impl Daemon {
                         .add("fine_settler_tick_errors_total", None, None, 1.0);
                     failures += 1;
                     if outage_started.is_none() {
-                        outage_started = Some(tokio::time::Instant::now());
-                        tracing::error!(error = %e, slot = tick.slot, "database unreachable; retrying with backoff");
-                        self.status("STATUS=database unreachable; retrying with backoff");
+                        let read_only = matches!(e, TickError::ReadOnly(_));
+                        outage_started = Some((tokio::time::Instant::now(), read_only));
+                        if read_only {
+                            tracing::error!(error = %e, slot = tick.slot,
+                                "read-only server: claiming nothing; looking for a writable one with backoff");
+                            self.status("STATUS=connected to a read-only server; retrying with backoff");
+                        } else {
+                            tracing::error!(error = %e, slot = tick.slot, "database unreachable; retrying with backoff");
+                            self.status("STATUS=database unreachable; retrying with backoff");
+                        }
+                    }
+                    // Drop every connection and look for a server again (the next qualifying host, if the URL
+                    // lists several).
+                    if let Err(e) = self.pool.reconnect().await {
+                        tracing::debug!(error = %StoreError::from(e), "no qualifying host yet");
                     }
                     let wait = TICK_BACKOFF.delay(failures);
                     tracing::debug!(error = %e, attempt = failures, backoff_ms = wait.as_millis() as u64, "tick failed");
@@ -396,6 +429,11 @@ impl Daemon {
                 continue;
             }
             let report = self.run_due(visit.key, shard).await;
+            if report.read_only {
+                // The server stopped writing since the tick read its status: claim nothing more on it.
+                let detail = report.detail.clone().unwrap_or_default();
+                return Err(TickError::ReadOnly(format!("connected to a read-only server ({detail})")));
+            }
             if report.paused {
                 paused_now.insert(visit.key.job);
             }
@@ -425,10 +463,10 @@ impl Daemon {
     async fn read_status(&mut self, before: DateTime<Utc>, accrual: bool) -> Result<TickStatus, TickError> {
         let since = due::window_start(&self.settings, before);
         let late = due::late_probe(&self.settings, before, accrual);
-        Ok(self
-            .session
+        self.session
             .tick_status(self.settings.instance, since, late)
-            .await?)
+            .await
+            .map_err(TickError::classify)
     }
 
     /// Retries the shard's due pending charges, for at most `claim.batch_timeout` (the rest at the next tick) and

@@ -114,4 +114,8 @@ pub struct RunReport {
     /// of the job stops starting them. Not part of the JSON report (its `detail` says "paused: …").
     #[serde(skip)]
     pub paused: bool,
+    /// The run failed because the server cannot write (SQLSTATE 25006): the daemon claims nothing more on it.
+    /// Not part of the JSON report (its `detail` has the error).
+    #[serde(skip)]
+    pub read_only: bool,
 }

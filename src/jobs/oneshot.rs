@@ -51,6 +51,7 @@ fn not_started(key: RunKey, started: tokio::time::Instant, error: String) -> Run
         held_until: None,
         reopened: false,
         paused: false,
+        read_only: false,
     }
 }
 

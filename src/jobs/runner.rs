@@ -93,6 +93,13 @@ pub enum JobError {
     BatchTimeout(Duration),
 }
 
+impl JobError {
+    /// Whether the statement failed because the server cannot write (see [`crate::store::read_only`]).
+    pub fn read_only(&self) -> bool {
+        matches!(self, JobError::Sql(e) if crate::store::read_only(e))
+    }
+}
+
 /// Waits before each retry of a statement that ends a run, when the connection (not the statement) failed:
 /// [`END_RETRIES`] retries, 125 ms doubled up to 2 s (3.9 s in all).
 const END_BACKOFF: Backoff = Backoff::new(Duration::from_millis(125), Duration::from_secs(2));
@@ -339,6 +346,7 @@ impl Runner {
             held_until: None,
             reopened: false,
             paused: false,
+            read_only: false,
         };
 
         let mut claimed = job_runs::claim(&self.pool, &key, &self.owner, self.lease.duration(), mode).await;
@@ -395,13 +403,20 @@ impl Runner {
             Err(e) => {
                 let e = JobError::from(e);
                 tracing::error!(error = %e, "claim failed");
-                return report(Outcome::Failed, None, 0, 0, Some(e.to_string()));
+                return RunReport {
+                    read_only: e.read_only(),
+                    ..report(Outcome::Failed, None, 0, 0, Some(e.to_string()))
+                };
             }
         };
 
         let report = |outcome, epoch, scanned, updated, detail| RunReport {
             reopened,
             ..report(outcome, epoch, scanned, updated, detail)
+        };
+        let failed = |epoch, scanned, updated, detail, read_only| RunReport {
+            read_only,
+            ..report(Outcome::Failed, epoch, scanned, updated, detail)
         };
         let (mut scanned, mut updated) = (0i64, 0i64);
         // The cursor is the last id a committed batch covered; i64::MAX means there is nothing after it.
@@ -485,6 +500,7 @@ impl Runner {
             }
         };
         let error_text = stop.as_ref().err().map(ToString::to_string);
+        let read_only = stop.as_ref().err().is_some_and(JobError::read_only);
         let ending = ending.or(error_text.as_deref().map(Ending::Failed));
 
         let finished = match ending {
@@ -517,12 +533,13 @@ impl Runner {
             // The key stays RUNNING; its lease expires and a peer takes over and resumes from the cursor.
             let e = JobError::from(e);
             tracing::error!(error = %e, "could not record the end of the run; the lease will expire");
-            return report(
-                Outcome::Failed,
+            let read_only = read_only || e.read_only();
+            return failed(
                 Some(epoch),
                 scanned,
                 updated,
                 Some(error_text.unwrap_or(e.to_string())),
+                read_only,
             );
         }
         match stop {
@@ -538,7 +555,7 @@ impl Runner {
                 paused: true,
                 ..report(Outcome::Failed, Some(epoch), scanned, updated, Some(error))
             },
-            _ => report(Outcome::Failed, Some(epoch), scanned, updated, error_text),
+            _ => failed(Some(epoch), scanned, updated, error_text, read_only),
         }
     }
 

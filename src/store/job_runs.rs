@@ -627,6 +627,7 @@ pub async fn tick_status(
                           $1::int, $2::int, $6::int, $7::bigint) as d
            )
            select t.now as "now!", t.due_pending as "due_pending!", t.pending as "pending!", t.dead as "dead!",
+                  t.in_recovery as "in_recovery!", t.read_only as "read_only!",
                   pz.jobs as "paused_jobs!", pz.shards as "paused_shards!", pz.bys as "paused_by!",
                   pz.reasons as "paused_reasons!", pz.since as "paused_since!",
                   r.job_name as "job_name?", r.business_date as "business_date?",
@@ -640,7 +641,8 @@ pub async fn tick_status(
                               and l.id % $1::int = $2::int))
                     or (r.job_name = 'overdue-accrual' and r.business_date in (select d from late_days)))
                   ) as "late?"
-           from (select now() as now,
+           from (select now() as now, pg_is_in_recovery() as in_recovery,
+                        current_setting('transaction_read_only') = 'on' as read_only,
                         (select count(*) from fine_pending p
                          where p.status = 'PENDING' and p.next_attempt_at <= now()
                            and p.loan_id % $1::int = $2::int) as due_pending,
@@ -673,6 +675,9 @@ pub async fn tick_status(
         .first()
         .map(|r| (r.now, r.due_pending, r.pending, r.dead))
         .ok_or(sqlx::Error::RowNotFound)?;
+    if let Some(r) = rows.first() {
+        super::ReadOnlyServer::check(r.in_recovery, r.read_only)?;
+    }
     let mut pauses: Vec<crate::store::pauses::Pause> = Vec::new();
     if let Some(r) = rows.first() {
         let each = r.paused_jobs.iter().zip(&r.paused_shards).zip(&r.paused_by);

@@ -17,7 +17,7 @@ use sqlx::{
 };
 
 use crate::{
-    config::{DatabaseSettings, Pooler},
+    config::{DatabaseSettings, Pooler, TargetSessionAttrs},
     redact::secrets_in as redact_secrets_in,
 };
 
@@ -42,6 +42,61 @@ pub enum StoreError {
     /// Applying migrations failed.
     #[error("migration failed: {}", redact_secrets_in(&.0.to_string()))]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The server cannot write; nothing was done.
+    #[error("{server} at {host}; nothing was done")]
+    ReadOnly { server: ReadOnlyServer, host: String },
+}
+
+/// The server fine-settler is connected to cannot write: a hot standby (in recovery), or a primary whose
+/// transactions are read-only by default (`default_transaction_read_only`, as set on a demoted primary kept
+/// behind a stable address). Nothing is claimed through such a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ReadOnlyServer {
+    #[error("connected to a read-only server (in recovery: a standby)")]
+    InRecovery,
+    #[error("connected to a read-only server (its transactions are read-only: default_transaction_read_only)")]
+    ReadOnlyTransactions,
+}
+
+impl ReadOnlyServer {
+    /// `Err` for a server in recovery, or one whose transactions are read-only (as a `sqlx::Error`, so that it
+    /// travels the paths every database error travels; [`read_only`] recognises it).
+    pub fn check(in_recovery: bool, read_only: bool) -> Result<(), sqlx::Error> {
+        match ReadOnlyServer::of(in_recovery, read_only) {
+            Some(r) => Err(sqlx::Error::Io(std::io::Error::other(r))),
+            None => Ok(()),
+        }
+    }
+
+    /// What `pg_is_in_recovery()` and `transaction_read_only` say, if the server cannot write.
+    pub fn of(in_recovery: bool, read_only: bool) -> Option<Self> {
+        match (in_recovery, read_only) {
+            (true, _) => Some(ReadOnlyServer::InRecovery),
+            (false, true) => Some(ReadOnlyServer::ReadOnlyTransactions),
+            (false, false) => None,
+        }
+    }
+
+    /// Asks the server behind `conn` whether it can write (a simple query: safe behind any pooler).
+    pub async fn ask(conn: &mut PgConnection) -> Result<Option<Self>, sqlx::Error> {
+        use sqlx::Row;
+        let row = conn
+            .fetch_one("select pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'")
+            .await?;
+        Ok(ReadOnlyServer::of(row.try_get(0)?, row.try_get(1)?))
+    }
+}
+
+/// Whether `e` says the server cannot write: found read-only by [`ReadOnlyServer::check`], or a statement that
+/// failed with `read_only_sql_transaction` (25006).
+pub fn read_only(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db.code().as_deref() == Some("25006"),
+        sqlx::Error::Io(io) => io
+            .get_ref()
+            .is_some_and(|inner| inner.downcast_ref::<ReadOnlyServer>().is_some()),
+        _ => false,
+    }
 }
 
 /// Connection settings shared by every pool: the application name shows the replica in `pg_stat_activity`.
@@ -49,12 +104,13 @@ pub enum StoreError {
 /// parameter it does not know; fine-settler reads no floats); behind one in transaction mode no statement is kept
 /// prepared beyond its transaction (see [`Db`]).
 fn connect_options(db: &DatabaseSettings, application_name: &str) -> PgConnectOptions {
-    let options = db
-        .url
-        .connect_options()
-        .clone()
-        .application_name(application_name);
-    match db.pooler {
+    for_pooler(db.pooler, db.url.connect_options(), application_name)
+}
+
+/// `host`'s options as a connection of `application_name` behind `pooler` opens them.
+fn for_pooler(pooler: Pooler, host: &PgConnectOptions, application_name: &str) -> PgConnectOptions {
+    let options = host.clone().application_name(application_name);
+    match pooler {
         Pooler::None => options,
         Pooler::Session => options.extra_float_digits(None),
         Pooler::Transaction => options.extra_float_digits(None).statement_cache_capacity(0),
@@ -151,6 +207,7 @@ pub struct Db {
     pooler: Pooler,
     /// Behind a transaction-mode pooler, the statement every transaction begins with.
     begin: Option<std::sync::Arc<str>>,
+    route: std::sync::Arc<Route>,
 }
 
 impl std::fmt::Debug for Db {
@@ -165,10 +222,18 @@ impl std::fmt::Debug for Db {
 impl From<PgPool> for Db {
     /// A pool of direct connections.
     fn from(pool: PgPool) -> Self {
+        let route = Route {
+            hosts: vec![(*pool.connect_options()).clone()],
+            target: TargetSessionAttrs::Any,
+            host_timeout: Duration::from_secs(10),
+            after_connect: None,
+            fresh_since: std::sync::Mutex::new(std::time::Instant::now()),
+        };
         Db {
             pool,
             pooler: Pooler::None,
             begin: None,
+            route: route.into(),
         }
     }
 }
@@ -219,9 +284,58 @@ impl Unit {
 }
 
 impl Db {
-    fn new(pool: PgPool, pooler: Pooler, gucs: &Gucs) -> Self {
-        let begin = (pooler == Pooler::Transaction).then(|| gucs.begin_local().into());
-        Db { pool, pooler, begin }
+    /// A pool of `options`' size on `db`'s first host that opens no connection until one is needed.
+    fn lazy(db: &DatabaseSettings, application_name: &str, gucs: &Gucs, options: PgPoolOptions) -> Self {
+        let route = std::sync::Arc::new(Route::new(db, application_name, gucs));
+        let fresh = route.clone();
+        let mut options = options.before_acquire(move |_, meta| {
+            let fresh = fresh.fresh(meta.age);
+            Box::pin(async move { Ok(fresh) })
+        });
+        if let Some(sql) = &route.after_connect {
+            let sql: std::sync::Arc<str> = sql.as_str().into();
+            options = options.after_connect(move |conn, _| {
+                let sql = sql.clone();
+                Box::pin(async move {
+                    conn.execute(&*sql).await?;
+                    Ok(())
+                })
+            });
+        }
+        Db {
+            pool: options.connect_lazy_with(route.hosts[0].clone()),
+            pooler: db.pooler,
+            begin: (db.pooler == Pooler::Transaction).then(|| gucs.begin_local().into()),
+            route,
+        }
+    }
+
+    /// Looks for a server again, after a connection error or a read-only server: the hosts are tried in order
+    /// and the first that qualifies becomes the pool's (with one host, that host); connections opened before
+    /// are dropped rather than reused. `Err` if no host qualifies (the pool keeps its host, and the next call
+    /// tries again).
+    pub async fn reconnect(&self) -> Result<(), sqlx::Error> {
+        *self.route.fresh_since.lock().unwrap_or_else(|e| e.into_inner()) = std::time::Instant::now();
+        if self.route.hosts.len() == 1 {
+            return Ok(());
+        }
+        let chosen = self.route.choose().await?;
+        let host = self.route.hosts[chosen].clone();
+        if host_of(&host) != host_of(&self.pool.connect_options()) {
+            tracing::info!(host = %host_of(&host), "switching to the next qualifying host");
+        }
+        self.pool.set_connect_options(host);
+        Ok(())
+    }
+
+    /// The options the pool opens its connections with now (its current host).
+    pub fn current_options(&self) -> PgConnectOptions {
+        (*self.pool.connect_options()).clone()
+    }
+
+    /// What must run on a new connection before it is used (for connections opened outside the pool).
+    fn after_connect(&self) -> Option<&str> {
+        self.route.after_connect.as_deref()
     }
 
     /// The pool underneath.
@@ -314,30 +428,6 @@ impl<'d> sqlx::Executor<'d> for &'_ Db {
     }
 }
 
-/// `pool`'s options and the connection options for connections with settings `gucs`.
-fn with_gucs(
-    db: &DatabaseSettings,
-    application_name: &str,
-    gucs: &Gucs,
-    pool: PgPoolOptions,
-) -> (PgPoolOptions, PgConnectOptions) {
-    let (options, after) = options_with(db, application_name, gucs);
-    let pool = match after {
-        None => pool,
-        Some(sql) => {
-            let sql: std::sync::Arc<str> = sql.into();
-            pool.after_connect(move |conn, _| {
-                let sql = sql.clone();
-                Box::pin(async move {
-                    conn.execute(&*sql).await?;
-                    Ok(())
-                })
-            })
-        }
-    };
-    (pool, options)
-}
-
 /// Sets this transaction's `lock_timeout` (`claim.lock_timeout`): a statement that waits longer for a row lock
 /// fails with `lock_not_available` (55P03), which the jobs handle by leaving the row for later. Set per
 /// transaction rather than per connection, so that the claim statements — which wait for an in-flight batch
@@ -365,18 +455,23 @@ pub fn lock_not_available(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("55P03" | "40P01")))
 }
 
-/// A pool for the jobs. Every statement runs under `statement_timeout = batch_timeout`, so a batch that hangs
-/// on a lock fails before the lease it renews runs out; and `idle_in_transaction_session_timeout =
-/// batch_timeout`, so the server aborts the open transaction of a replica that froze mid-batch (SIGSTOP, a VM
-/// pause) and its row locks do not block the peer that takes over.
-pub async fn connect(
-    db: &DatabaseSettings,
-    application_name: &str,
-    batch_timeout: Duration,
-) -> Result<Db, StoreError> {
-    let gucs = Gucs::jobs(batch_timeout);
-    let (pool, options) = with_gucs(db, application_name, &gucs, pool_options(db));
-    Ok(Db::new(pool.connect_with(options).await?, db.pooler, &gucs))
+/// A pool for the jobs, on the first of `database.url`'s hosts that qualifies, and checked to be writable.
+/// Every statement runs under `statement_timeout = batch_timeout`, so a batch that hangs on a lock fails
+/// before the lease it renews runs out; and `idle_in_transaction_session_timeout = batch_timeout`, so the
+/// server aborts the open transaction of a replica that froze mid-batch (SIGSTOP, a VM pause) and its row
+/// locks do not block the peer that takes over.
+pub async fn connect(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> Result<Db, StoreError> {
+    let pool = Db::lazy(db, application_name, &Gucs::jobs(batch_timeout), pool_options(db));
+    pool.reconnect().await?;
+    let mut conn = pool.pool.acquire().await?;
+    if let Some(server) = ReadOnlyServer::ask(&mut conn).await? {
+        return Err(StoreError::ReadOnly {
+            server,
+            host: host_of(&pool.current_options()),
+        });
+    }
+    drop(conn);
+    Ok(pool)
 }
 
 fn pool_options(db: &DatabaseSettings) -> PgPoolOptions {
@@ -385,12 +480,11 @@ fn pool_options(db: &DatabaseSettings) -> PgPoolOptions {
         .acquire_timeout(db.connect_timeout)
 }
 
-/// Like [`connect`], but opens no connection until one is needed: the daemon starts (and keeps running) while
-/// the database is down.
+/// Like [`connect`], but opens no connection until one is needed (and looks neither for a qualifying host nor
+/// at whether the server can write: the daemon does, at every tick): the daemon starts (and keeps running)
+/// while the database is down.
 pub fn connect_lazy(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> Db {
-    let gucs = Gucs::jobs(batch_timeout);
-    let (pool, options) = with_gucs(db, application_name, &gucs, pool_options(db));
-    Db::new(pool.connect_lazy_with(options), db.pooler, &gucs)
+    Db::lazy(db, application_name, &Gucs::jobs(batch_timeout), pool_options(db))
 }
 
 /// The status page's own pool: one connection at most, opened when a page is first loaded and closed after a
@@ -400,25 +494,20 @@ pub fn connect_lazy(db: &DatabaseSettings, application_name: &str, batch_timeout
 /// `timeout`), and the replica holds at most one connection more than `database.max_connections` and the
 /// tick's.
 pub fn connect_status(db: &DatabaseSettings, application_name: &str, timeout: Duration) -> Db {
-    let gucs = Gucs::status(timeout);
     let pool = PgPoolOptions::new()
         .max_connections(1)
         .min_connections(0)
         .acquire_timeout(timeout)
         .idle_timeout(Duration::from_secs(60));
-    let (pool, options) = with_gucs(db, application_name, &gucs, pool);
-    Db::new(pool.connect_lazy_with(options), db.pooler, &gucs)
+    Db::lazy(db, application_name, &Gucs::status(timeout), pool)
 }
 
 /// One dedicated connection, re-opened after any error. The daemon reads its tick status through it, so an idle
 /// tick is a single round trip (a pooled connection adds a health-check ping at every checkout and release).
 pub struct Session {
-    /// Holds the password: never printed (see the `Debug` below).
-    options: PgConnectOptions,
-    /// Run after connecting (behind a session-mode pooler: the settings).
-    after_connect: Option<String>,
-    /// Begins the transaction each statement runs in (behind a transaction-mode pooler).
-    begin: Option<String>,
+    /// The jobs' pool: the session connects to its current host, with its options.
+    db: Db,
+    application_name: String,
     connect_timeout: Duration,
     conn: Option<PgConnection>,
 }
@@ -426,28 +515,25 @@ pub struct Session {
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Session")
-            .field("host", &self.options.get_host())
-            .field("database", &self.options.get_database())
+            .field("db", &self.db)
             .field("connected", &self.conn.is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl Session {
-    pub fn new(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> Self {
-        let gucs = Gucs::jobs(batch_timeout);
-        let (options, after_connect) = options_with(db, application_name, &gucs);
+    /// A session beside `db`'s pool, on the same host and with the same settings.
+    pub fn new(db: &Db, application_name: &str, connect_timeout: Duration) -> Self {
         Session {
-            options,
-            after_connect,
-            begin: (db.pooler == Pooler::Transaction).then(|| gucs.begin_local()),
-            connect_timeout: db.connect_timeout,
+            db: db.clone(),
+            application_name: application_name.into(),
+            connect_timeout,
             conn: None,
         }
     }
 
     /// The database clock, this shard's recent `job_runs` rows and due pending charges (see
-    /// [`job_runs::tick_status`]).
+    /// [`job_runs::tick_status`]). `Err` (see [`read_only`]) if the server cannot write.
     pub async fn tick_status(
         &mut self,
         shard: crate::shard::ShardSpec,
@@ -455,29 +541,28 @@ impl Session {
         late: job_runs::LateProbe,
     ) -> Result<job_runs::TickStatus, sqlx::Error> {
         if self.conn.is_none() {
-            let connect = PgConnection::connect_with(&self.options);
+            let options = self.db.current_options().application_name(&self.application_name);
+            let connect = PgConnection::connect_with(&options);
             let mut conn = tokio::time::timeout(self.connect_timeout, connect)
                 .await
                 .map_err(|_| sqlx::Error::PoolTimedOut)??;
-            if let Some(sql) = &self.after_connect {
-                conn.execute(sql.as_str()).await?;
+            if let Some(sql) = self.db.after_connect() {
+                conn.execute(sql).await?;
             }
             self.conn = Some(conn);
         }
         let Some(conn) = self.conn.as_mut() else {
             return Err(sqlx::Error::PoolClosed);
         };
-        let result = match &self.begin {
+        let result = match &self.db.begin {
             None => job_runs::tick_status(conn, shard, since, late).await,
-            Some(begin) => {
-                async {
-                    let mut tx = conn.begin_with(begin.clone()).await?;
-                    let status = job_runs::tick_status(&mut tx, shard, since, late).await?;
-                    tx.commit().await?;
-                    Ok(status)
-                }
-                .await
+            Some(begin) => async {
+                let mut tx = conn.begin_with(begin.to_string()).await?;
+                let status = job_runs::tick_status(&mut tx, shard, since, late).await?;
+                tx.commit().await?;
+                Ok(status)
             }
+            .await,
         };
         if result.is_err() {
             // Whatever went wrong, the next tick starts from a fresh connection.
@@ -494,8 +579,11 @@ pub async fn readiness(pool: &Db) -> Result<(), String> {
     // `_sqlx_migrations` is sqlx's own table, not part of the checked schema: an unchecked query.
     let applied = tokio::time::timeout(
         Duration::from_secs(2),
-        sqlx::query_scalar::<_, Option<i64>>("select max(version) from _sqlx_migrations where success")
-            .fetch_one(pool),
+        sqlx::query_as::<_, (Option<i64>, bool, bool)>(
+            "select max(version), pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'
+             from _sqlx_migrations where success",
+        )
+        .fetch_one(pool),
     )
     .await;
     match applied {
@@ -507,11 +595,14 @@ pub async fn readiness(pool: &Db) -> Result<(), String> {
             "database unavailable: {}",
             redact_secrets_in(&e.to_string())
         )),
-        Ok(Ok(v)) if v.unwrap_or(0) < latest => Err(format!(
-            "migrations missing: database at {}, binary needs {latest}; run `fine-settler migrate`",
-            v.unwrap_or(0)
-        )),
-        Ok(Ok(_)) => Ok(()),
+        Ok(Ok((v, in_recovery, read_only))) => match ReadOnlyServer::of(in_recovery, read_only) {
+            Some(r) => Err(r.to_string()),
+            None if v.unwrap_or(0) < latest => Err(format!(
+                "migrations missing: database at {}, binary needs {latest}; run `fine-settler migrate`",
+                v.unwrap_or(0)
+            )),
+            None => Ok(()),
+        },
     }
 }
 

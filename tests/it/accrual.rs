@@ -1,7 +1,6 @@
 //! Daily overdue accrual: one ledger row per loan and day however often it runs, a compensation queue for
 //! rejected charges, and reconciliation with the month-end settlement.
 
-use crate::helpers::db;
 use std::{process::Stdio, time::Duration};
 
 use chrono::NaiveDate;
@@ -14,12 +13,14 @@ use fine_settler::{
         JobName, Outcome, RunKey,
     },
     shard::ShardSpec,
+    store::Db,
 };
 use sqlx::PgPool;
 
 use crate::helpers::{
-    assert_success, d, database_url, fine_settler, insert, loan, output, report, runner, sigkill, slow_down,
-    spawn, wait_until,
+    db, 
+    assert_success, d, database_url, fine_settler, insert, loan, output, report, runner, runner_on, sigkill,
+    slow_down, spawn, wait_until,
 };
 
 fn accrual(policy: FinePolicy) -> Accrual {
@@ -150,6 +151,13 @@ async fn a_run_a_concurrent_duplicate_and_a_forced_rerun_leave_one_ledger(pool: 
 
 #[sqlx::test]
 async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool: PgPool) {
+    rejected_charges_compensated_once(&pool, db(&pool)).await;
+}
+
+/// Charges rejected by a trigger during a run (through `jobs`) wait in `fine_pending` and a compensation pass
+/// charges each exactly once, when it is due.
+pub(crate) async fn rejected_charges_compensated_once(pool: &PgPool, jobs: Db) {
+    let pool = pool.clone();
     let day = d("2026-10-10");
     mixed_loans(&pool, day).await;
     let expected = overdue_on(&pool, day).await;
@@ -162,7 +170,7 @@ async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool:
         backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(4)),
         ..accrual(FinePolicy::DEFAULT)
     };
-    let run = runner(&pool, "a", 25).run(&job, day_key(day, 0, 1), false).await;
+    let run = runner_on(jobs.clone(), "a", 25).run(&job, day_key(day, 0, 1), false).await;
     assert_eq!(
         run.outcome,
         Outcome::Settled,
@@ -182,7 +190,7 @@ async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool:
         "{pending:?}"
     );
     // A rerun does not charge them behind the queue's back.
-    let forced = runner(&pool, "b", 25).run(&job, day_key(day, 0, 1), true).await;
+    let forced = runner_on(jobs.clone(), "b", 25).run(&job, day_key(day, 0, 1), true).await;
     assert_eq!(forced.scanned, 0);
 
     sqlx::query("delete from blocked")
@@ -191,7 +199,7 @@ async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool:
         .expect("lift");
     // Not due yet: nothing happens.
     assert_eq!(
-        compensate(&db(&pool), &job, Some(ShardSpec::SINGLE), true, 10)
+        compensate(&jobs, &job, Some(ShardSpec::SINGLE), true, 10)
             .await
             .expect("pass")
             .charged,
@@ -219,11 +227,11 @@ async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool:
         },
     )
     .await;
-    let done = compensate(&db(&pool), &job, Some(ShardSpec::SINGLE), true, 10)
+    let done = compensate(&jobs, &job, Some(ShardSpec::SINGLE), true, 10)
         .await
         .expect("pass");
     assert_eq!(done.charged, 3);
-    let again = compensate(&db(&pool), &job, Some(ShardSpec::SINGLE), true, 10)
+    let again = compensate(&jobs, &job, Some(ShardSpec::SINGLE), true, 10)
         .await
         .expect("pass");
     assert_eq!(again.charged, 0);

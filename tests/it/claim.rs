@@ -1,12 +1,12 @@
 //! The claim protocol: insert, take over, skip; and its history.
 
-use crate::helpers::db;
 use std::time::Duration;
 
 use fine_settler::store::job_runs::{claim, finish, Claim, ClaimKind, ClaimMode, Ending};
 use sqlx::{postgres::PgPoolOptions, PgPool};
 
-use crate::helpers::key;
+use crate::helpers::{
+    db, key};
 
 const LEASE: Duration = Duration::from_secs(60);
 

@@ -11,7 +11,7 @@ use crate::{
     helpers::{
         assert_success, d, daemon, database_url, due_now, exit_of, fine_settler, free_port, insert,
         install_update_audit, loan, max_updates_per_loan, migrate, oracle, output, seed_run, settled, signal,
-        slow_down, stop, wait_until, Running, StderrLog,
+        slow_down, stop, wait_until, Running, StderrLog, Via,
     },
     server::PrivateServer,
 };
@@ -46,11 +46,17 @@ async fn assert_every_month_settled_once(pool: &PgPool, months: &[NaiveDate]) {
 
 #[sqlx::test]
 async fn three_replicas_settle_every_missed_month_and_stop_cleanly(pool: PgPool) {
+    three_replicas_catch_up(&pool, &Via::direct(&pool)).await;
+}
+
+/// Three replicas reaching the database `via` settle the three missed months (every shard's key, every loan
+/// once) and stop cleanly on SIGTERM.
+pub(crate) async fn three_replicas_catch_up(pool: &PgPool, via: &Via) {
+    let pool = pool.clone();
     install_update_audit(&pool).await;
     let months = due_now(&pool, 3).await;
     load_months(&pool, &months, 1500).await;
-    let url = database_url(&pool);
-    let replicas: Vec<Running> = (0..3).map(|s| daemon(&url, s, 3, &[])).collect();
+    let replicas: Vec<Running> = (0..3).map(|s| via.daemon(s, 3, &[])).collect();
     wait_until("all 3 x 3 keys SUCCESS", Duration::from_secs(60), || async {
         success_keys(&pool).await == 9
     })

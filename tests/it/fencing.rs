@@ -1,6 +1,5 @@
 //! Fencing: a replica whose key was taken over commits nothing more.
 
-use crate::helpers::db;
 use std::{
     sync::{
         atomic::{AtomicU64, AtomicUsize, Ordering},
@@ -26,6 +25,7 @@ use sqlx::{pool::PoolConnection, postgres::PgPoolOptions, PgConnection, PgPool, 
 use tokio::sync::Notify;
 
 use crate::helpers::{
+    db, 
     insert, install_update_audit, key, loan, max_updates_per_loan, oracle, runner, settled, wait_until,
 };
 

@@ -2,7 +2,6 @@
 //! rows it keeps locked, triggers and deferred constraints that reject charges, and two runs charging the same
 //! capped loan at once. Each test here failed before the behaviour it names was built.
 
-use crate::helpers::db;
 use std::{process::Stdio, time::Duration};
 
 use chrono::{DateTime, NaiveDate, Utc};
@@ -22,6 +21,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use crate::helpers::{
+    db, 
     assert_success, claim_settings, d, daemon, database_url, due_now, fine_settler, insert, key, loan,
     oracle, output, report, runner, seed_run, settled, stop, LOCK_TIMEOUT,
 };

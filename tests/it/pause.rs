@@ -2,7 +2,6 @@
 //! after the batch whose fence saw the pause, `resume` lets the next tick go on from the cursor, a shard's pause
 //! stops only that shard, and `settle`/`accrue` by hand refuse a paused key unless `--ignore-pause`.
 
-use crate::helpers::db;
 use std::{process::Output, time::Duration};
 
 use chrono::NaiveDate;
@@ -19,7 +18,7 @@ use sqlx::PgPool;
 
 use crate::{
     daemon::http_get,
-    helpers::{
+    helpers::{db, 
         assert_success, daemon, database_url, due_now, fine_settler, free_port, insert, install_update_audit,
         key, loan, max_updates_per_loan, oracle, output, report, runner, settled, slow_down, stop,
         wait_until, StderrLog,

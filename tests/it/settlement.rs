@@ -1,6 +1,5 @@
 //! Settlement end to end: idempotence, the seed's zero-fine trap, resharding, month edges, crash and resume.
 
-use crate::helpers::db;
 use std::{process::Stdio, time::Duration};
 
 use chrono::NaiveDate;
@@ -13,8 +12,9 @@ use fine_settler::{
 use sqlx::PgPool;
 
 use crate::helpers::{
+    db, 
     d, database_url, fine_settler, insert, install_update_audit, key, loan, max_updates_per_loan, oracle,
-    output, report, runner, settled, settled_outside, sigkill, slow_down, spawn, wait_until,
+    output, report, runner, settled, settled_outside, sigkill, slow_down, spawn, wait_until, Via,
 };
 
 const POLICY: Settlement = Settlement {
@@ -66,18 +66,24 @@ async fn a_run_settles_the_month_and_reruns_change_nothing(pool: PgPool) {
 
 #[sqlx::test]
 async fn three_shards_twice_each_concurrently_then_rerun_then_forced(pool: PgPool) {
+    three_shards_twice_each(&pool, &Via::direct(&pool)).await;
+}
+
+/// 3 shards × 2 concurrent `settle` processes reaching the database `via`, then a rerun and a forced rerun: the
+/// oracle's totals, one update per loan (the audit trigger), three SUCCESS keys, and `verify` clean.
+pub(crate) async fn three_shards_twice_each(pool: &PgPool, via: &Via) {
+    let pool = pool.clone();
     install_update_audit(&pool).await;
     demo_loans(&pool, 3000).await;
-    let url = database_url(&pool);
     let oracle_totals = oracle(&pool, "2026-10-31").await;
 
     let settle_all = |extra: &'static [&'static str]| {
-        let url = url.clone();
+        let via = via.clone();
         async move {
             let mut tasks = Vec::new();
             for shard in 0..3 {
                 for _ in 0..2 {
-                    let mut cmd = fine_settler(&url);
+                    let mut cmd = via.command();
                     cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "50")
                         .args([
                             "settle",
@@ -155,7 +161,7 @@ async fn three_shards_twice_each_concurrently_then_rerun_then_forced(pool: PgPoo
     );
 
     let verify = output({
-        let mut c = fine_settler(&url);
+        let mut c = via.command();
         c.args(["verify", "--business-date", "2026-10-31"]);
         c
     });

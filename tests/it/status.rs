@@ -1,7 +1,6 @@
 //! The status page of running replicas: `/status.json` as keys go from RUNNING (with their progress) to SUCCESS
 //! across shards, 503 when the database cannot be read, and `/status` rendered by a real headless Chromium.
 
-use crate::helpers::db;
 use std::{
     path::{Path, PathBuf},
     process::Command,
@@ -14,7 +13,7 @@ use sqlx::PgPool;
 
 use crate::{
     daemon::http_get,
-    helpers::{
+    helpers::{db, 
         d, daemon, database_url, due_now, free_port, insert, loan, seed_run, slow_down, stop, wait_until,
     },
 };

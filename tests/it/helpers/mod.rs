@@ -200,6 +200,17 @@ pub fn db(pool: &PgPool) -> Db {
     Db::from(pool.clone())
 }
 
+/// A runner on `db` (see [`runner`]).
+pub fn runner_on(db: Db, owner: &str, batch_size: u32) -> Runner {
+    Runner::new(
+        db,
+        owner.into(),
+        &claim_settings(LOCK_TIMEOUT),
+        batch_size,
+        CancellationToken::new(),
+    )
+}
+
 pub fn runner(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
     Runner::new(
         db(pool),
@@ -220,6 +231,37 @@ pub fn database_url(pool: &PgPool) -> String {
         .expect("test pool has a database")
         .to_string();
     format!("{base}/{db}")
+}
+
+/// How a test's processes reach its database: directly, or through a pooler (`database.pooler`).
+#[derive(Debug, Clone)]
+pub struct Via {
+    pub url: String,
+    pub pooler: &'static str,
+}
+
+impl Via {
+    /// Straight to the test's database.
+    pub fn direct(pool: &PgPool) -> Via {
+        Via {
+            url: database_url(pool),
+            pooler: "none",
+        }
+    }
+
+    /// The binary, pointed at the database this way.
+    pub fn command(&self) -> std::process::Command {
+        let mut cmd = fine_settler(&self.url);
+        cmd.env("FINE_SETTLER__DATABASE__POOLER", self.pooler);
+        cmd
+    }
+
+    /// A replica (see [`daemon`]) reaching the database this way.
+    pub fn daemon(&self, shard: i32, shards: i32, extra: &[(&str, &str)]) -> Running {
+        let mut env = vec![("FINE_SETTLER__DATABASE__POOLER", self.pooler)];
+        env.extend_from_slice(extra);
+        daemon(&self.url, shard, shards, &env)
+    }
 }
 
 /// Polls `check` every 50 ms until it returns true, failing after `limit`.

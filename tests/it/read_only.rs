@@ -1,0 +1,145 @@
+//! A server that cannot write — a hot standby, or a primary whose transactions are read-only — is never used for
+//! work: a replica claims nothing on it, says so once, answers `/readyz` 503, and resumes by itself when a
+//! writable server is back; a one-shot command exits 1 with one line. Here the read-only server is the test's
+//! own database with `default_transaction_read_only` (the failover test has a real standby).
+
+use std::time::Duration;
+
+use chrono::Datelike;
+use fine_settler::store;
+use sqlx::PgPool;
+
+use crate::{
+    daemon::http_get,
+    helpers::{
+        daemon, database_url, due_now, fine_settler, free_port, insert, loan, output, signal, wait_until,
+        exit_of, StderrLog,
+    },
+};
+
+async fn exec(pool: &PgPool, sql: &str) {
+    sqlx::raw_sql(sql).execute(pool).await.expect(sql);
+}
+
+fn database_of(pool: &PgPool) -> String {
+    pool.connect_options()
+        .get_database()
+        .expect("a test database")
+        .to_string()
+}
+
+/// New connections to the test's database get read-only transactions (the test pool's own, opened before,
+/// keep writing).
+async fn make_read_only(pool: &PgPool, on: bool) {
+    let db = database_of(pool);
+    let sql = if on {
+        format!("alter database \"{db}\" set default_transaction_read_only = on")
+    } else {
+        format!("alter database \"{db}\" reset default_transaction_read_only")
+    };
+    exec(pool, &sql).await;
+}
+
+async fn job_runs(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("select count(*) from job_runs")
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+#[sqlx::test]
+async fn a_replica_on_a_read_only_server_claims_nothing_answers_503_and_resumes_once_it_can_write(pool: PgPool) {
+    let month = due_now(&pool, 1).await[0];
+    let day = |n: u32| month.with_day(n).expect("day").to_string();
+    insert(&pool, &[loan(1, &day(2), Some(&day(9)))]).await;
+    make_read_only(&pool, true).await;
+    // Keep the pool's connections (opened before the change) for the checks: connections opened from now on are
+    // read-only.
+    let url = database_url(&pool);
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut replica = daemon(&url, 0, 1, &[("FINE_SETTLER__HTTP__LISTEN", &listen)]);
+    let log = StderrLog::collect(&mut replica);
+
+    wait_until("the episode's log line", Duration::from_secs(15), || async {
+        log.contains("read-only server: claiming nothing")
+    })
+    .await;
+    let (status, body) = http_get(port, "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("connected to a read-only server"), "{body}");
+    // Several ticks' worth of retries (250 ms, 500 ms, 1 s, 2 s): nothing is claimed.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(job_runs(&pool).await, 0, "a read-only server was used for work");
+
+    make_read_only(&pool, false).await;
+    wait_until("the key SUCCESS once the server writes", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'SUCCESS'")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+            == 1
+    })
+    .await;
+    let (status, body) = http_get(port, "/readyz").await;
+    assert_eq!(status, 200, "{body}");
+
+    signal(&replica, "TERM");
+    let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
+    assert_eq!(code, Some(0));
+    let stderr = log.finish();
+    let lines = |text: &str| stderr.lines().filter(|l| l.contains(text)).count();
+    assert_eq!(lines("read-only server: claiming nothing"), 1, "{stderr}");
+    assert_eq!(lines("writable server found again"), 1, "{stderr}");
+    assert_eq!(lines("\"level\":\"ERROR\""), 1, "one error line for the whole episode: {stderr}");
+}
+
+#[sqlx::test]
+async fn a_one_shot_command_on_a_read_only_server_exits_1_with_one_line_and_writes_nothing(pool: PgPool) {
+    let month = due_now(&pool, 1).await[0];
+    insert(&pool, &[loan(1, &month.to_string(), Some(&month.to_string()))]).await;
+    make_read_only(&pool, true).await;
+    let url = database_url(&pool);
+    for args in [
+        vec!["settle", "--business-date", &month.to_string()],
+        vec!["accrue", "--date", "2026-01-05"],
+        vec!["pause", "--job", "fine-settlement"],
+    ] {
+        let mut cmd = fine_settler(&url);
+        cmd.env("FINE_SETTLER__LOG__LEVEL", "off").args(&args);
+        let out = output(cmd);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains("connected to a read-only server"), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?}: {}", String::from_utf8_lossy(&out.stdout));
+    }
+    assert_eq!(job_runs(&pool).await, 0);
+    let pauses: i64 = sqlx::query_scalar("select count(*) from job_pauses")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(pauses, 0);
+}
+
+#[sqlx::test]
+async fn a_write_refused_by_a_read_only_transaction_is_told_apart_from_other_errors(pool: PgPool) {
+    let mut tx = pool.begin().await.expect("begin");
+    exec_tx(&mut tx, "set transaction read only").await;
+    let refused = sqlx::query("insert into job_pauses (job_name, shards, shard, paused_by, reason) values ('x', 0, 0, 'me', 'r')")
+        .execute(&mut *tx)
+        .await
+        .expect_err("a read-only transaction refuses the insert");
+    assert!(store::read_only(&refused), "{refused}");
+    drop(tx);
+    let other = sqlx::query("select 1/0").execute(&pool).await.expect_err("division by zero");
+    assert!(!store::read_only(&other), "{other}");
+    let in_recovery = store::ReadOnlyServer::check(true, false).expect_err("in recovery");
+    assert!(store::read_only(&in_recovery));
+    assert!(in_recovery.to_string().contains("connected to a read-only server"), "{in_recovery}");
+    assert!(store::ReadOnlyServer::check(false, false).is_ok());
+}
+
+async fn exec_tx(tx: &mut sqlx::PgConnection, sql: &str) {
+    sqlx::raw_sql(sql).execute(&mut *tx).await.expect(sql);
+}
