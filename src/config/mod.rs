@@ -19,8 +19,8 @@ use std::{collections::HashMap, path::Path};
 pub use raw::RawSettings;
 pub use settings::{
     derived_batch_timeout, derived_lock_timeout, AccrualSettings, ClaimSettings, DatabaseSettings,
-    DatabaseUrl, Lease, LeaseError, LogFilter, LogFormat, Pooler, ScheduleMode, ScheduleSettings, Settings,
-    SettlementSettings, TimeSource,
+    DatabaseUrl, DatabaseUrlError, Lease, LeaseError, LogFilter, LogFormat, Pooler, ScheduleMode,
+    ScheduleSettings, Settings, SettlementSettings, TargetSessionAttrs, TimeSource,
 };
 pub use validate::{pod_ordinal, MAX_BATCH_SIZE};
 

@@ -13,6 +13,7 @@ mod fencing;
 mod helpers;
 mod lifecycle;
 mod live;
+mod multihost;
 mod pause;
 mod pooled;
 mod progress;
