@@ -14,6 +14,7 @@ mod helpers;
 mod lifecycle;
 mod live;
 mod pause;
+mod pooler;
 mod progress;
 mod server;
 mod settlement;
