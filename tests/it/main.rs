@@ -16,6 +16,7 @@ mod live;
 mod multihost;
 mod pause;
 mod pooled;
+mod pooler;
 mod progress;
 mod read_only;
 mod server;

@@ -1,6 +1,7 @@
-//! Shared test fixtures: loans, an update audit trigger, the independent SQL oracle, waiting for a condition, and
-//! the real binary (in [`process`]).
+//! Shared test fixtures: loans, an update audit trigger, the independent SQL oracle, waiting for a condition, the
+//! real binary (in [`process`]) and a real PgBouncer in front of the test server (in [`pgbouncer`]).
 
+mod pgbouncer;
 mod process;
 
 use std::time::Duration;
@@ -19,6 +20,7 @@ use fine_settler::{
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+pub use pgbouncer::{PgBouncer, PoolMode};
 pub use process::{
     assert_success, daemon, exit_of, fine_settler, migrate, output, report, send_signal, sigkill, signal,
     spawn, stop, Running, StderrLog,
