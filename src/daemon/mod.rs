@@ -329,10 +329,18 @@ impl Daemon {
                         let down_ms = started.elapsed().as_millis() as u64;
                         if read_only {
                             self.status("STATUS=writable server found again");
-                            tracing::info!(down_ms, attempts = failures, "writable server found again; resuming");
+                            tracing::info!(
+                                down_ms,
+                                attempts = failures,
+                                "writable server found again; resuming"
+                            );
                         } else {
                             self.status("STATUS=database reachable again");
-                            tracing::info!(down_ms, attempts = failures, "database reachable again; resuming");
+                            tracing::info!(
+                                down_ms,
+                                attempts = failures,
+                                "database reachable again; resuming"
+                            );
                         }
                     }
                     return reports;
@@ -432,7 +440,9 @@ impl Daemon {
             if report.read_only {
                 // The server stopped writing since the tick read its status: claim nothing more on it.
                 let detail = report.detail.clone().unwrap_or_default();
-                return Err(TickError::ReadOnly(format!("connected to a read-only server ({detail})")));
+                return Err(TickError::ReadOnly(format!(
+                    "connected to a read-only server ({detail})"
+                )));
             }
             if report.paused {
                 paused_now.insert(visit.key.job);

@@ -571,7 +571,6 @@ pub async fn run(
         compensation_errors: 0,
         interrupted: false,
         paused: false,
-        read_only: false,
         elapsed_ms: 0,
     };
 

@@ -54,7 +54,9 @@ pub enum StoreError {
 pub enum ReadOnlyServer {
     #[error("connected to a read-only server (in recovery: a standby)")]
     InRecovery,
-    #[error("connected to a read-only server (its transactions are read-only: default_transaction_read_only)")]
+    #[error(
+        "connected to a read-only server (its transactions are read-only: default_transaction_read_only)"
+    )]
     ReadOnlyTransactions,
 }
 
@@ -178,18 +180,110 @@ impl Gucs {
     }
 }
 
-/// The options a connection with settings `gucs` is opened with, and what must run after it connects.
-fn options_with(
+/// The options of each of `database.url`'s hosts, in order, for a connection with settings `gucs`, and what must
+/// run on it after it connects.
+fn hosts_with(
     db: &DatabaseSettings,
     application_name: &str,
     gucs: &Gucs,
-) -> (PgConnectOptions, Option<String>) {
-    let options = connect_options(db, application_name);
-    match db.pooler {
-        Pooler::None => (gucs.apply(options), None),
-        Pooler::Session => (options, Some(gucs.set_session())),
-        Pooler::Transaction => (options, None),
+) -> (Vec<PgConnectOptions>, Option<String>) {
+    let hosts = db
+        .url
+        .hosts()
+        .iter()
+        .map(|host| {
+            let options = for_pooler(db.pooler, host, application_name);
+            match db.pooler {
+                Pooler::None => gucs.apply(options),
+                Pooler::Session | Pooler::Transaction => options,
+            }
+        })
+        .collect();
+    let after = (db.pooler == Pooler::Session).then(|| gucs.set_session());
+    (hosts, after)
+}
+
+/// The servers a [`Db`] may use — `database.url`'s hosts, in order, each with the options this pool opens
+/// connections with — and since when its connections count as fresh.
+///
+/// sqlx connects a pool to one host. A `Db` starts on the first; [`Db::reconnect`] (after a connection error or
+/// a read-only server) tries the hosts in order again, the first that qualifies for `target_session_attrs`
+/// becomes the pool's, and every connection opened before is dropped at its next checkout instead of being
+/// used (a connection left on a demoted primary passes sqlx's ping and fails every write).
+#[derive(Debug)]
+struct Route {
+    hosts: Vec<PgConnectOptions>,
+    target: TargetSessionAttrs,
+    /// Per host (`connect_timeout` in the URL), else `database.connect_timeout`.
+    host_timeout: Duration,
+    /// Run on a new connection before it is used (behind a session-mode pooler: the settings).
+    after_connect: Option<String>,
+    fresh_since: std::sync::Mutex<std::time::Instant>,
+}
+
+impl Route {
+    fn new(db: &DatabaseSettings, application_name: &str, gucs: &Gucs) -> Self {
+        let (hosts, after_connect) = hosts_with(db, application_name, gucs);
+        Route {
+            hosts,
+            target: db.url.target(),
+            host_timeout: db.url.host_timeout().unwrap_or(db.connect_timeout),
+            after_connect,
+            fresh_since: std::sync::Mutex::new(std::time::Instant::now()),
+        }
     }
+
+    /// Whether a connection `age` old was opened after the last [`Db::reconnect`].
+    fn fresh(&self, age: Duration) -> bool {
+        let since = *self.fresh_since.lock().unwrap_or_else(|e| e.into_inner());
+        std::time::Instant::now()
+            .checked_sub(age)
+            .is_none_or(|opened| opened >= since)
+    }
+
+    /// The first host, in order, that answers within the host timeout and qualifies for the target: its index,
+    /// or the last host's error.
+    async fn choose(&self) -> Result<usize, sqlx::Error> {
+        let mut last = None;
+        for (i, host) in self.hosts.iter().enumerate() {
+            match tokio::time::timeout(self.host_timeout, self.probe(host)).await {
+                Ok(Ok(())) => return Ok(i),
+                Ok(Err(e)) => {
+                    tracing::debug!(host = %host_of(host), error = %redact_secrets_in(&e.to_string()),
+                        "host does not qualify");
+                    last = Some(e);
+                }
+                Err(_) => {
+                    tracing::debug!(host = %host_of(host), "host did not answer within its connect timeout");
+                    last = Some(sqlx::Error::PoolTimedOut);
+                }
+            }
+        }
+        Err(last.unwrap_or(sqlx::Error::PoolTimedOut))
+    }
+
+    /// Connects to `host` and asks whether it qualifies for the target.
+    async fn probe(&self, host: &PgConnectOptions) -> Result<(), sqlx::Error> {
+        let mut conn = PgConnection::connect_with(host).await?;
+        let fit = match self.target {
+            TargetSessionAttrs::Any => Ok(None),
+            TargetSessionAttrs::ReadWrite => ReadOnlyServer::ask(&mut conn).await,
+            // libpq's `primary`: not in recovery (read-only transactions by default do not disqualify it).
+            TargetSessionAttrs::Primary => ReadOnlyServer::ask(&mut conn)
+                .await
+                .map(|r| r.filter(|r| *r == ReadOnlyServer::InRecovery)),
+        };
+        let _ = conn.close().await;
+        match fit? {
+            None => Ok(()),
+            Some(r) => Err(sqlx::Error::Io(std::io::Error::other(r))),
+        }
+    }
+}
+
+/// `host:port` of a connection's options, for logs.
+fn host_of(options: &PgConnectOptions) -> String {
+    format!("{}:{}", options.get_host(), options.get_port())
 }
 
 /// A pool and the way its connections reach PostgreSQL (`database.pooler`): every statement fine-settler runs
@@ -460,7 +554,11 @@ pub fn lock_not_available(e: &sqlx::Error) -> bool {
 /// before the lease it renews runs out; and `idle_in_transaction_session_timeout = batch_timeout`, so the
 /// server aborts the open transaction of a replica that froze mid-batch (SIGSTOP, a VM pause) and its row
 /// locks do not block the peer that takes over.
-pub async fn connect(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> Result<Db, StoreError> {
+pub async fn connect(
+    db: &DatabaseSettings,
+    application_name: &str,
+    batch_timeout: Duration,
+) -> Result<Db, StoreError> {
     let pool = Db::lazy(db, application_name, &Gucs::jobs(batch_timeout), pool_options(db));
     pool.reconnect().await?;
     let mut conn = pool.pool.acquire().await?;
@@ -556,13 +654,15 @@ impl Session {
         };
         let result = match &self.db.begin {
             None => job_runs::tick_status(conn, shard, since, late).await,
-            Some(begin) => async {
-                let mut tx = conn.begin_with(begin.to_string()).await?;
-                let status = job_runs::tick_status(&mut tx, shard, since, late).await?;
-                tx.commit().await?;
-                Ok(status)
+            Some(begin) => {
+                async {
+                    let mut tx = conn.begin_with(begin.to_string()).await?;
+                    let status = job_runs::tick_status(&mut tx, shard, since, late).await?;
+                    tx.commit().await?;
+                    Ok(status)
+                }
+                .await
             }
-            .await,
         };
         if result.is_err() {
             // Whatever went wrong, the next tick starts from a fresh connection.

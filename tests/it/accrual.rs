@@ -18,9 +18,8 @@ use fine_settler::{
 use sqlx::PgPool;
 
 use crate::helpers::{
-    db, 
-    assert_success, d, database_url, fine_settler, insert, loan, output, report, runner, runner_on, sigkill,
-    slow_down, spawn, wait_until,
+    assert_success, d, database_url, db, fine_settler, insert, loan, output, report, runner, runner_on,
+    sigkill, slow_down, spawn, wait_until,
 };
 
 fn accrual(policy: FinePolicy) -> Accrual {
@@ -170,7 +169,9 @@ pub(crate) async fn rejected_charges_compensated_once(pool: &PgPool, jobs: Db) {
         backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(4)),
         ..accrual(FinePolicy::DEFAULT)
     };
-    let run = runner_on(jobs.clone(), "a", 25).run(&job, day_key(day, 0, 1), false).await;
+    let run = runner_on(jobs.clone(), "a", 25)
+        .run(&job, day_key(day, 0, 1), false)
+        .await;
     assert_eq!(
         run.outcome,
         Outcome::Settled,
@@ -190,7 +191,9 @@ pub(crate) async fn rejected_charges_compensated_once(pool: &PgPool, jobs: Db) {
         "{pending:?}"
     );
     // A rerun does not charge them behind the queue's back.
-    let forced = runner_on(jobs.clone(), "b", 25).run(&job, day_key(day, 0, 1), true).await;
+    let forced = runner_on(jobs.clone(), "b", 25)
+        .run(&job, day_key(day, 0, 1), true)
+        .await;
     assert_eq!(forced.scanned, 0);
 
     sqlx::query("delete from blocked")

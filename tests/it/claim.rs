@@ -5,8 +5,7 @@ use std::time::Duration;
 use fine_settler::store::job_runs::{claim, finish, Claim, ClaimKind, ClaimMode, Ending};
 use sqlx::{postgres::PgPoolOptions, PgPool};
 
-use crate::helpers::{
-    db, key};
+use crate::helpers::{db, key};
 
 const LEASE: Duration = Duration::from_secs(60);
 

@@ -25,8 +25,7 @@ use sqlx::{pool::PoolConnection, postgres::PgPoolOptions, PgConnection, PgPool, 
 use tokio::sync::Notify;
 
 use crate::helpers::{
-    db, 
-    insert, install_update_audit, key, loan, max_updates_per_loan, oracle, runner, settled, wait_until,
+    db, insert, install_update_audit, key, loan, max_updates_per_loan, oracle, runner, settled, wait_until,
 };
 
 /// Settlement, except that on reaching batch number `at` (0-based) the run says so and waits to be resumed

@@ -21,8 +21,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use crate::helpers::{
-    db, 
-    assert_success, claim_settings, d, daemon, database_url, due_now, fine_settler, insert, key, loan,
+    assert_success, claim_settings, d, daemon, database_url, db, due_now, fine_settler, insert, key, loan,
     oracle, output, report, runner, seed_run, settled, stop, LOCK_TIMEOUT,
 };
 

@@ -18,10 +18,10 @@ use sqlx::PgPool;
 
 use crate::{
     daemon::http_get,
-    helpers::{db, 
-        assert_success, daemon, database_url, due_now, fine_settler, free_port, insert, install_update_audit,
-        key, loan, max_updates_per_loan, oracle, output, report, runner, settled, slow_down, stop,
-        wait_until, StderrLog,
+    helpers::{
+        assert_success, daemon, database_url, db, due_now, fine_settler, free_port, insert,
+        install_update_audit, key, loan, max_updates_per_loan, oracle, output, report, runner, settled,
+        slow_down, stop, wait_until, StderrLog,
     },
 };
 

@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use chrono::Datelike;
 use fine_settler::{
     config::{DatabaseSettings, DatabaseUrl, Pooler},
     store::{self, Db},
@@ -17,8 +18,7 @@ use crate::{
     daemon::three_replicas_catch_up,
     helpers::{
         database_url, due_now, exit_of, insert, install_update_audit, loan, max_updates_per_loan, oracle,
-        pgbouncer::{PgBouncer, PoolMode},
-        settled, signal, slow_down, wait_until, Running, StderrLog, Via,
+        settled, signal, slow_down, wait_until, PgBouncer, PoolMode, Running, StderrLog, Via,
     },
     server::PrivateServer,
     settlement::three_shards_twice_each,
@@ -176,7 +176,13 @@ async fn replicas_behind_pgbouncer_recover_from_a_postgres_restart() {
     for (i, month) in months.iter().enumerate() {
         let first = month.with_day(1).expect("first day");
         let loans: Vec<_> = (1..=600)
-            .map(|n| loan(i as i64 * 10_000 + n, &first.to_string(), Some(&month.to_string())))
+            .map(|n| {
+                loan(
+                    i as i64 * 10_000 + n,
+                    &first.to_string(),
+                    Some(&month.to_string()),
+                )
+            })
             .collect();
         insert(&pool, &loans).await;
     }
@@ -209,13 +215,17 @@ async fn replicas_behind_pgbouncer_recover_from_a_postgres_restart() {
         .connect(&url)
         .await
         .expect("reconnect");
-    wait_until("all 2 x 3 keys SUCCESS after the restart", Duration::from_secs(90), || async {
-        sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'SUCCESS'")
-            .fetch_one(&pool)
-            .await
-            .unwrap_or(0)
-            == 6
-    })
+    wait_until(
+        "all 2 x 3 keys SUCCESS after the restart",
+        Duration::from_secs(90),
+        || async {
+            sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'SUCCESS'")
+                .fetch_one(&pool)
+                .await
+                .unwrap_or(0)
+                == 6
+        },
+    )
     .await;
     for r in &replicas {
         signal(r, "TERM");

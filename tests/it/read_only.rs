@@ -12,8 +12,8 @@ use sqlx::PgPool;
 use crate::{
     daemon::http_get,
     helpers::{
-        daemon, database_url, due_now, fine_settler, free_port, insert, loan, output, signal, wait_until,
-        exit_of, StderrLog,
+        daemon, database_url, due_now, exit_of, fine_settler, free_port, insert, loan, output, signal,
+        wait_until, StderrLog,
     },
 };
 
@@ -48,7 +48,9 @@ async fn job_runs(pool: &PgPool) -> i64 {
 }
 
 #[sqlx::test]
-async fn a_replica_on_a_read_only_server_claims_nothing_answers_503_and_resumes_once_it_can_write(pool: PgPool) {
+async fn a_replica_on_a_read_only_server_claims_nothing_answers_503_and_resumes_once_it_can_write(
+    pool: PgPool,
+) {
     let month = due_now(&pool, 1).await[0];
     let day = |n: u32| month.with_day(n).expect("day").to_string();
     insert(&pool, &[loan(1, &day(2), Some(&day(9)))]).await;
@@ -73,13 +75,17 @@ async fn a_replica_on_a_read_only_server_claims_nothing_answers_503_and_resumes_
     assert_eq!(job_runs(&pool).await, 0, "a read-only server was used for work");
 
     make_read_only(&pool, false).await;
-    wait_until("the key SUCCESS once the server writes", Duration::from_secs(30), || async {
-        sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'SUCCESS'")
-            .fetch_one(&pool)
-            .await
-            .unwrap_or(0)
-            == 1
-    })
+    wait_until(
+        "the key SUCCESS once the server writes",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'SUCCESS'")
+                .fetch_one(&pool)
+                .await
+                .unwrap_or(0)
+                == 1
+        },
+    )
     .await;
     let (status, body) = http_get(port, "/readyz").await;
     assert_eq!(status, 200, "{body}");
@@ -91,7 +97,11 @@ async fn a_replica_on_a_read_only_server_claims_nothing_answers_503_and_resumes_
     let lines = |text: &str| stderr.lines().filter(|l| l.contains(text)).count();
     assert_eq!(lines("read-only server: claiming nothing"), 1, "{stderr}");
     assert_eq!(lines("writable server found again"), 1, "{stderr}");
-    assert_eq!(lines("\"level\":\"ERROR\""), 1, "one error line for the whole episode: {stderr}");
+    assert_eq!(
+        lines("\"level\":\"ERROR\""),
+        1,
+        "one error line for the whole episode: {stderr}"
+    );
 }
 
 #[sqlx::test]
@@ -111,8 +121,15 @@ async fn a_one_shot_command_on_a_read_only_server_exits_1_with_one_line_and_writ
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
         assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
-        assert!(stderr.contains("connected to a read-only server"), "{args:?}: {stderr}");
-        assert!(out.stdout.is_empty(), "{args:?}: {}", String::from_utf8_lossy(&out.stdout));
+        assert!(
+            stderr.contains("connected to a read-only server"),
+            "{args:?}: {stderr}"
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
     }
     assert_eq!(job_runs(&pool).await, 0);
     let pauses: i64 = sqlx::query_scalar("select count(*) from job_pauses")
@@ -126,17 +143,27 @@ async fn a_one_shot_command_on_a_read_only_server_exits_1_with_one_line_and_writ
 async fn a_write_refused_by_a_read_only_transaction_is_told_apart_from_other_errors(pool: PgPool) {
     let mut tx = pool.begin().await.expect("begin");
     exec_tx(&mut tx, "set transaction read only").await;
-    let refused = sqlx::query("insert into job_pauses (job_name, shards, shard, paused_by, reason) values ('x', 0, 0, 'me', 'r')")
-        .execute(&mut *tx)
-        .await
-        .expect_err("a read-only transaction refuses the insert");
+    let refused = sqlx::query(
+        "insert into job_pauses (job_name, shards, shard, paused_by, reason) values ('x', 0, 0, 'me', 'r')",
+    )
+    .execute(&mut *tx)
+    .await
+    .expect_err("a read-only transaction refuses the insert");
     assert!(store::read_only(&refused), "{refused}");
     drop(tx);
-    let other = sqlx::query("select 1/0").execute(&pool).await.expect_err("division by zero");
+    let other = sqlx::query("select 1/0")
+        .execute(&pool)
+        .await
+        .expect_err("division by zero");
     assert!(!store::read_only(&other), "{other}");
     let in_recovery = store::ReadOnlyServer::check(true, false).expect_err("in recovery");
     assert!(store::read_only(&in_recovery));
-    assert!(in_recovery.to_string().contains("connected to a read-only server"), "{in_recovery}");
+    assert!(
+        in_recovery
+            .to_string()
+            .contains("connected to a read-only server"),
+        "{in_recovery}"
+    );
     assert!(store::ReadOnlyServer::check(false, false).is_ok());
 }
 

@@ -12,8 +12,7 @@ use fine_settler::{
 use sqlx::PgPool;
 
 use crate::helpers::{
-    db, 
-    d, database_url, fine_settler, insert, install_update_audit, key, loan, max_updates_per_loan, oracle,
+    d, database_url, db, fine_settler, insert, install_update_audit, key, loan, max_updates_per_loan, oracle,
     output, report, runner, settled, settled_outside, sigkill, slow_down, spawn, wait_until, Via,
 };
 

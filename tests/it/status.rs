@@ -13,8 +13,8 @@ use sqlx::PgPool;
 
 use crate::{
     daemon::http_get,
-    helpers::{db, 
-        d, daemon, database_url, due_now, free_port, insert, loan, seed_run, slow_down, stop, wait_until,
+    helpers::{
+        d, daemon, database_url, db, due_now, free_port, insert, loan, seed_run, slow_down, stop, wait_until,
     },
 };
 

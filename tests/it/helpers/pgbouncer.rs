@@ -78,9 +78,14 @@ impl PgBouncer {
     /// Starts a PgBouncer in `mode` and waits until it accepts connections. Panics with the reason (and the
     /// bouncer's log) if it cannot start.
     pub async fn start(mode: PoolMode) -> PgBouncer {
-        let binary = locate(&search_path()).unwrap_or_else(|e| panic!("{e}"));
         let server = std::env::var("DATABASE_URL").expect("DATABASE_URL");
-        let server = PgConnectOptions::from_str(&server).expect("DATABASE_URL is a PostgreSQL URL");
+        PgBouncer::start_in_front_of(&server, mode).await
+    }
+
+    /// Like [`PgBouncer::start`], in front of the server `server_url` names (a private one).
+    pub async fn start_in_front_of(server_url: &str, mode: PoolMode) -> PgBouncer {
+        let binary = locate(&search_path()).unwrap_or_else(|e| panic!("{e}"));
+        let server = PgConnectOptions::from_str(server_url).expect("a PostgreSQL URL");
         // Another process may take the free port before PgBouncer binds it; then PgBouncer exits, and a new
         // port is tried.
         let mut last_log = String::new();
