@@ -1,6 +1,8 @@
-//! Shared test fixtures: loans, an update audit trigger, the independent SQL oracle, waiting for a condition, and
-//! the real binary (in [`process`]).
+//! Shared test fixtures: loans, an update audit trigger, the independent SQL oracle, waiting for a condition, the
+//! real binary (in [`process`]), and a primary with streaming standbys as real PostgreSQL servers (in
+//! [`cluster`]).
 
+mod cluster;
 mod process;
 
 use std::time::Duration;
@@ -16,6 +18,7 @@ use fine_settler::{
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+pub use cluster::Cluster;
 pub use process::{
     assert_success, daemon, exit_of, fine_settler, migrate, output, report, send_signal, sigkill, signal,
     spawn, stop, Running, StderrLog,
