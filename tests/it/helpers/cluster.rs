@@ -41,8 +41,8 @@ wal_receiver_status_interval = '1s'
 /// Every connection, replication included, from loopback only and without a password.
 const PG_HBA: &str = "host all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n";
 
-/// PostgreSQL's server programs, found as `scripts/pg.sh` finds them: `FINE_SETTLER_PG_BIN` or `PG_BIN` when set
-/// (and not empty), else the newest `/usr/lib/postgresql/*/bin`.
+/// PostgreSQL's server programs: `FINE_SETTLER_PG_BIN` when set (and not empty), else as `scripts/pg.sh` finds
+/// them, `PG_BIN` or the newest `/usr/lib/postgresql/*/bin`.
 fn pg_bin() -> PathBuf {
     if let Some(bin) = ["FINE_SETTLER_PG_BIN", "PG_BIN"]
         .iter()
