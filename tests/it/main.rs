@@ -19,6 +19,7 @@ mod pooled;
 mod pooler;
 mod progress;
 mod read_only;
+mod replication;
 mod server;
 mod settlement;
 mod status;

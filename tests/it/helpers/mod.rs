@@ -1,6 +1,8 @@
 //! Shared test fixtures: loans, an update audit trigger, the independent SQL oracle, waiting for a condition, the
-//! real binary (in [`process`]) and a real PgBouncer in front of the test server (in [`pgbouncer`]).
+//! real binary (in [`process`]), a real PgBouncer in front of the test server (in [`pgbouncer`]), and a primary
+//! with streaming standbys as real PostgreSQL servers (in [`cluster`]).
 
+mod cluster;
 mod pgbouncer;
 mod process;
 
@@ -20,6 +22,7 @@ use fine_settler::{
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+pub use cluster::Cluster;
 pub use pgbouncer::{PgBouncer, PoolMode};
 pub use process::{
     assert_success, daemon, exit_of, fine_settler, migrate, output, report, send_signal, sigkill, signal,

@@ -1,0 +1,361 @@
+//! A primary and its streaming standbys as real PostgreSQL processes, for the tests of failover and of throttling
+//! on replica lag: `initdb` for a primary, `pg_basebackup -R` for a standby, `pg_ctl` to stop, start and promote,
+//! and the server's own views to wait on. Each server lives in a fresh folder, listens on a free loopback port
+//! (TCP only, no Unix socket) and is stopped (immediately) and removed on drop.
+//!
+//! PostgreSQL refuses to run as root, so as root every server program runs as the `postgres` user, in a folder
+//! that user owns.
+
+use std::{
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::Duration,
+};
+
+use sqlx::{Connection, PgConnection};
+use tempfile::TempDir;
+use tokio::process::Command;
+
+/// How long a server may take to start, stop, promote, pause or catch up before the test fails.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+/// Appended to every primary's postgresql.conf; a standby inherits it through the base backup. Durability is
+/// traded for speed (fsync off, small buffers): nothing here is worth keeping.
+const SETTINGS: &str = "
+listen_addresses = '127.0.0.1'
+unix_socket_directories = ''
+max_connections = 50
+shared_buffers = '16MB'
+fsync = off
+wal_level = replica
+max_wal_senders = 5
+# A standby stopped for a while catches up by streaming, without an archive.
+wal_keep_size = '256MB'
+hot_standby = on
+# A standby reports its positions every second (default 10 s), so the primary's pg_stat_replication is at most a
+# second behind the standby's replay, also when no WAL is arriving.
+wal_receiver_status_interval = '1s'
+";
+
+/// Every connection, replication included, from loopback only and without a password.
+const PG_HBA: &str = "host all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n";
+
+/// PostgreSQL's server programs: `FINE_SETTLER_PG_BIN` when set (and not empty), else as `scripts/pg.sh` finds
+/// them, `PG_BIN` or the newest `/usr/lib/postgresql/*/bin`.
+fn pg_bin() -> PathBuf {
+    if let Some(bin) = ["FINE_SETTLER_PG_BIN", "PG_BIN"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .find(|bin| !bin.is_empty())
+    {
+        return PathBuf::from(bin);
+    }
+    let newest = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL server binaries under /usr/lib/postgresql (or set PG_BIN)")
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let version: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let bin = entry.path().join("bin");
+            bin.join("initdb").exists().then_some((version, bin))
+        })
+        .max();
+    newest
+        .expect("an initdb under /usr/lib/postgresql/*/bin (or set PG_BIN)")
+        .1
+}
+
+fn running_as_root() -> bool {
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// One PostgreSQL server: a primary from [`Cluster::primary`] or a standby from [`Cluster::standby`].
+#[derive(Debug)]
+pub struct Cluster {
+    /// Its `cluster_name`, which a standby's walreceiver also uses as its `application_name`: the name of its row
+    /// in the primary's `pg_stat_replication`.
+    name: String,
+    port: u16,
+    /// Holds `data/` and the server log `log`.
+    dir: TempDir,
+}
+
+impl Cluster {
+    /// Initialises a fresh primary, starts it and waits until it accepts connections.
+    pub async fn primary() -> Cluster {
+        let primary = Cluster::empty("primary");
+        let mut initdb = primary.program("initdb");
+        initdb
+            .arg("--pgdata")
+            .arg(primary.data())
+            .args(["--username=postgres", "--auth=trust", "--encoding=UTF8"])
+            .args(["--locale=C.UTF-8", "--no-sync", "--no-instructions"]);
+        primary.run(initdb, "initdb").await;
+        std::fs::write(primary.data().join("pg_hba.conf"), PG_HBA).expect("write pg_hba.conf");
+        primary.configure(SETTINGS);
+        primary.start().await;
+        primary
+    }
+
+    /// A streaming standby of this primary: a base backup (`pg_basebackup -R`), started on another port; returns
+    /// once the primary shows it `streaming` in `pg_stat_replication`.
+    pub async fn standby(&self) -> Cluster {
+        let standby = Cluster::empty("standby");
+        let mut backup = self.program("pg_basebackup");
+        backup
+            .arg("--pgdata")
+            .arg(standby.data())
+            .args([
+                "--host=127.0.0.1",
+                &format!("--port={}", self.port),
+                "--username=postgres",
+            ])
+            // --write-recovery-conf (-R): standby.signal and primary_conninfo, so that it follows the primary.
+            // The backup starts with a checkpoint: a fast one, not one spread over checkpoint_timeout.
+            .args([
+                "--write-recovery-conf",
+                "--checkpoint=fast",
+                "--wal-method=stream",
+                "--no-sync",
+            ]);
+        self.run(backup, "pg_basebackup").await;
+        standby.configure("");
+        standby.start().await;
+        self.wait_for(
+            &format!("{} streaming", standby.name),
+            &format!(
+                "select exists (select from pg_stat_replication
+                                where application_name = '{}' and state = 'streaming')",
+                standby.name
+            ),
+        )
+        .await;
+        standby
+    }
+
+    /// A fresh folder, owned by the user the server runs as, and a free port.
+    fn empty(role: &str) -> Cluster {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("fine-settler-{role}-"))
+            .tempdir()
+            .expect("temporary folder");
+        if running_as_root() {
+            let chown = std::process::Command::new("chown")
+                .arg("postgres:")
+                .arg(dir.path())
+                .status()
+                .expect("chown");
+            assert!(chown.success(), "chown postgres: {}", dir.path().display());
+        }
+        let port = super::free_port();
+        Cluster {
+            name: format!("{role}_{port}"),
+            port,
+            dir,
+        }
+    }
+
+    /// Appends `settings`, then this server's own port and name, to its postgresql.conf (the last setting of a
+    /// name wins, so a standby's own replace those it copied from its primary).
+    fn configure(&self, settings: &str) {
+        use std::io::Write;
+        let mut conf = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.data().join("postgresql.conf"))
+            .expect("open postgresql.conf");
+        write!(
+            conf,
+            "{settings}\nport = {}\ncluster_name = '{}'\n",
+            self.port, self.name
+        )
+        .expect("write postgresql.conf");
+    }
+
+    /// The server program `name`, run as `postgres` when we are root, in the server's folder (blocking, for drop).
+    fn blocking_program(&self, name: &str) -> std::process::Command {
+        let path = pg_bin().join(name);
+        let mut cmd = if running_as_root() {
+            let mut runuser = std::process::Command::new("runuser");
+            runuser.args(["-u", "postgres", "--"]).arg(path);
+            runuser
+        } else {
+            std::process::Command::new(path)
+        };
+        cmd.current_dir(self.dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        cmd
+    }
+
+    /// The server program `name`, run as `postgres` when we are root, in the server's folder.
+    fn program(&self, name: &str) -> Command {
+        let mut cmd = Command::from(self.blocking_program(name));
+        cmd.kill_on_drop(true);
+        cmd
+    }
+
+    /// Runs `cmd` to completion; fails the test with its stderr and the server log unless it succeeded.
+    async fn run(&self, mut cmd: Command, what: &str) {
+        let out = cmd.output().await.unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(
+            out.status.success(),
+            "{what} ({}) failed: {}\nserver log:\n{}",
+            self.name,
+            String::from_utf8_lossy(&out.stderr),
+            self.log()
+        );
+    }
+
+    /// `pg_ctl` with `args` on this server's data folder.
+    async fn pg_ctl(&self, args: &[&str], what: &str) {
+        let mut pg_ctl = self.program("pg_ctl");
+        pg_ctl
+            .arg("--pgdata")
+            .arg(self.data())
+            .args(["--wait", &format!("--timeout={}", PATIENCE.as_secs())])
+            .args(args);
+        self.run(pg_ctl, what).await;
+    }
+
+    /// Polls `sql`, which returns one boolean, every 50 ms until it is true; fails with the server log after
+    /// [`PATIENCE`].
+    async fn wait_for(&self, what: &str, sql: &str) {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        let mut conn = self.connect().await;
+        loop {
+            let done: bool = sqlx::query_scalar(sql)
+                .fetch_one(&mut conn)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            if done {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}; server log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// The server's folder (its data folder and log); gone once the `Cluster` is dropped.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Its `cluster_name`; a standby's row in the primary's `pg_stat_replication` has it as `application_name`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `postgres://postgres@127.0.0.1:PORT/DATABASE`.
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// A new connection to the `postgres` database.
+    pub async fn connect(&self) -> PgConnection {
+        PgConnection::connect(&self.url("postgres"))
+            .await
+            .unwrap_or_else(|e| panic!("connect to {}: {e}", self.name))
+    }
+
+    /// Starts the server (again, after a stop: same folder, same port) and waits until it accepts connections.
+    pub async fn start(&self) {
+        let log = self.dir.path().join("log");
+        let log = log.to_str().expect("a UTF-8 temporary folder");
+        self.pg_ctl(&["--log", log, "start"], "pg_ctl start").await;
+    }
+
+    /// `pg_ctl stop -m immediate`: the server dies as in a crash, without a shutdown checkpoint; in-flight
+    /// transactions are lost, and what was not yet sent to a standby never reaches it.
+    pub async fn stop_immediate(&self) {
+        self.pg_ctl(&["--mode=immediate", "stop"], "pg_ctl stop -m immediate")
+            .await;
+    }
+
+    /// `pg_ctl stop -m fast`: connections are cut, in-flight transactions roll back, a shutdown checkpoint is
+    /// written (and, on a primary, streamed to its standbys) before the server exits.
+    pub async fn stop_fast(&self) {
+        self.pg_ctl(&["--mode=fast", "stop"], "pg_ctl stop -m fast").await;
+    }
+
+    /// Promotes a standby (`pg_ctl promote -w`) and waits until `pg_is_in_recovery()` is false: it then takes
+    /// writes, on a new timeline.
+    pub async fn promote(&self) {
+        self.pg_ctl(&["promote"], "pg_ctl promote").await;
+        self.wait_for(
+            &format!("{} out of recovery", self.name),
+            "select not pg_is_in_recovery()",
+        )
+        .await;
+    }
+
+    /// Pauses a standby's replay (`pg_wal_replay_pause()`) and waits until it has paused: WAL still arrives and is
+    /// reported received, but none of it is applied, so the standby's data and `replay_lsn` stand still.
+    pub async fn pause_replay(&self) {
+        sqlx::query("select pg_wal_replay_pause()")
+            .execute(&mut self.connect().await)
+            .await
+            .expect("pg_wal_replay_pause()");
+        self.wait_for(
+            &format!("{} replay paused", self.name),
+            "select pg_get_wal_replay_pause_state() = 'paused'",
+        )
+        .await;
+    }
+
+    /// Resumes a standby's paused replay (`pg_wal_replay_resume()`).
+    pub async fn resume_replay(&self) {
+        sqlx::query("select pg_wal_replay_resume()")
+            .execute(&mut self.connect().await)
+            .await
+            .expect("pg_wal_replay_resume()");
+        self.wait_for(
+            &format!("{} replay resumed", self.name),
+            "select pg_get_wal_replay_pause_state() = 'not paused'",
+        )
+        .await;
+    }
+
+    /// Waits until this standby has replayed everything `primary` had written when called (its
+    /// `pg_last_wal_replay_lsn()` reached the primary's `pg_current_wal_lsn()`).
+    pub async fn wait_replayed(&self, primary: &Cluster) {
+        let lsn: String = sqlx::query_scalar("select pg_current_wal_lsn()::text")
+            .fetch_one(&mut primary.connect().await)
+            .await
+            .expect("pg_current_wal_lsn()");
+        self.wait_for(
+            &format!("{} replayed up to {lsn}", self.name),
+            &format!("select pg_last_wal_replay_lsn() >= '{lsn}'::pg_lsn"),
+        )
+        .await;
+    }
+
+    /// What the server has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // Blocking, as drop must be. A server already stopped makes pg_ctl fail, which is fine. The folder is
+        // removed when `dir` drops, right after this.
+        let mut stop = self.blocking_program("pg_ctl");
+        stop.arg("--pgdata")
+            .arg(self.data())
+            .args(["--wait", "--mode=immediate", "stop"]);
+        let _ = stop.output();
+    }
+}
