@@ -225,6 +225,11 @@ impl Daemon {
                 }
                 Err(reason) => {
                     failures += 1;
+                    // A connection that found the server read-only (or broken) is not asked again: the next
+                    // attempt opens new ones, on the next qualifying host if the URL lists several.
+                    if let Err(e) = self.pool.reconnect().await {
+                        tracing::debug!(error = %StoreError::from(e), "no qualifying host yet");
+                    }
                     if failures == 1 {
                         tracing::error!(reason = %reason, "not ready: waiting for the database and migrations");
                         self.status(&format!("STATUS=not ready: {reason}"));

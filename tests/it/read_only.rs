@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use chrono::Datelike;
 use fine_settler::store;
-use sqlx::PgPool;
+use sqlx::{postgres::PgPoolOptions, Executor, PgPool};
 
 use crate::{
     daemon::http_get,
@@ -15,10 +15,18 @@ use crate::{
         daemon, database_url, due_now, exit_of, fine_settler, free_port, insert, loan, output, signal,
         wait_until, StderrLog,
     },
+    server::PrivateServer,
 };
 
+/// Runs each statement in turn on one connection, in a writable session whatever the server's default.
 async fn exec(pool: &PgPool, sql: &str) {
-    sqlx::raw_sql(sql).execute(pool).await.expect(sql);
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("set default_transaction_read_only = off")
+        .await
+        .expect("writable session");
+    for statement in sql.split(';') {
+        conn.execute(statement).await.expect(statement);
+    }
 }
 
 fn database_of(pool: &PgPool) -> String {
@@ -48,29 +56,28 @@ async fn job_runs(pool: &PgPool) -> i64 {
 }
 
 #[sqlx::test]
-async fn a_replica_on_a_read_only_server_claims_nothing_answers_503_and_resumes_once_it_can_write(
+async fn a_replica_started_on_a_read_only_server_is_not_ready_claims_nothing_and_starts_once_it_can_write(
     pool: PgPool,
 ) {
     let month = due_now(&pool, 1).await[0];
     let day = |n: u32| month.with_day(n).expect("day").to_string();
     insert(&pool, &[loan(1, &day(2), Some(&day(9)))]).await;
+    // The test pool's connections (opened before) keep writing; the replica's are read-only.
     make_read_only(&pool, true).await;
-    // Keep the pool's connections (opened before the change) for the checks: connections opened from now on are
-    // read-only.
     let url = database_url(&pool);
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let mut replica = daemon(&url, 0, 1, &[("FINE_SETTLER__HTTP__LISTEN", &listen)]);
     let log = StderrLog::collect(&mut replica);
 
-    wait_until("the episode's log line", Duration::from_secs(15), || async {
-        log.contains("read-only server: claiming nothing")
+    wait_until("the not-ready line", Duration::from_secs(15), || async {
+        log.contains("connected to a read-only server")
     })
     .await;
     let (status, body) = http_get(port, "/readyz").await;
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("connected to a read-only server"), "{body}");
-    // Several ticks' worth of retries (250 ms, 500 ms, 1 s, 2 s): nothing is claimed.
+    // Retries at 250 ms, 500 ms, 1 s, 2 s: nothing is claimed meanwhile.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(job_runs(&pool).await, 0, "a read-only server was used for work");
 
@@ -78,13 +85,7 @@ async fn a_replica_on_a_read_only_server_claims_nothing_answers_503_and_resumes_
     wait_until(
         "the key SUCCESS once the server writes",
         Duration::from_secs(30),
-        || async {
-            sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'SUCCESS'")
-                .fetch_one(&pool)
-                .await
-                .unwrap_or(0)
-                == 1
-        },
+        || async { all_settled(&pool).await },
     )
     .await;
     let (status, body) = http_get(port, "/readyz").await;
@@ -95,10 +96,107 @@ async fn a_replica_on_a_read_only_server_claims_nothing_answers_503_and_resumes_
     assert_eq!(code, Some(0));
     let stderr = log.finish();
     let lines = |text: &str| stderr.lines().filter(|l| l.contains(text)).count();
+    assert_eq!(lines("connected to a read-only server"), 1, "{stderr}");
+    assert_eq!(lines("database ready"), 1, "{stderr}");
+    assert_eq!(
+        lines(r#""level":"error""#),
+        1,
+        "one error line for the whole episode: {stderr}"
+    );
+}
+
+/// Whether every loan is settled and no key is left but SUCCESS.
+async fn all_settled(pool: &PgPool) -> bool {
+    sqlx::query_scalar(
+        "select not exists (select 1 from loans where fine_settled_at is null)
+            and not exists (select 1 from job_runs where status <> 'SUCCESS')
+            and exists (select 1 from job_runs)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap_or(false)
+}
+
+/// A primary demoted behind its address: every session's transactions turn read-only at a reload
+/// (`default_transaction_read_only` in postgresql.auto.conf), connections stay up. The running replica notices
+/// at its next tick, claims nothing, answers 503, logs the episode once, and resumes when the server writes
+/// again. (A private server: the setting is server-wide.)
+#[tokio::test]
+async fn a_running_replica_whose_server_turns_read_only_claims_nothing_until_it_writes_again() {
+    let server = PrivateServer::start(&[]);
+    let url = server.migrated_database("libraryd").await;
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        // The test's own sessions keep writing whatever the server's default.
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("set default_transaction_read_only = off")
+                    .await
+                    .map(|_| ())
+            })
+        })
+        .connect(&url)
+        .await
+        .expect("connect");
+    let month = due_now(&pool, 1).await[0];
+    let day = |n: u32| month.with_day(n).expect("day").to_string();
+    insert(&pool, &[loan(1, &day(2), Some(&day(9)))]).await;
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut replica = daemon(&url, 0, 1, &[("FINE_SETTLER__HTTP__LISTEN", &listen)]);
+    let log = StderrLog::collect(&mut replica);
+    wait_until("the month settled", Duration::from_secs(30), || async {
+        all_settled(&pool).await
+    })
+    .await;
+
+    exec(
+        &pool,
+        "alter system set default_transaction_read_only = on; select pg_reload_conf()",
+    )
+    .await;
+    // A return back-dated into the settled month: the next tick would re-open the key.
+    insert(&pool, &[loan(2, &day(3), Some(&day(10)))]).await;
+    wait_until("the episode's line", Duration::from_secs(15), || async {
+        log.contains("read-only server: claiming nothing")
+    })
+    .await;
+    let (status, body) = http_get(port, "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("connected to a read-only server"), "{body}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let unsettled = |pool: PgPool| async move {
+        sqlx::query_scalar::<_, i64>("select count(*) from loans where fine_settled_at is null")
+            .fetch_one(&pool)
+            .await
+            .expect("count")
+    };
+    assert_eq!(
+        unsettled(pool.clone()).await,
+        1,
+        "nothing was written while the server was read-only"
+    );
+
+    exec(
+        &pool,
+        "alter system reset default_transaction_read_only; select pg_reload_conf()",
+    )
+    .await;
+    wait_until("the late return settled", Duration::from_secs(40), || async {
+        unsettled(pool.clone()).await == 0
+    })
+    .await;
+    let (status, body) = http_get(port, "/readyz").await;
+    assert_eq!(status, 200, "{body}");
+    signal(&replica, "TERM");
+    let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
+    assert_eq!(code, Some(0));
+    let stderr = log.finish();
+    let lines = |text: &str| stderr.lines().filter(|l| l.contains(text)).count();
     assert_eq!(lines("read-only server: claiming nothing"), 1, "{stderr}");
     assert_eq!(lines("writable server found again"), 1, "{stderr}");
     assert_eq!(
-        lines("\"level\":\"ERROR\""),
+        lines(r#""level":"error""#),
         1,
         "one error line for the whole episode: {stderr}"
     );
@@ -116,19 +214,22 @@ async fn a_one_shot_command_on_a_read_only_server_exits_1_with_one_line_and_writ
         vec!["pause", "--job", "fine-settlement"],
     ] {
         let mut cmd = fine_settler(&url);
-        cmd.env("FINE_SETTLER__LOG__LEVEL", "off").args(&args);
+        cmd.args(&args);
         let out = output(cmd);
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr} {stdout}");
+        // One line (a run's error log line, or the command's error), naming the reason.
         assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
         assert!(
             stderr.contains("connected to a read-only server"),
             "{args:?}: {stderr}"
         );
+        // A run still prints its report (failed, nothing claimed); nothing else is printed.
         assert!(
-            out.stdout.is_empty(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stdout)
+            stdout.is_empty()
+                || (stdout.contains(r#""outcome":"failed""#) && stdout.contains(r#""epoch":null"#)),
+            "{args:?}: {stdout}"
         );
     }
     assert_eq!(job_runs(&pool).await, 0);
