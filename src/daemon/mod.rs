@@ -65,6 +65,9 @@ pub enum TickError {
     /// The server cannot write (a standby, or read-only transactions): the tick claims nothing.
     #[error("{0}")]
     ReadOnly(String),
+    /// A run of the tick lost its connection.
+    #[error("a run lost its database connection: {0}")]
+    Connection(String),
 }
 
 impl TickError {
@@ -448,6 +451,11 @@ impl Daemon {
                 return Err(TickError::ReadOnly(format!(
                     "connected to a read-only server ({detail})"
                 )));
+            }
+            if report.connection_lost {
+                // The server went away mid-run (a restart, a failover): the rest of the pass would only wait for
+                // it key by key; the outage loop looks for it (or the next host) with backoff instead.
+                return Err(TickError::Connection(report.detail.clone().unwrap_or_default()));
             }
             if report.paused {
                 paused_now.insert(visit.key.job);

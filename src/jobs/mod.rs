@@ -118,4 +118,8 @@ pub struct RunReport {
     /// Not part of the JSON report (its `detail` has the error).
     #[serde(skip)]
     pub read_only: bool,
+    /// The run failed because the connection did (the server went away): the daemon stops its pass and treats
+    /// it as an outage. Not part of the JSON report.
+    #[serde(skip)]
+    pub connection_lost: bool,
 }

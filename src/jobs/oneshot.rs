@@ -52,6 +52,7 @@ fn not_started(key: RunKey, started: tokio::time::Instant, error: String) -> Run
         reopened: false,
         paused: false,
         read_only: false,
+        connection_lost: false,
     }
 }
 

@@ -98,6 +98,11 @@ impl JobError {
     pub fn read_only(&self) -> bool {
         matches!(self, JobError::Sql(e) if crate::store::read_only(e))
     }
+
+    /// Whether the connection failed rather than the statement (see [`transient`]).
+    pub fn connection_lost(&self) -> bool {
+        matches!(self, JobError::Sql(e) if transient(e) && !crate::store::read_only(e))
+    }
 }
 
 /// Waits before each retry of a statement that ends a run, when the connection (not the statement) failed:
@@ -123,18 +128,30 @@ pub fn transient(e: &sqlx::Error) -> bool {
 /// failure is [`transient`]. Without this, a run cut off by a server restart would leave its key RUNNING until
 /// the lease expires (delaying the takeover), and a replica thawed after a takeover could not record that it
 /// lost its lease.
-async fn retrying<T, F, Fut>(what: &str, mut statement: F) -> Result<T, sqlx::Error>
+///
+/// With several hosts in `database.url`, each retry first looks for a qualifying host again (a failover): a retry
+/// finding none is not sent (it would only wait for the dead server), and one that finds the promoted standby
+/// records the end of the run there, as far as the standby had replayed it.
+async fn retrying<T, F, Fut>(what: &str, pool: &Db, mut statement: F) -> Result<T, sqlx::Error>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, sqlx::Error>>,
 {
     let mut waits = END_BACKOFF.delays(END_RETRIES);
+    let mut result = statement().await;
     loop {
-        match statement().await {
+        match result {
             Err(e) if transient(&e) => match waits.next() {
                 Some(wait) => {
                     tracing::debug!(error = %JobError::from(e), what, wait_ms = wait.as_millis() as u64, "retrying");
                     tokio::time::sleep(wait).await;
+                    result = match pool.follows_hosts() {
+                        true => match pool.reconnect().await {
+                            Ok(()) => statement().await,
+                            Err(e) => Err(e),
+                        },
+                        false => statement().await,
+                    };
                 }
                 None => return Err(e),
             },
@@ -347,6 +364,7 @@ impl Runner {
             reopened: false,
             paused: false,
             read_only: false,
+            connection_lost: false,
         };
 
         let mut claimed = job_runs::claim(&self.pool, &key, &self.owner, self.lease.duration(), mode).await;
@@ -405,6 +423,7 @@ impl Runner {
                 tracing::error!(error = %e, "claim failed");
                 return RunReport {
                     read_only: e.read_only(),
+                    connection_lost: e.connection_lost(),
                     ..report(Outcome::Failed, None, 0, 0, Some(e.to_string()))
                 };
             }
@@ -414,8 +433,9 @@ impl Runner {
             reopened,
             ..report(outcome, epoch, scanned, updated, detail)
         };
-        let failed = |epoch, scanned, updated, detail, read_only| RunReport {
+        let failed = |epoch, scanned, updated, detail, read_only, connection_lost| RunReport {
             read_only,
+            connection_lost,
             ..report(Outcome::Failed, epoch, scanned, updated, detail)
         };
         let (mut scanned, mut updated) = (0i64, 0i64);
@@ -501,11 +521,12 @@ impl Runner {
         };
         let error_text = stop.as_ref().err().map(ToString::to_string);
         let read_only = stop.as_ref().err().is_some_and(JobError::read_only);
+        let lost = stop.as_ref().err().is_some_and(JobError::connection_lost);
         let ending = ending.or(error_text.as_deref().map(Ending::Failed));
 
         let finished = match ending {
             Some(ending) => {
-                retrying("finish", || {
+                retrying("finish", &self.pool, || {
                     job_runs::finish(&self.pool, &key, epoch, ending, scanned, updated)
                 })
                 .await
@@ -520,7 +541,7 @@ impl Runner {
         };
         if lease_lost {
             tracing::warn!(scanned, updated, "lease lost: another replica took the key over");
-            let recorded = retrying("record the lost lease", || {
+            let recorded = retrying("record the lost lease", &self.pool, || {
                 job_runs::record_lease_lost(&self.pool, &key, epoch, &self.owner, scanned, updated)
             })
             .await;
@@ -534,12 +555,14 @@ impl Runner {
             let e = JobError::from(e);
             tracing::error!(error = %e, "could not record the end of the run; the lease will expire");
             let read_only = read_only || e.read_only();
+            let lost = lost || e.connection_lost();
             return failed(
                 Some(epoch),
                 scanned,
                 updated,
                 Some(error_text.unwrap_or(e.to_string())),
                 read_only,
+                lost,
             );
         }
         match stop {
@@ -555,7 +578,7 @@ impl Runner {
                 paused: true,
                 ..report(Outcome::Failed, Some(epoch), scanned, updated, Some(error))
             },
-            _ => failed(Some(epoch), scanned, updated, error_text, read_only),
+            _ => failed(Some(epoch), scanned, updated, error_text, read_only, lost),
         }
     }
 

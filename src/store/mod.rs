@@ -382,6 +382,13 @@ impl Db {
     fn lazy(db: &DatabaseSettings, application_name: &str, gucs: &Gucs, options: PgPoolOptions) -> Self {
         let route = std::sync::Arc::new(Route::new(db, application_name, gucs));
         let fresh = route.clone();
+        let mut options = options;
+        if route.hosts.len() > 1 {
+            // sqlx retries a refused connection until the acquire timeout ("the server is starting"); with other
+            // hosts to try, a dead one is given up after the per-host timeout instead.
+            let timeout = options.get_acquire_timeout().min(route.host_timeout);
+            options = options.acquire_timeout(timeout);
+        }
         let mut options = options.before_acquire(move |_, meta| {
             let fresh = fresh.fresh(meta.age);
             Box::pin(async move { Ok(fresh) })
@@ -420,6 +427,11 @@ impl Db {
         }
         self.pool.set_connect_options(host);
         Ok(())
+    }
+
+    /// Whether `database.url` lists several hosts, so that [`Db::reconnect`] may move to another.
+    pub fn follows_hosts(&self) -> bool {
+        self.route.hosts.len() > 1
     }
 
     /// The options the pool opens its connections with now (its current host).
