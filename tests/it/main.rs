@@ -15,6 +15,7 @@ mod lifecycle;
 mod live;
 mod pause;
 mod progress;
+mod scripts;
 mod server;
 mod settlement;
 mod status;
