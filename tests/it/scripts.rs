@@ -72,6 +72,34 @@ impl Drop for Started<'_> {
     }
 }
 
+/// `pg.sh start test`, which must succeed: the guard that stops the cluster again, and its URL.
+fn start<'a>(root: &'a Path, bin: &Path, port: u16) -> (Started<'a>, String) {
+    let out = pg_sh(root, bin, port, &["start", "test"]);
+    let started = Started {
+        root,
+        bin: bin.to_path_buf(),
+        port,
+    };
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (started, String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// initdb's identifier of the cluster serving `url`: the same value means the same data folder.
+async fn cluster_id(url: &str) -> i64 {
+    let mut conn = PgConnection::connect(url).await.expect("connect");
+    let id = sqlx::query_scalar!(r#"select system_identifier as "id!" from pg_control_system()"#)
+        .fetch_one(&mut conn)
+        .await
+        .expect("system identifier");
+    conn.close().await.expect("close");
+    id
+}
+
 /// `pg.sh start test` initialises `target/pg-test-MAJOR` for the binaries' major version, serves it on the port
 /// asked for, and the server there is of that version; `stop` stops it.
 #[tokio::test]
@@ -81,19 +109,7 @@ async fn pg_sh_keeps_the_cluster_of_each_major_version_in_its_own_folder() {
     let major = major_of(&bin);
     let port = free_port();
 
-    let out = pg_sh(root.path(), &bin, port, &["start", "test"]);
-    let started = Started {
-        root: root.path(),
-        bin: bin.clone(),
-        port,
-    };
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let url = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let (started, url) = start(root.path(), &bin, port);
     assert_eq!(url, format!("postgres://postgres@127.0.0.1:{port}/postgres"));
     let folder = root.path().join(format!("target/pg-test-{major}"));
     let stamp = std::fs::read_to_string(folder.join("data/PG_VERSION")).unwrap_or_else(|e| {
@@ -127,6 +143,52 @@ async fn pg_sh_keeps_the_cluster_of_each_major_version_in_its_own_folder() {
         PgConnection::connect(&url).await.is_err(),
         "the cluster still answers after pg.sh stop"
     );
+    drop(started);
+}
+
+/// A cluster made before the folders carried the version (`target/pg-test`) is still used by binaries of its own
+/// version — the same cluster, not a fresh one beside it — and ignored by binaries of another version.
+#[tokio::test]
+async fn pg_sh_keeps_using_a_folder_made_before_the_version_suffix() {
+    let root = scratch_checkout();
+    let bin = pg_bin();
+    let major = major_of(&bin);
+    let port = free_port();
+    let versioned = root.path().join(format!("target/pg-test-{major}"));
+    let legacy = root.path().join("target/pg-test");
+
+    let (started, url) = start(root.path(), &bin, port);
+    let made = cluster_id(&url).await;
+    drop(started);
+    std::fs::rename(&versioned, &legacy).expect("rename to the old folder name");
+
+    let (started, url) = start(root.path(), &bin, port);
+    assert_eq!(cluster_id(&url).await, made, "the old folder's cluster serves");
+    assert!(!versioned.exists(), "no fresh cluster beside the old one");
+    assert!(
+        legacy.join("data/postmaster.pid").exists(),
+        "the server runs on the old folder"
+    );
+    drop(started);
+
+    // An old folder of another version is not this version's.
+    let root = scratch_checkout();
+    let legacy_data = root.path().join("target/pg-test/data");
+    std::fs::create_dir_all(&legacy_data).expect("mkdir");
+    std::fs::write(legacy_data.join("PG_VERSION"), format!("{}\n", major - 1)).expect("stamp");
+    let (started, url) = start(root.path(), &bin, port);
+    assert_ne!(cluster_id(&url).await, made);
+    assert!(
+        root.path()
+            .join(format!("target/pg-test-{major}/data/PG_VERSION"))
+            .exists(),
+        "a cluster of its own for this version"
+    );
+    let left: Vec<_> = std::fs::read_dir(&legacy_data)
+        .expect("read old folder")
+        .filter_map(|e| e.ok().map(|e| e.file_name()))
+        .collect();
+    assert_eq!(left, ["PG_VERSION"], "the old folder is untouched");
     drop(started);
 }
 
