@@ -73,8 +73,8 @@ fi
 as_owner=()
 if [ "$(id -u)" = 0 ]; then
   as_owner=(runuser -u postgres --)
-  if ! runuser -u postgres -- test -x "$pgbin/postgres"; then
-    echo "pg.sh: user postgres cannot run $pgbin/postgres (make it and its folders readable and executable by others)" >&2
+  if ! runuser -u postgres -- "$pgbin/postgres" --version >/dev/null 2>&1; then
+    echo "pg.sh: user postgres cannot run $pgbin/postgres (make it, its libraries and their folders readable and executable by others)" >&2
     exit 1
   fi
 fi
