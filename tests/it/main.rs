@@ -21,6 +21,7 @@ mod pooler;
 mod progress;
 mod read_only;
 mod replication;
+mod scripts;
 mod server;
 mod settlement;
 mod status;

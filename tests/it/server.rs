@@ -13,12 +13,16 @@ pub struct PrivateServer {
     as_postgres: bool,
 }
 
-fn pg_bin() -> PathBuf {
-    if let Ok(bin) = std::env::var("PG_BIN") {
-        return PathBuf::from(bin);
+/// The server binaries scripts/pg.sh uses: `FINE_SETTLER_PG_BIN` (`PG_BIN`, its older name), else the newest
+/// Debian one, so that a run on another major version (`scripts/test.sh --pg 18`) runs these servers on it too.
+pub fn pg_bin() -> PathBuf {
+    for var in ["FINE_SETTLER_PG_BIN", "PG_BIN"] {
+        if let Some(bin) = std::env::var_os(var).filter(|v| !v.is_empty()) {
+            return PathBuf::from(bin);
+        }
     }
     let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .expect("PostgreSQL server binaries under /usr/lib/postgresql (or set PG_BIN)")
+        .expect("PostgreSQL server binaries under /usr/lib/postgresql (or set FINE_SETTLER_PG_BIN)")
         .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
         .filter(|p| p.join("initdb").exists())
         .collect();
