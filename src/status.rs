@@ -80,8 +80,13 @@ impl StatusSource {
             let pauses = crate::store::pauses::list(&self.pool, None).await?;
             Ok::<_, sqlx::Error>((keys, dead, pauses))
         };
-        let (keys, dead, pauses) = tokio::time::timeout(DATABASE_TIMEOUT * 2, read)
-            .await
+        let read = tokio::time::timeout(DATABASE_TIMEOUT * 2, read).await;
+        if !matches!(read, Ok(Ok(_))) && self.pool.follows_hosts() {
+            // The next load looks for the next qualifying host of the URL (a failover), without waiting here.
+            let pool = self.pool.clone();
+            tokio::spawn(async move { pool.reconnect().await });
+        }
+        let (keys, dead, pauses) = read
             .map_err(|_| StatusError::Timeout)?
             .map_err(|e| StatusError::Database(crate::redact::secrets_in(&e.to_string())))?;
         let replica = ReplicaStatus {

@@ -101,15 +101,10 @@ pub fn read_only(e: &sqlx::Error) -> bool {
     }
 }
 
-/// Connection settings shared by every pool: the application name shows the replica in `pg_stat_activity`.
-/// Behind a pooler, sqlx's `extra_float_digits` startup parameter is not sent (PgBouncer refuses every startup
-/// parameter it does not know; fine-settler reads no floats); behind one in transaction mode no statement is kept
-/// prepared beyond its transaction (see [`Db`]).
-fn connect_options(db: &DatabaseSettings, application_name: &str) -> PgConnectOptions {
-    for_pooler(db.pooler, db.url.connect_options(), application_name)
-}
-
-/// `host`'s options as a connection of `application_name` behind `pooler` opens them.
+/// `host`'s options as a connection of `application_name` behind `pooler` opens them: the application name shows
+/// the replica in `pg_stat_activity`. Behind a pooler, sqlx's `extra_float_digits` startup parameter is not sent
+/// (PgBouncer refuses every startup parameter it does not know; fine-settler reads no floats); behind one in
+/// transaction mode no statement is kept prepared beyond its transaction (see [`Db`]).
 fn for_pooler(pooler: Pooler, host: &PgConnectOptions, application_name: &str) -> PgConnectOptions {
     let options = host.clone().application_name(application_name);
     match pooler {
@@ -194,8 +189,8 @@ fn hosts_with(
         .map(|host| {
             let options = for_pooler(db.pooler, host, application_name);
             match db.pooler {
-                Pooler::None => gucs.apply(options),
-                Pooler::Session | Pooler::Transaction => options,
+                Pooler::None if !gucs.0.is_empty() => gucs.apply(options),
+                _ => options,
             }
         })
         .collect();
@@ -722,11 +717,17 @@ pub async fn readiness(pool: &Db) -> Result<(), String> {
 /// because building an index concurrently on millions of loans takes longer than any batch. With `bars`, a
 /// second connection watches the index builds and draws their progress.
 pub async fn migrate(db: &DatabaseSettings, bars: bool) -> Result<(), StoreError> {
-    let options = connect_options(db, "fine-settler migrate");
+    // The first qualifying host of the URL (with one host, that host), without a statement timeout.
+    let route = Route::new(db, "fine-settler migrate", &Gucs(Vec::new()));
+    let chosen = match route.hosts.len() {
+        1 => 0,
+        _ => route.choose().await?,
+    };
+    let options = route.hosts[chosen].clone();
     let pool = PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(db.connect_timeout)
-        .connect_with(options)
+        .connect_with(options.clone())
         .await?;
     drop_invalid_indexes(&pool).await?;
     let watcher = if bars {
@@ -735,7 +736,8 @@ pub async fn migrate(db: &DatabaseSettings, bars: bool) -> Result<(), StoreError
             .fetch_one(&pool)
             .await?;
         let watcher =
-            PgConnection::connect_with(&connect_options(db, "fine-settler migrate progress")).await?;
+            PgConnection::connect_with(&options.clone().application_name("fine-settler migrate progress"))
+                .await?;
         Some(tokio::spawn(crate::progress::watch_index_builds(watcher, pid)))
     } else {
         None

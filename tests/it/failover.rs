@@ -12,8 +12,8 @@ use chrono::{Datelike, NaiveDate};
 use sqlx::{postgres::PgPoolOptions, Connection, Executor, PgConnection, PgPool};
 
 use crate::helpers::{
-    daemon, due_now, exit_of, insert, install_update_audit, loan, max_updates_per_loan, migrate, oracle,
-    settled, signal, slow_down, wait_until, Cluster, Running, StderrLog,
+    daemon, due_now, exit_of, fine_settler, insert, install_update_audit, loan, max_updates_per_loan,
+    migrate, oracle, output, report, settled, signal, slow_down, wait_until, Cluster, Running, StderrLog,
 };
 
 /// The replicas' lease (see `helpers::daemon`).
@@ -207,4 +207,60 @@ async fn standby_db(standby: &Cluster) -> PgConnection {
     PgConnection::connect(&standby.url("libraryd"))
         .await
         .expect("connect to the standby")
+}
+
+#[tokio::test]
+async fn one_shot_commands_use_the_first_qualifying_host_of_a_multi_host_url() {
+    let primary = Cluster::primary().await;
+    primary
+        .connect()
+        .await
+        .execute("create database libraryd")
+        .await
+        .expect("create database");
+    let standby = primary.standby().await;
+    let both = |target: &str| {
+        format!(
+            "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/libraryd?target_session_attrs={target}",
+            standby.port(),
+            primary.port()
+        )
+    };
+    // The standby is listed first: read-write skips it, for migrate as for the jobs.
+    migrate(&both("read-write"));
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&primary.url("libraryd"))
+        .await
+        .expect("connect to the primary");
+    let month = due_now(&pool, 1).await[0];
+    let first = month.with_day(1).expect("first day").to_string();
+    insert(&pool, &[loan(1, &first, Some(&month.to_string()))]).await;
+    standby.wait_replayed(&primary).await;
+    let settle = |url: String| {
+        let mut cmd = fine_settler(&url);
+        cmd.args(["settle", "--business-date", &month.to_string()]);
+        output(cmd)
+    };
+    let out = settle(both("read-write"));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(report(&out)["outcome"], "settled");
+    // `any` takes the first host that answers, the standby: refused in one line, nothing done.
+    let out = settle(both("any"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("connected to a read-only server (in recovery"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("127.0.0.1:{}", standby.port())),
+        "{stderr}"
+    );
 }
