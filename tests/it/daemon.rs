@@ -11,7 +11,7 @@ use crate::{
     helpers::{
         assert_success, d, daemon, database_url, due_now, exit_of, fine_settler, free_port, insert,
         install_update_audit, loan, max_updates_per_loan, migrate, oracle, output, seed_run, settled, signal,
-        slow_down, stop, wait_until, Running, StderrLog, Via,
+        slow_down, stop, wait_until, PgBouncer, PoolMode, Running, StderrLog, Via,
     },
     server::PrivateServer,
 };
@@ -256,8 +256,33 @@ async fn the_shard_comes_from_the_statefulset_pod(pool: PgPool) {
 
 #[tokio::test]
 async fn replicas_recover_from_a_postgres_restart_without_restarting_themselves() {
+    replicas_recover_from_a_restart(None).await;
+}
+
+/// Three replicas (reaching a private server directly, or through a PgBouncer in `front` of it) settle three
+/// months while the server restarts under them: every key SUCCESS, every loan settled once, each outage logged
+/// once when it starts and once when it ends, and no replica restarted.
+pub(crate) async fn replicas_recover_from_a_restart(front: Option<PoolMode>) {
     let server = PrivateServer::start(&[]);
     let url = server.migrated_database("libraryd").await;
+    let bouncer = match front {
+        Some(mode) => Some(PgBouncer::start_in_front_of(&server.url("postgres"), mode).await),
+        None => None,
+    };
+    let via = match (&bouncer, front) {
+        (Some(b), Some(PoolMode::Transaction)) => Via {
+            url: b.url_for(&url),
+            pooler: "transaction",
+        },
+        (Some(b), Some(PoolMode::Session)) => Via {
+            url: b.url_for(&url),
+            pooler: "session",
+        },
+        _ => Via {
+            url: url.clone(),
+            pooler: "none",
+        },
+    };
     let pool = PgPoolOptions::new()
         .max_connections(3)
         .connect(&url)
@@ -270,7 +295,7 @@ async fn replicas_recover_from_a_postgres_restart_without_restarting_themselves(
     slow_down(&pool, "update on loans", 0.005).await;
     pool.close().await;
 
-    let replicas: Vec<Running> = (0..3).map(|s| daemon(&url, s, 3, &[])).collect();
+    let replicas: Vec<Running> = (0..3).map(|s| via.daemon(s, 3, &[])).collect();
     let pool = PgPoolOptions::new()
         .max_connections(3)
         .connect(&url)

@@ -11,16 +11,15 @@ use fine_settler::{
     config::{DatabaseSettings, DatabaseUrl, Pooler},
     store::{self, Db},
 };
-use sqlx::{postgres::PgPoolOptions, PgPool};
+use sqlx::PgPool;
 
 use crate::{
     accrual::rejected_charges_compensated_once,
-    daemon::three_replicas_catch_up,
+    daemon::{replicas_recover_from_a_restart, three_replicas_catch_up},
     helpers::{
         database_url, due_now, exit_of, insert, install_update_audit, loan, max_updates_per_loan, oracle,
-        settled, signal, slow_down, wait_until, PgBouncer, PoolMode, Running, StderrLog, Via,
+        settled, signal, slow_down, wait_until, PgBouncer, PoolMode, StderrLog, Via,
     },
-    server::PrivateServer,
     settlement::three_shards_twice_each,
 };
 
@@ -164,86 +163,5 @@ async fn open_transactions(pool: &PgPool) -> i64 {
 
 #[tokio::test]
 async fn replicas_behind_pgbouncer_recover_from_a_postgres_restart() {
-    let server = PrivateServer::start(&[]);
-    let url = server.migrated_database("libraryd").await;
-    let bouncer = PgBouncer::start_in_front_of(&server.url("postgres"), PoolMode::Transaction).await;
-    let pool = PgPoolOptions::new()
-        .max_connections(3)
-        .connect(&url)
-        .await
-        .expect("connect");
-    install_update_audit(&pool).await;
-    let months = due_now(&pool, 2).await;
-    for (i, month) in months.iter().enumerate() {
-        let first = month.with_day(1).expect("first day");
-        let loans: Vec<_> = (1..=600)
-            .map(|n| {
-                loan(
-                    i as i64 * 10_000 + n,
-                    &first.to_string(),
-                    Some(&month.to_string()),
-                )
-            })
-            .collect();
-        insert(&pool, &loans).await;
-    }
-    slow_down(&pool, "update on loans", 0.005).await;
-    pool.close().await;
-
-    let via = Via {
-        url: bouncer.url_for(&url),
-        pooler: "transaction",
-    };
-    let replicas: Vec<Running> = (0..3).map(|s| via.daemon(s, 3, &[])).collect();
-    let pool = PgPoolOptions::new()
-        .max_connections(3)
-        .connect(&url)
-        .await
-        .expect("connect");
-    wait_until("work in progress", Duration::from_secs(30), || async {
-        sqlx::query_scalar::<_, i64>("select coalesce(sum(scanned), 0)::bigint from job_runs")
-            .fetch_one(&pool)
-            .await
-            .unwrap_or(0)
-            > 150
-    })
-    .await;
-    pool.close().await;
-    server.restart();
-
-    let pool = PgPoolOptions::new()
-        .max_connections(3)
-        .connect(&url)
-        .await
-        .expect("reconnect");
-    wait_until(
-        "all 3 x 3 keys SUCCESS after the restart (three months in the window, the oldest without loans)",
-        Duration::from_secs(90),
-        || async {
-            sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'SUCCESS'")
-                .fetch_one(&pool)
-                .await
-                .unwrap_or(0)
-                == 9
-        },
-    )
-    .await;
-    for r in &replicas {
-        signal(r, "TERM");
-    }
-    for r in replicas {
-        let (code, stderr) = exit_of(r, Duration::from_secs(10)).await;
-        assert_eq!(code, Some(0), "{stderr}");
-        assert_eq!(
-            stderr.matches("database unreachable").count(),
-            stderr.matches("database reachable again").count(),
-            "{stderr}"
-        );
-    }
-    for m in &months {
-        let m = m.to_string();
-        assert_eq!(settled(&pool, &m).await, oracle(&pool, &m).await, "month {m}");
-    }
-    assert_eq!(max_updates_per_loan(&pool).await, 1, "no loan was updated twice");
-    drop(bouncer);
+    replicas_recover_from_a_restart(Some(PoolMode::Transaction)).await;
 }

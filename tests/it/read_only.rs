@@ -13,7 +13,7 @@ use crate::{
     daemon::http_get,
     helpers::{
         daemon, database_url, due_now, exit_of, fine_settler, free_port, insert, loan, output, signal,
-        wait_until, StderrLog,
+        wait_until, Running, StderrLog,
     },
     server::PrivateServer,
 };
@@ -88,16 +88,28 @@ async fn a_replica_started_on_a_read_only_server_is_not_ready_claims_nothing_and
         || async { all_settled(&pool).await },
     )
     .await;
+    ready_then_stop(
+        port,
+        replica,
+        log,
+        "connected to a read-only server",
+        "database ready",
+    )
+    .await;
+}
+
+/// `/readyz` answers 200; the replica stops on SIGTERM; its log has the episode once each way (`started`,
+/// `ended`) and no other error line.
+async fn ready_then_stop(port: u16, replica: Running, log: StderrLog, started: &str, ended: &str) {
     let (status, body) = http_get(port, "/readyz").await;
     assert_eq!(status, 200, "{body}");
-
     signal(&replica, "TERM");
     let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
     assert_eq!(code, Some(0));
     let stderr = log.finish();
     let lines = |text: &str| stderr.lines().filter(|l| l.contains(text)).count();
-    assert_eq!(lines("connected to a read-only server"), 1, "{stderr}");
-    assert_eq!(lines("database ready"), 1, "{stderr}");
+    assert_eq!(lines(started), 1, "{stderr}");
+    assert_eq!(lines(ended), 1, "{stderr}");
     assert_eq!(
         lines(r#""level":"error""#),
         1,
@@ -186,20 +198,14 @@ async fn a_running_replica_whose_server_turns_read_only_claims_nothing_until_it_
         unsettled(pool.clone()).await == 0
     })
     .await;
-    let (status, body) = http_get(port, "/readyz").await;
-    assert_eq!(status, 200, "{body}");
-    signal(&replica, "TERM");
-    let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
-    assert_eq!(code, Some(0));
-    let stderr = log.finish();
-    let lines = |text: &str| stderr.lines().filter(|l| l.contains(text)).count();
-    assert_eq!(lines("read-only server: claiming nothing"), 1, "{stderr}");
-    assert_eq!(lines("writable server found again"), 1, "{stderr}");
-    assert_eq!(
-        lines(r#""level":"error""#),
-        1,
-        "one error line for the whole episode: {stderr}"
-    );
+    ready_then_stop(
+        port,
+        replica,
+        log,
+        "read-only server: claiming nothing",
+        "writable server found again",
+    )
+    .await;
 }
 
 #[sqlx::test]
