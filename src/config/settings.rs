@@ -141,6 +141,10 @@ pub enum DatabaseUrlError {
     /// A port that is not a number from 1 to 65535.
     #[error("{url}: port {port:?} of host {host:?} is not a number from 1 to 65535")]
     BadPort { url: String, host: String, port: String },
+    /// The part before the host holds an unescaped `/`, `?` or `#` (in a password, most likely), so the host list
+    /// seems to start inside it; nothing of it is quoted.
+    #[error("{url}: the user or password holds a '/', '?' or '#': percent-encode it (%2F, %3F, %23)")]
+    UnencodedUserinfo { url: String },
     /// `port=` lists neither one port for all hosts nor one per host.
     #[error("{url}: {ports} ports for {hosts} hosts; give one port for all hosts, or one per host")]
     PortCount { url: String, ports: usize, hosts: usize },
@@ -197,7 +201,16 @@ impl DatabaseUrl {
             .map(|value| libpq_connect_timeout(value, &shown))
             .transpose()?
             .flatten();
-        let endpoints = endpoints(&uri, own("host"), own("port"), &shown)?;
+        // An '@' after the first '/', '?' or '#' but none before: the password (or user) holds one of those, and
+        // what looks like the host list is part of it, so an error about it would quote the password.
+        let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+        let cut_userinfo = !authority.contains('@') && rest.contains('@');
+        let endpoints = endpoints(&uri, own("host"), own("port"), &shown).map_err(|e| match e {
+            DatabaseUrlError::BadPort { .. } | DatabaseUrlError::BadHost { .. } if cut_userinfo => {
+                DatabaseUrlError::UnencodedUserinfo { url: shown.clone() }
+            }
+            e => e,
+        })?;
         if endpoints.len() > 1 && uri.params.iter().any(|p| p.name == "hostaddr") {
             return Err(DatabaseUrlError::HostaddrWithHosts { url: shown });
         }
@@ -1114,9 +1127,19 @@ mod tests {
         ] {
             let message = error(bad);
             assert!(
-                !message.contains("hunter2") && !message.contains("ter2"),
+                !message.contains("hunter2") && !message.contains("ter2") && !message.contains("\"hun\""),
                 "{bad}: {message}"
             );
+        }
+        // A password with an unescaped '/', '?' or '#' cuts the authority inside it: no piece of it is quoted.
+        for (bad, piece) in [
+            ("postgres://settler:hunter2/xyz@db1:5432/libraryd", "hunter2"),
+            ("postgres://u:s3cr3t?x@h/db", "s3cr3t"),
+            ("postgres://u:pa#ss@h1,h2/db", "\"pa\""),
+        ] {
+            let message = error(bad);
+            assert!(!message.contains(piece), "{bad}: {message}");
+            assert!(message.contains("percent-encode it"), "{bad}: {message}");
         }
     }
 

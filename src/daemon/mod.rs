@@ -96,7 +96,12 @@ pub async fn plan(settings: &Settings, at: Option<DateTime<Utc>>) -> Result<Vec<
         settings.claim.lease.batch_timeout(),
     );
     pool.reconnect().await?;
-    let mut session = Session::new(&pool, "fine-settler plan", settings.database.connect_timeout);
+    let mut session = Session::new(
+        &pool,
+        "fine-settler plan",
+        settings.database.connect_timeout,
+        settings.claim.lease.batch_timeout() + settings.database.connect_timeout,
+    );
     let around = at.unwrap_or_else(Utc::now);
     let status = session
         .tick_status(
@@ -148,7 +153,12 @@ impl Daemon {
         let owner = process_owner();
         let app = format!("fine-settler run {}", settings.instance);
         let pool = store::connect_lazy(&settings.database, &app, settings.claim.lease.batch_timeout());
-        let session = Session::new(&pool, &format!("{app} tick"), settings.database.connect_timeout);
+        let session = Session::new(
+            &pool,
+            &format!("{app} tick"),
+            settings.database.connect_timeout,
+            settings.claim.lease.batch_timeout() + settings.database.connect_timeout,
+        );
         let metrics = Arc::new(Metrics::new(settings.instance.to_string()));
         // Counters an alert watches start at 0, so that their first increase is seen.
         for job in [JobName::FineSettlement, JobName::OverdueAccrual] {

@@ -439,6 +439,8 @@ impl Runner {
             ..report(Outcome::Failed, epoch, scanned, updated, detail)
         };
         let (mut scanned, mut updated) = (0i64, 0i64);
+        // The key's cursor as this run last committed it: each fence (and the SUCCESS) expects it on the server.
+        let mut committed = cursor;
         // The cursor is the last id a committed batch covered; i64::MAX means there is nothing after it.
         let mut next = match cursor {
             None => Some(i64::MIN),
@@ -458,8 +460,11 @@ impl Runner {
                 }
             }
             let Some(from_id) = next else { break Ok(Stop::Done) };
-            let batch =
-                tokio::time::timeout(self.lease.batch_timeout(), self.batch(job, &key, epoch, from_id)).await;
+            let batch = tokio::time::timeout(
+                self.lease.batch_timeout(),
+                self.batch(job, &key, epoch, committed, from_id),
+            )
+            .await;
             match batch {
                 Err(_) => break Err(JobError::BatchTimeout(self.lease.batch_timeout())),
                 Ok(Err(e)) => break Err(e),
@@ -473,6 +478,7 @@ impl Runner {
                 })) => {
                     scanned += s;
                     updated += u;
+                    committed = Some(last_id);
                     next = last_id.checked_add(1);
                     if let Some(p) = &self.progress {
                         p.call(s, u);
@@ -527,7 +533,7 @@ impl Runner {
         let finished = match ending {
             Some(ending) => {
                 retrying("finish", &self.pool, || {
-                    job_runs::finish(&self.pool, &key, epoch, ending, scanned, updated)
+                    job_runs::finish(&self.pool, &key, epoch, committed, ending, scanned, updated)
                 })
                 .await
             }
@@ -599,6 +605,7 @@ impl Runner {
         job: &J,
         key: &RunKey,
         epoch: i64,
+        after: Option<i64>,
         from_id: i64,
     ) -> Result<BatchResult, JobError> {
         let batch = job
@@ -612,6 +619,7 @@ impl Runner {
         store::set_local_lock_timeout(&mut tx, self.lease.lock_timeout()).await?;
         let updated = i64::try_from(job.write(&mut tx, key, &batch).await?).unwrap_or(i64::MAX);
         let progress = Progress {
+            after,
             cursor: last_id,
             scanned,
             updated,

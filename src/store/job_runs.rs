@@ -277,6 +277,10 @@ impl Action {
 /// Progress of one committed batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Progress {
+    /// The key's cursor as this run last committed it (or claimed it): the fence passes only if the key still has
+    /// it. After a failover a promoted standby may lack the old primary's last batches (and their cursor); a run
+    /// that goes on from its own cursor there would skip their rows.
+    pub after: Option<i64>,
     /// The last id the batch covered; the next batch starts after it.
     pub cursor: i64,
     pub scanned: i64,
@@ -320,7 +324,7 @@ pub async fn advance(
                    heartbeat_at = clock_timestamp(),
                    lease_until = clock_timestamp() + $9 * interval '1 millisecond'
                where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
-                 and status = 'RUNNING' and epoch = $5
+                 and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $10
                returning 1
            ), pause as (
                -- The whole job's pause before this shard's own.
@@ -340,6 +344,7 @@ pub async fn advance(
         progress.scanned,
         progress.updated,
         millis(lease) as f64,
+        progress.after,
     )
     .fetch_optional(&mut *tx)
     .await?;
@@ -360,7 +365,8 @@ pub enum Ending<'a> {
 }
 
 /// Finishes the run held under `epoch`. `scanned`/`updated` are this attempt's own counts, for the history.
-/// Returns `false` if the epoch no longer owns the key (the claim was lost).
+/// Returns `false` if the epoch no longer owns the key (the claim was lost) — or, for a SUCCESS, if the key's
+/// cursor is not `cursor`, the run's last committed one (see [`Progress::after`]).
 ///
 /// The statement is safe to retry after a connection error: if an earlier attempt committed (the reply was
 /// lost with the connection), the row is already in the target state under this epoch, which counts as
@@ -369,6 +375,7 @@ pub async fn finish(
     pool: &Db,
     key: &RunKey,
     epoch: i64,
+    cursor: Option<i64>,
     ending: Ending<'_>,
     scanned: i64,
     updated: i64,
@@ -383,6 +390,9 @@ pub async fn finish(
                                    lease_until = now()
                where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
                  and status = 'RUNNING' and epoch = $5
+                 -- SUCCESS only where the key's cursor is the run's last: a promoted standby lacking the run's
+                 -- last batches keeps the key RUNNING, and its takeover settles their rows again.
+                 and ($6 <> 'SUCCESS' or cursor is not distinct from $11)
                returning job_name, business_date, shards, shard, epoch, owner
            ), history as (
                insert into job_run_attempts (job_name, business_date, shards, shard, epoch, owner, event,
@@ -400,6 +410,7 @@ pub async fn finish(
         error,
         scanned,
         updated,
+        cursor,
     )
     .fetch_one(pool)
     .await?;

@@ -214,6 +214,8 @@ struct Route {
     /// Run on a new connection before it is used (behind a session-mode pooler: the settings).
     after_connect: Option<String>,
     fresh_since: std::sync::Mutex<std::time::Instant>,
+    /// Counts [`Route::stale`] calls: a connection opened outside the pool (the tick's session) compares it.
+    generation: std::sync::atomic::AtomicU64,
 }
 
 impl Route {
@@ -225,7 +227,18 @@ impl Route {
             host_timeout: db.url.host_timeout().unwrap_or(db.connect_timeout),
             after_connect,
             fresh_since: std::sync::Mutex::new(std::time::Instant::now()),
+            generation: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// Every connection opened until now is stale: it is dropped at its next checkout instead of being used.
+    fn stale(&self) {
+        *self.fresh_since.lock().unwrap_or_else(|e| e.into_inner()) = std::time::Instant::now();
+        self.generation.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Whether a connection `age` old was opened after the last [`Db::reconnect`].
@@ -317,6 +330,7 @@ impl From<PgPool> for Db {
             host_timeout: Duration::from_secs(10),
             after_connect: None,
             fresh_since: std::sync::Mutex::new(std::time::Instant::now()),
+            generation: std::sync::atomic::AtomicU64::new(0),
         };
         Db {
             pool,
@@ -384,10 +398,14 @@ impl Db {
             let timeout = options.get_acquire_timeout().min(route.host_timeout);
             options = options.acquire_timeout(timeout);
         }
-        let mut options = options.before_acquire(move |_, meta| {
-            let fresh = fresh.fresh(meta.age);
-            Box::pin(async move { Ok(fresh) })
-        });
+        // A stale connection is dropped before anything is sent on it (sqlx's own check would first ping it,
+        // which on a vanished host waits for the network to give up); a fresh one is pinged as sqlx would.
+        let mut options = options
+            .test_before_acquire(false)
+            .before_acquire(move |conn, meta| {
+                let fresh = fresh.fresh(meta.age);
+                Box::pin(async move { Ok(fresh && conn.ping().await.is_ok()) })
+            });
         if let Some(sql) = &route.after_connect {
             let sql: std::sync::Arc<str> = sql.as_str().into();
             options = options.after_connect(move |conn, _| {
@@ -411,7 +429,7 @@ impl Db {
     /// are dropped rather than reused. `Err` if no host qualifies (the pool keeps its host, and the next call
     /// tries again).
     pub async fn reconnect(&self) -> Result<(), sqlx::Error> {
-        *self.route.fresh_since.lock().unwrap_or_else(|e| e.into_inner()) = std::time::Instant::now();
+        self.route.stale();
         if self.route.hosts.len() == 1 {
             return Ok(());
         }
@@ -421,6 +439,8 @@ impl Db {
             tracing::info!(host = %host_of(&host), "switching to the next qualifying host");
         }
         self.pool.set_connect_options(host);
+        // Connections opened while the hosts were tried went to the old host.
+        self.route.stale();
         Ok(())
     }
 
@@ -614,7 +634,11 @@ pub struct Session {
     db: Db,
     application_name: String,
     connect_timeout: Duration,
-    conn: Option<PgConnection>,
+    /// The longest the status statement may take, client side (the server's `statement_timeout` cannot end a
+    /// wait on a host that vanished without closing the connection).
+    statement_limit: Duration,
+    /// The connection, and the pool's [`Route`] generation it was opened in.
+    conn: Option<(PgConnection, u64)>,
 }
 
 impl std::fmt::Debug for Session {
@@ -627,12 +651,19 @@ impl std::fmt::Debug for Session {
 }
 
 impl Session {
-    /// A session beside `db`'s pool, on the same host and with the same settings.
-    pub fn new(db: &Db, application_name: &str, connect_timeout: Duration) -> Self {
+    /// A session beside `db`'s pool, on the same host and with the same settings; its statement may take
+    /// `statement_limit` at most.
+    pub fn new(
+        db: &Db,
+        application_name: &str,
+        connect_timeout: Duration,
+        statement_limit: Duration,
+    ) -> Self {
         Session {
             db: db.clone(),
             application_name: application_name.into(),
             connect_timeout,
+            statement_limit,
             conn: None,
         }
     }
@@ -645,6 +676,15 @@ impl Session {
         since: chrono::NaiveDate,
         late: job_runs::LateProbe,
     ) -> Result<job_runs::TickStatus, sqlx::Error> {
+        let generation = self.db.route.generation();
+        if self
+            .conn
+            .as_ref()
+            .is_some_and(|(_, opened)| *opened != generation)
+        {
+            // The pool looked for a server again since: so does the session.
+            self.conn = None;
+        }
         if self.conn.is_none() {
             let options = self.db.current_options().application_name(&self.application_name);
             let connect = PgConnection::connect_with(&options);
@@ -654,23 +694,26 @@ impl Session {
             if let Some(sql) = self.db.after_connect() {
                 conn.execute(sql).await?;
             }
-            self.conn = Some(conn);
+            self.conn = Some((conn, generation));
         }
-        let Some(conn) = self.conn.as_mut() else {
+        let Some((conn, _)) = self.conn.as_mut() else {
             return Err(sqlx::Error::PoolClosed);
         };
-        let result = match &self.db.begin {
-            None => job_runs::tick_status(conn, shard, since, late).await,
-            Some(begin) => {
-                async {
+        let begin = self.db.begin.clone();
+        let read = async {
+            match begin {
+                None => job_runs::tick_status(conn, shard, since, late).await,
+                Some(begin) => {
                     let mut tx = conn.begin_with(begin.to_string()).await?;
                     let status = job_runs::tick_status(&mut tx, shard, since, late).await?;
                     tx.commit().await?;
                     Ok(status)
                 }
-                .await
             }
         };
+        let result = tokio::time::timeout(self.statement_limit, read)
+            .await
+            .unwrap_or(Err(sqlx::Error::PoolTimedOut));
         if result.is_err() {
             // Whatever went wrong, the next tick starts from a fresh connection.
             self.conn = None;

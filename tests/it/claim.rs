@@ -66,10 +66,10 @@ async fn an_expired_running_key_is_taken_over_with_the_next_epoch(pool: PgPool) 
     assert_eq!(status(&pool).await, ("RUNNING".into(), "b".into(), 2));
     // The old owner can no longer finish the key.
     let k = key("2026-10-31", 0, 1);
-    assert!(!finish(&db(&pool), &k, 1, Ending::Success, 0, 0)
+    assert!(!finish(&db(&pool), &k, 1, None, Ending::Success, 0, 0)
         .await
         .expect("finish"));
-    assert!(finish(&db(&pool), &k, 2, Ending::Success, 0, 0)
+    assert!(finish(&db(&pool), &k, 2, None, Ending::Success, 0, 0)
         .await
         .expect("finish"));
 }
@@ -78,7 +78,7 @@ async fn an_expired_running_key_is_taken_over_with_the_next_epoch(pool: PgPool) 
 async fn a_failed_key_is_taken_over_at_once(pool: PgPool) {
     won(&pool, "a", false).await;
     let k = key("2026-10-31", 0, 1);
-    assert!(finish(&db(&pool), &k, 1, Ending::Failed("boom"), 3, 2)
+    assert!(finish(&db(&pool), &k, 1, None, Ending::Failed("boom"), 3, 2)
         .await
         .expect("fail"));
     assert_eq!(won(&pool, "b", false).await, Some((2, ClaimKind::TakenOver)));
@@ -97,7 +97,7 @@ async fn success_is_skipped_unless_forced_and_force_resets_the_cursor(pool: PgPo
         .await
         .expect("progress");
     let k = key("2026-10-31", 0, 1);
-    assert!(finish(&db(&pool), &k, 1, Ending::Success, 10, 7)
+    assert!(finish(&db(&pool), &k, 1, Some(500), Ending::Success, 10, 7)
         .await
         .expect("finish"));
     assert_eq!(won(&pool, "b", false).await, None);
@@ -197,11 +197,11 @@ async fn every_transition_appends_history(pool: PgPool) {
     won(&pool, "a", false).await;
     expire_lease(&pool).await;
     won(&pool, "b", false).await;
-    finish(&db(&pool), &k, 2, Ending::Failed("disk full"), 5, 5)
+    finish(&db(&pool), &k, 2, None, Ending::Failed("disk full"), 5, 5)
         .await
         .expect("fail");
     won(&pool, "c", false).await;
-    finish(&db(&pool), &k, 3, Ending::Success, 1, 1)
+    finish(&db(&pool), &k, 3, None, Ending::Success, 1, 1)
         .await
         .expect("finish");
     let events: Vec<(i64, String, String, Option<String>)> =
@@ -265,11 +265,11 @@ async fn old_attempt_history_is_pruned_in_batches_and_job_runs_are_kept(pool: Pg
 async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool) {
     won(&pool, "a", false).await;
     let k = key("2026-10-31", 0, 1);
-    assert!(finish(&db(&pool), &k, 1, Ending::Success, 5, 5)
+    assert!(finish(&db(&pool), &k, 1, None, Ending::Success, 5, 5)
         .await
         .expect("finish"));
     assert!(
-        finish(&db(&pool), &k, 1, Ending::Success, 5, 5)
+        finish(&db(&pool), &k, 1, None, Ending::Success, 5, 5)
             .await
             .expect("retried finish"),
         "the retry sees its own SUCCESS"
@@ -280,7 +280,7 @@ async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool
         .expect("history");
     assert_eq!(events, ["claimed", "success"]);
     // Another epoch's finish is still refused.
-    assert!(!finish(&db(&pool), &k, 2, Ending::Success, 0, 0)
+    assert!(!finish(&db(&pool), &k, 2, None, Ending::Success, 0, 0)
         .await
         .expect("finish"));
     // And a retried FAILED finish after a peer took the key over is a lost lease.
@@ -290,7 +290,7 @@ async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool
         .await
         .expect("fail");
     assert_eq!(won(&pool, "b", false).await, Some((2, ClaimKind::TakenOver)));
-    assert!(!finish(&db(&pool), &k, 1, Ending::Failed("x"), 0, 0)
+    assert!(!finish(&db(&pool), &k, 1, None, Ending::Failed("x"), 0, 0)
         .await
         .expect("finish"));
 }
@@ -307,6 +307,7 @@ async fn the_fence_renews_the_lease_from_the_moment_it_runs(pool: PgPool) {
         .await
         .expect("a slow batch");
     let progress = fine_settler::store::job_runs::Progress {
+        after: None,
         cursor: 10,
         scanned: 10,
         updated: 10,
@@ -425,4 +426,49 @@ async fn the_tick_s_action_and_the_claim_agree_on_every_state(pool: PgPool) {
             "{name}: the claim and the action {action:?} disagree"
         );
     }
+}
+
+/// After a failover the promoted standby may lack the run's last batches and their cursor: the run's next fence
+/// and its SUCCESS must not pass there, or the run would go on after (or end at) a cursor whose rows the server
+/// never settled. A FAILED ending is recorded whatever the cursor (the takeover resumes from the server's).
+#[sqlx::test]
+async fn the_fence_and_a_success_pass_only_at_the_cursor_the_run_last_committed(pool: PgPool) {
+    use fine_settler::store::job_runs::{advance, Fence, Progress};
+    won(&pool, "a", false).await;
+    let k = key("2026-10-31", 0, 1);
+    let fence = |after: Option<i64>, cursor: i64| {
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.expect("begin");
+            let progress = Progress {
+                after,
+                cursor,
+                scanned: 1,
+                updated: 1,
+            };
+            let f = advance(&mut tx, &k, 1, progress, LEASE).await.expect("fence");
+            tx.commit().await.expect("commit");
+            f
+        }
+    };
+    assert_eq!(fence(None, 10).await, Fence::Passed { paused: None });
+    assert_eq!(fence(Some(10), 20).await, Fence::Passed { paused: None });
+    // The server lost the batch that went to 20 (a failover): the run, which committed it, presents 20.
+    sqlx::query("update job_runs set cursor = 10")
+        .execute(&pool)
+        .await
+        .expect("lose the last batch");
+    assert_eq!(fence(Some(20), 30).await, Fence::Lost);
+    assert!(!finish(&db(&pool), &k, 1, Some(20), Ending::Success, 0, 0)
+        .await
+        .expect("finish"));
+    assert_eq!(
+        status(&pool).await.0,
+        "RUNNING",
+        "not SUCCESS at a cursor the server does not have"
+    );
+    assert!(finish(&db(&pool), &k, 1, Some(20), Ending::Failed("boom"), 0, 0)
+        .await
+        .expect("finish"));
+    assert_eq!(status(&pool).await.0, "FAILED");
 }

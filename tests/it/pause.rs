@@ -278,6 +278,7 @@ async fn the_fence_reports_a_pause_and_never_mistakes_it_for_a_lost_lease(pool: 
         Claim::Won { epoch: 1, .. }
     ));
     let progress = Progress {
+        after: None,
         cursor: 5,
         scanned: 5,
         updated: 5,
