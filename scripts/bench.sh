@@ -2,7 +2,10 @@
 # The settlement benchmark, in one command. Builds the release binaries (fine-settler, and fine-settler-bench from
 # the bench/ crate, both into target/release), starts the private bench cluster (target/pg-bench, with
 # pg_stat_statements; BENCH_DATABASE_URL names another server instead), and runs fine-settler-bench, which writes
-# bench/RESULTS.md.
+# bench/RESULTS.md. When the server is the bench cluster (FINE_SETTLER_PG_PORT chooses its port, as for pg.sh), the
+# benchmark also settles through PgBouncer in transaction and in session mode, starting and stopping each bouncer
+# with scripts/pgbouncer.sh (FINE_SETTLER_PGBOUNCER_PORT chooses one port for both: they run one after the other);
+# on another server that leg is left out, and the report says so.
 #   scripts/bench.sh           the full run: 1M loans, batch-size sweep, scaling (100k, 4M; 4 shards), drift
 #   scripts/bench.sh --quick   a smoke run (20k loans) that writes target/bench-smoke.md instead
 #   scripts/bench.sh ARGS...   any fine-settler-bench arguments (see --help)
@@ -13,10 +16,17 @@ cd "$root"
 cargo build --release --locked --quiet -p fine-settler -p fine-settler-bench
 DATABASE_URL=${BENCH_DATABASE_URL:-$(scripts/pg.sh start bench)}
 export DATABASE_URL
-if [ "${1:-}" = "--quick" ]; then
-  exec target/release/fine-settler-bench --loans 20000 --sweep 1000,5000 --out target/bench-smoke.md
-elif [ $# -eq 0 ]; then
-  exec target/release/fine-settler-bench --scaling --drift --out bench/RESULTS.md
+# pgbouncer.sh fronts the bench cluster of pg.sh: only when that is the server measured.
+pooler=()
+if [ "${DATABASE_URL%/*}" = "$(scripts/pg.sh url bench | sed 's|/[^/]*$||')" ]; then
+  pooler=(--pgbouncer "$root/scripts/pgbouncer.sh")
 else
-  exec target/release/fine-settler-bench "$@"
+  echo "bench.sh: $DATABASE_URL is not the bench cluster of scripts/pg.sh; leaving out the PgBouncer leg" >&2
+fi
+if [ "${1:-}" = "--quick" ]; then
+  exec target/release/fine-settler-bench --loans 20000 --sweep 1000,5000 "${pooler[@]}" --out target/bench-smoke.md
+elif [ $# -eq 0 ]; then
+  exec target/release/fine-settler-bench --scaling --drift "${pooler[@]}" --out bench/RESULTS.md
+else
+  exec target/release/fine-settler-bench "${pooler[@]}" "$@"
 fi

@@ -3,20 +3,25 @@
 //! database, then measures on fresh identical copies: what PostgreSQL itself reaches with one set-based update
 //! (and with two concurrent sessions), `fine-settler settle` with 1 and 2 shards, a plain and a forced rerun,
 //! the statements of an idle daemon tick, the process's peak RSS, a batch-size sweep and, optionally, scaling
-//! and scheduler drift. It prints a Markdown report and writes it to `--out`.
+//! and scheduler drift; with `--pgbouncer` also `settle` through PgBouncer in transaction and in session mode
+//! beside a direct one, each bouncer started and stopped by that script. It prints a Markdown report and writes
+//! it to `--out`.
 //!
 //! It runs the `fine-settler` binary found beside its own executable (both are built into the workspace's
 //! `target/`), which also generates the loans (`fine-settler demo-data`); it does not link the product library.
 
 use std::{
     fmt::Write as _,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
 use clap::Parser;
-use sqlx::{postgres::PgPoolOptions, PgPool};
+use sqlx::{
+    postgres::{PgConnectOptions, PgPoolOptions},
+    Connection, PgConnection, PgPool,
+};
 
 /// The month the generated loans cluster around (`fine-settler demo-data --month`), and its last day.
 const MONTH: &str = "2026-10";
@@ -40,6 +45,14 @@ struct Args {
     /// Also run `drift` for 1,000 fixed-rate ticks (about 200 s).
     #[arg(long)]
     drift: bool,
+    /// `scripts/pgbouncer.sh`: measure `settle` through PgBouncer in transaction and in session mode beside a
+    /// direct one, each behind a PgBouncer this script starts (`start bench MODE`) and stops. The server must be
+    /// the script's `bench` cluster.
+    #[arg(long)]
+    pgbouncer: Option<PathBuf>,
+    /// Rounds of the PgBouncer leg (each: direct, transaction, session); the report takes each way's median.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pooler_rounds: u32,
     /// Where to write the Markdown report (stdout always gets it).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -60,6 +73,148 @@ fn binary() -> Result<PathBuf, Error> {
 struct Bench {
     server: String,
     admin: PgPool,
+}
+
+/// How `settle` reaches the server: a URL without its database, and the `database.pooler` to set.
+#[derive(Debug, Clone)]
+struct Via {
+    server: String,
+    pooler: &'static str,
+}
+
+impl Via {
+    fn direct(server: &str) -> Self {
+        Via {
+            server: server.to_string(),
+            pooler: "none",
+        }
+    }
+}
+
+/// A PgBouncer in front of the bench cluster in pool mode `mode`, started by `scripts/pgbouncer.sh start bench
+/// MODE` and stopped (`stop bench MODE`) when dropped, whatever happened in between.
+#[derive(Debug)]
+struct Bouncer {
+    script: PathBuf,
+    mode: &'static str,
+    via: Via,
+}
+
+impl Bouncer {
+    fn start(script: &Path, mode: &'static str) -> Result<Self, Error> {
+        let out = Command::new(script)
+            .args(["start", "bench", mode])
+            .stderr(Stdio::inherit())
+            .output()?;
+        if !out.status.success() {
+            return Err(format!("{} start bench {mode} failed", script.display()).into());
+        }
+        let url = String::from_utf8(out.stdout)?.trim().to_string();
+        let (server, _) = url
+            .rsplit_once('/')
+            .ok_or_else(|| format!("{} printed no URL: {url:?}", script.display()))?;
+        // From here on, dropping the value stops the bouncer.
+        Ok(Bouncer {
+            script: script.to_path_buf(),
+            mode,
+            via: Via {
+                server: server.to_string(),
+                pooler: mode,
+            },
+        })
+    }
+
+    /// The port of the PostgreSQL server behind the bouncer (asked through it with a simple query and no startup
+    /// parameter PgBouncer's defaults refuse).
+    async fn server_port(&self) -> Result<i32, Error> {
+        let options: PgConnectOptions = format!("{}/postgres", self.via.server).parse()?;
+        let mut conn = PgConnection::connect_with(&options.extra_float_digits(None)).await?;
+        let port: i32 = sqlx::query_scalar("select inet_server_port()")
+            .persistent(false)
+            .fetch_one(&mut conn)
+            .await?;
+        conn.close().await?;
+        Ok(port)
+    }
+}
+
+impl Drop for Bouncer {
+    fn drop(&mut self) {
+        let stopped = Command::new(&self.script)
+            .args(["stop", "bench", self.mode])
+            .status()
+            .is_ok_and(|s| s.success());
+        if !stopped {
+            eprintln!(
+                "warning: `{} stop bench {}` failed; the bouncer may still run",
+                self.script.display(),
+                self.mode
+            );
+        }
+    }
+}
+
+/// One `settle` of the template and the statements the server ran for it (`pg_stat_statements` calls in its
+/// database).
+#[derive(Debug, Clone, Copy)]
+struct Counted {
+    settle: Settle,
+    statements: i64,
+}
+
+/// How `settle` reached the server in the PgBouncer leg.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Way {
+    Direct,
+    Transaction,
+    Session,
+}
+
+impl Way {
+    const ALL: [Way; 3] = [Way::Direct, Way::Transaction, Way::Session];
+
+    /// PgBouncer's pool mode (and `database.pooler`) for this way, if it goes through one.
+    fn mode(self) -> Option<&'static str> {
+        match self {
+            Way::Direct => None,
+            Way::Transaction => Some("transaction"),
+            Way::Session => Some("session"),
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Way::Direct => "direct (`pooler = \"none\"`)",
+            Way::Transaction => "PgBouncer, transaction mode (`pooler = \"transaction\"`)",
+            Way::Session => "PgBouncer, session mode (`pooler = \"session\"`)",
+        }
+    }
+}
+
+/// The same settlement three ways, `rounds` times (each round direct, transaction, session, each on a fresh
+/// copy of the template): per way, its runs in order.
+#[derive(Debug, Clone)]
+struct PoolerLeg {
+    runs: Vec<(Way, Vec<Counted>)>,
+}
+
+impl PoolerLeg {
+    /// The median run of `way` by wall time (of an even number, the faster of the middle two).
+    fn median(&self, way: Way) -> Counted {
+        let mut runs = self
+            .runs
+            .iter()
+            .find(|(w, _)| *w == way)
+            .map(|(_, runs)| runs.clone())
+            .unwrap_or_default();
+        runs.sort_by_key(|c| c.settle.elapsed_ms);
+        runs[(runs.len().max(1) - 1) / 2]
+    }
+
+    fn rate(&self, way: Way) -> f64 {
+        let c = self.median(way);
+        per_sec(c.settle.updated, c.settle.elapsed_ms)
+    }
 }
 
 /// One `settle` process as measured.
@@ -174,6 +329,19 @@ impl Bench {
 
     /// `fine-settler settle` for every shard of `shards` at once on `db`; the slowest shard's time.
     async fn settle(&self, db: &str, shards: i32, batch: u32, force: bool) -> Result<Settle, Error> {
+        self.settle_via(&Via::direct(&self.server), db, shards, batch, force)
+            .await
+    }
+
+    /// [`Bench::settle`] through `via`.
+    async fn settle_via(
+        &self,
+        via: &Via,
+        db: &str,
+        shards: i32,
+        batch: u32,
+        force: bool,
+    ) -> Result<Settle, Error> {
         let mut children = Vec::new();
         for shard in 0..shards {
             let mut cmd = Command::new(binary()?);
@@ -186,7 +354,8 @@ impl Bench {
                 "--shard",
             ])
             .arg(shard.to_string())
-            .env("DATABASE_URL", format!("{}/{db}", self.server))
+            .env("DATABASE_URL", format!("{}/{db}", via.server))
+            .env("FINE_SETTLER__DATABASE__POOLER", via.pooler)
             .env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", batch.to_string())
             .env("FINE_SETTLER__LOG__LEVEL", "warn")
             .stdout(Stdio::piped());
@@ -216,6 +385,81 @@ impl Bench {
         }
         total.peak_rss_kib = watcher.join().map_err(|_| "rss watcher panicked")?;
         Ok(total)
+    }
+
+    /// `settle` (1 shard) of a fresh copy of `template` through `via`, counting the statements of its database.
+    async fn settle_counted(&self, via: &Via, template: &str, batch: u32) -> Result<Counted, Error> {
+        let db = self.copy(template, "fsb_pooler").await?;
+        sqlx::query("select pg_stat_statements_reset()")
+            .execute(&self.admin)
+            .await?;
+        let settle = self.settle_via(via, &db, 1, batch, false).await?;
+        let statements: i64 = sqlx::query_scalar(
+            "select coalesce(sum(calls), 0)::bigint from pg_stat_statements
+             where dbid = (select oid from pg_database where datname = $1)",
+        )
+        .bind(&db)
+        .fetch_one(&self.admin)
+        .await?;
+        self.drop_db(&db).await?;
+        Ok(Counted { settle, statements })
+    }
+
+    /// The PgBouncer leg: `rounds` times, `settle` of `template` directly, through PgBouncer in transaction mode
+    /// and through PgBouncer in session mode (each bouncer started by `script` for its measurement and stopped
+    /// after it, so both modes may share one port).
+    async fn pooler_leg(
+        &self,
+        template: &str,
+        batch: u32,
+        script: &Path,
+        rounds: u32,
+    ) -> Result<PoolerLeg, Error> {
+        sqlx::raw_sql("create extension if not exists pg_stat_statements")
+            .execute(&self.admin)
+            .await?;
+        let port: i32 = sqlx::query_scalar("select inet_server_port()")
+            .fetch_one(&self.admin)
+            .await?;
+        let mut leg = PoolerLeg {
+            runs: Way::ALL.iter().map(|w| (*w, Vec::new())).collect(),
+        };
+        for round in 1..=rounds {
+            for (way, runs) in &mut leg.runs {
+                let Some(mode) = way.mode() else {
+                    eprintln!("   round {round}/{rounds}: settle, 1 shard, direct");
+                    runs.push(
+                        self.settle_counted(&Via::direct(&self.server), template, batch)
+                            .await?,
+                    );
+                    continue;
+                };
+                eprintln!("   round {round}/{rounds}: settle, 1 shard, through PgBouncer in {mode} mode");
+                let bouncer = Bouncer::start(script, mode)?;
+                let behind = bouncer.server_port().await?;
+                if behind != port {
+                    return Err(format!(
+                        "the {mode}-mode PgBouncer fronts the server on port {behind}, not the benchmark's \
+                         ({port}); set FINE_SETTLER_PG_PORT to the benchmark cluster's port"
+                    )
+                    .into());
+                }
+                runs.push(self.settle_counted(&bouncer.via, template, batch).await?);
+                drop(bouncer);
+            }
+        }
+        let direct = leg.median(Way::Direct).settle.updated;
+        for (way, runs) in &leg.runs {
+            if let Some(c) = runs.iter().find(|c| c.settle.updated != direct) {
+                return Err(format!(
+                    "settle {} updated {} rows, directly {direct}",
+                    way.label(),
+                    c.settle.updated
+                )
+                .into());
+            }
+        }
+        Ok(leg)
     }
 
     /// Statements per idle tick, and the RSS of a daemon ticking every 200 ms for 3 s on a settled database.
@@ -392,8 +636,20 @@ async fn main() -> Result<(), Error> {
     let (statements_per_tick, idle_rss, idle_hwm) = bench.idle(&settled_db).await?;
     bench.drop_db(&settled_db).await?;
 
-    eprintln!("   batch-size sweep");
     let template = format!("fsb_template_{}", args.loans);
+    let pooler = match &args.pgbouncer {
+        Some(script) => {
+            eprintln!("   PgBouncer leg");
+            Some(
+                bench
+                    .pooler_leg(&template, args.batch_size, script, args.pooler_rounds)
+                    .await?,
+            )
+        }
+        None => None,
+    };
+
+    eprintln!("   batch-size sweep");
     let mut sweep = Vec::new();
     for size in &args.sweep {
         let db = bench.copy(&template, "fsb_sweep").await?;
@@ -543,6 +799,62 @@ async fn main() -> Result<(), Error> {
     );
     let _ = writeln!(r, "Two sessions of PostgreSQL itself reach {:.2}x one session on this machine; two shards of `settle` reach {:.2}x one shard.\n", l2 / l1, s2 / s1);
 
+    let _ = writeln!(r, "## Through PgBouncer\n");
+    match &pooler {
+        None => {
+            let _ = writeln!(
+                r,
+                "Not measured: no `--pgbouncer` script (`scripts/bench.sh` passes one when the server is its own bench cluster).\n"
+            );
+        }
+        Some(leg) => {
+            let batches = |c: &Counted| {
+                (c.settle.updated as u64)
+                    .div_ceil(u64::from(args.batch_size))
+                    .max(1)
+            };
+            let direct = leg.median(Way::Direct);
+            let _ = writeln!(
+                r,
+                "`settle`, 1 shard, batches of {}, on the {}-loan template; {} rounds, each settling a fresh copy directly, then through PgBouncer in transaction mode, then in session mode (each bouncer started for its run by `scripts/pgbouncer.sh`, PgBouncer's defaults); each way's median run. Statements: `pg_stat_statements` calls in the copy's database during the run (claim and finish included), per batch.\n",
+                args.batch_size, main.loans, args.pooler_rounds
+            );
+            let _ = writeln!(
+                r,
+                "| connection | rows | wall time (median) | rows/s | vs. direct | statements per batch | runs |"
+            );
+            let _ = writeln!(r, "| --- | ---: | ---: | ---: | ---: | ---: | --- |");
+            for (way, runs) in &leg.runs {
+                let c = leg.median(*way);
+                let _ = writeln!(
+                    r,
+                    "| {} | {} | {} ms | {:.0} | {:.2} | {:.1} | {} |",
+                    way.label(),
+                    c.settle.updated,
+                    c.settle.elapsed_ms,
+                    leg.rate(*way),
+                    leg.rate(*way) / leg.rate(Way::Direct),
+                    c.statements as f64 / batches(&c) as f64,
+                    runs.iter()
+                        .map(|c| format!("{} ms", c.settle.elapsed_ms))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+            let per_batch = |way: Way| {
+                (leg.median(way).settle.elapsed_ms as f64 - direct.settle.elapsed_ms as f64)
+                    / batches(&direct) as f64
+            };
+            let _ = writeln!(
+                r,
+                "\nOver {} batches (and one claim and finish), the median run through PgBouncer in transaction mode takes {:+.2} ms per batch against a direct connection, in session mode {:+.2} ms.\n",
+                batches(&direct),
+                per_batch(Way::Transaction),
+                per_batch(Way::Session)
+            );
+        }
+    }
+
     let _ = writeln!(r, "## Idle daemon\n");
     let _ = writeln!(
         r,
@@ -644,6 +956,16 @@ async fn main() -> Result<(), Error> {
         share(&main.forced_after_vacuum) * 100.0,
         verdict(main.forced_after_vacuum.scanned == 0 && share(&main.forced_after_vacuum) < 0.01)
     );
+    if let Some(leg) = &pooler {
+        let direct = leg.rate(Way::Direct);
+        let tx = leg.rate(Way::Transaction);
+        let _ = writeln!(
+            r,
+            "| settle through PgBouncer (transaction mode) ≥ 0.8 × direct | {:.2} | {} |",
+            tx / direct,
+            verdict(tx / direct >= 0.8)
+        );
+    }
     let _ = writeln!(
         r,
         "| idle tick ≤ 2 round trips per job | {statements_per_tick:.2} statements | {} |",
