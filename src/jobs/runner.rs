@@ -546,7 +546,11 @@ impl Runner {
             _ => false,
         };
         if lease_lost {
-            tracing::warn!(scanned, updated, "lease lost: another replica took the key over");
+            tracing::warn!(
+                scanned,
+                updated,
+                "lease lost: another replica took the key over (or the server lacks this run's last batches)"
+            );
             let recorded = retrying("record the lost lease", &self.pool, || {
                 job_runs::record_lease_lost(&self.pool, &key, epoch, &self.owner, scanned, updated)
             })
