@@ -454,6 +454,7 @@ impl Daemon {
             if paused_now.contains(&visit.key.job) {
                 continue;
             }
+            let switches = self.pool.switches();
             let report = self.run_due(visit.key, shard).await;
             if report.read_only {
                 // The server stopped writing since the tick read its status: claim nothing more on it.
@@ -462,10 +463,16 @@ impl Daemon {
                     "connected to a read-only server ({detail})"
                 )));
             }
-            if report.connection_lost {
-                // The server went away mid-run (a restart, a failover): the rest of the pass would only wait for
-                // it key by key; the outage loop looks for it (or the next host) with backoff instead.
-                return Err(TickError::Connection(report.detail.clone().unwrap_or_default()));
+            if report.connection_lost || self.pool.switches() != switches {
+                // The server went away mid-run (a restart, a failover — the run may have ended on the next
+                // qualifying host): the rest of the pass would only wait for it key by key, or run on a host
+                // the tick has not read; the outage loop looks for the server with backoff and starts the pass
+                // again, and the episode is logged as one.
+                let detail = report.detail.clone().unwrap_or_default();
+                return Err(TickError::Connection(match self.pool.switches() != switches {
+                    true => format!("the database moved to {} ({detail})", self.pool.host()),
+                    false => detail,
+                }));
             }
             if report.paused {
                 paused_now.insert(visit.key.job);

@@ -216,6 +216,8 @@ struct Route {
     fresh_since: std::sync::Mutex<std::time::Instant>,
     /// Counts [`Route::stale`] calls: a connection opened outside the pool (the tick's session) compares it.
     generation: std::sync::atomic::AtomicU64,
+    /// How many times the pool moved to another host.
+    switches: std::sync::atomic::AtomicU64,
 }
 
 impl Route {
@@ -228,6 +230,7 @@ impl Route {
             after_connect,
             fresh_since: std::sync::Mutex::new(std::time::Instant::now()),
             generation: std::sync::atomic::AtomicU64::new(0),
+            switches: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -331,6 +334,7 @@ impl From<PgPool> for Db {
             after_connect: None,
             fresh_since: std::sync::Mutex::new(std::time::Instant::now()),
             generation: std::sync::atomic::AtomicU64::new(0),
+            switches: std::sync::atomic::AtomicU64::new(0),
         };
         Db {
             pool,
@@ -437,11 +441,24 @@ impl Db {
         let host = self.route.hosts[chosen].clone();
         if host_of(&host) != host_of(&self.pool.connect_options()) {
             tracing::info!(host = %host_of(&host), "switching to the next qualifying host");
+            self.route
+                .switches
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
         self.pool.set_connect_options(host);
         // Connections opened while the hosts were tried went to the old host.
         self.route.stale();
         Ok(())
+    }
+
+    /// How many times [`Db::reconnect`] moved the pool to another host.
+    pub fn switches(&self) -> u64 {
+        self.route.switches.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The host the pool opens its connections to now, as `host:port`.
+    pub fn host(&self) -> String {
+        host_of(&self.pool.connect_options())
     }
 
     /// Whether `database.url` lists several hosts, so that [`Db::reconnect`] may move to another.
