@@ -119,6 +119,23 @@ impl Cluster {
                 "--no-sync",
             ]);
         self.run(backup, "pg_basebackup").await;
+        // -R writes every libpq option pg_basebackup's libpq knows into primary_conninfo; a server whose
+        // walreceiver links an older libpq refuses the newer ones (PyPI's PostgreSQL 18 build: "invalid
+        // connection option sslnegotiation"), so the standby follows with the few that matter (the last setting
+        // in postgresql.auto.conf wins).
+        {
+            use std::io::Write;
+            let mut auto = std::fs::OpenOptions::new()
+                .append(true)
+                .open(standby.data().join("postgresql.auto.conf"))
+                .expect("open postgresql.auto.conf");
+            writeln!(
+                auto,
+                "primary_conninfo = 'host=127.0.0.1 port={} user=postgres'",
+                self.port
+            )
+            .expect("write postgresql.auto.conf");
+        }
         standby.configure("");
         standby.start().await;
         self.wait_for(
