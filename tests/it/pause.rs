@@ -146,13 +146,15 @@ async fn a_pause_stops_a_running_replica_within_one_batch_and_resume_finishes_fr
 
     // Several ticks while paused (period 300 ms): nothing claimed, nothing written.
     let ticks = |body: &str| metric(body, "fine_settler_ticks_total{").unwrap_or(-1.0);
+    // The gauge is set from the tick's status read: the first tick after the hand-back shows the pause (the key
+    // turns FAILED mid-tick, before that read).
+    wait_until("the paused gauge set", Duration::from_secs(5), || async {
+        let body = http_get(port, "/metrics").await.1;
+        metric(&body, "fine_settler_paused{job=\"fine-settlement\"") == Some(1.0)
+    })
+    .await;
     let (_, body) = http_get(port, "/metrics").await;
     let ticks_then = ticks(&body);
-    assert_eq!(
-        metric(&body, "fine_settler_paused{job=\"fine-settlement\""),
-        Some(1.0),
-        "{body}"
-    );
     assert_eq!(
         metric(&body, "fine_settler_paused{job=\"overdue-accrual\""),
         Some(0.0)
