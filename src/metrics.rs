@@ -1,5 +1,5 @@
 //! Prometheus metrics of one replica, rendered in the text exposition format by `/metrics`. Labels are only
-//! `job`, `shard` and `result` — never dates or ids, so the number of series stays fixed.
+//! `job`, `shard`, `result` and `reason` — never dates or ids, so the number of series stays fixed.
 
 use std::{
     collections::BTreeMap,
@@ -106,6 +106,11 @@ pub const DEFINITIONS: &[(&str, &str, &str)] = &[
         "1 while a pause (fine-settler pause) covers this replica's shard of the job, else 0.",
     ),
     (
+        "fine_settler_throttled_seconds_total",
+        "counter",
+        "Time batches waited for the throttle, by reason: rate (max_rows_per_second), replica_lag.",
+    ),
+    (
         "fine_settler_compensation_errors_total",
         "counter",
         "Compensation passes that failed with an error other than a rejected charge.",
@@ -142,13 +147,17 @@ impl Metrics {
     }
 
     fn labels(&self, job: Option<&str>, result: Option<&str>) -> String {
+        self.labels_with(job, result.map(|r| ("result", r)))
+    }
+
+    fn labels_with(&self, job: Option<&str>, extra: Option<(&str, &str)>) -> String {
         let mut l = String::new();
         if let Some(job) = job {
             let _ = write!(l, "job=\"{job}\",");
         }
         let _ = write!(l, "shard=\"{}\"", self.shard);
-        if let Some(result) = result {
-            let _ = write!(l, ",result=\"{result}\"");
+        if let Some((name, value)) = extra {
+            let _ = write!(l, ",{name}=\"{value}\"");
         }
         l
     }
@@ -162,6 +171,13 @@ impl Metrics {
     /// Adds `by` to a counter.
     pub fn add(&self, name: &'static str, job: Option<&str>, result: Option<&str>, by: f64) {
         self.apply(name, self.labels(job, result), |v| *v += by);
+    }
+
+    /// Adds `by` to a counter labelled by `reason`.
+    pub fn add_reason(&self, name: &'static str, job: Option<&str>, reason: &str, by: f64) {
+        self.apply(name, self.labels_with(job, Some(("reason", reason))), |v| {
+            *v += by
+        });
     }
 
     /// Sets a gauge.

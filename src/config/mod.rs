@@ -20,7 +20,7 @@ pub use raw::RawSettings;
 pub use settings::{
     derived_batch_timeout, derived_lock_timeout, AccrualSettings, ClaimSettings, DatabaseSettings,
     DatabaseUrl, DatabaseUrlError, Lease, LeaseError, LogFilter, LogFormat, Pooler, ScheduleMode,
-    ScheduleSettings, Settings, SettlementSettings, TargetSessionAttrs, TimeSource,
+    ScheduleSettings, Settings, SettlementSettings, TargetSessionAttrs, ThrottleSettings, TimeSource,
 };
 pub use validate::{pod_ordinal, MAX_BATCH_SIZE};
 

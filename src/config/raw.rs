@@ -21,6 +21,7 @@ pub struct RawSettings {
     pub fine: RawFine,
     pub log: RawLog,
     pub http: RawHttp,
+    pub throttle: RawThrottle,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -112,6 +113,14 @@ pub struct RawLog {
 #[serde(deny_unknown_fields)]
 pub struct RawHttp {
     pub listen: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawThrottle {
+    pub max_rows_per_second: i64,
+    pub max_replica_lag: String,
+    pub batch_duration: String,
 }
 
 impl RawSettings {

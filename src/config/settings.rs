@@ -757,6 +757,18 @@ pub struct Settings {
     pub log_format: LogFormat,
     pub log_level: LogFilter,
     pub http_listen: Option<SocketAddr>,
+    pub throttle: ThrottleSettings,
+}
+
+/// How gently runs treat libraryd's traffic (`[throttle]`); every limit is off by default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ThrottleSettings {
+    /// The most rows a run works per second, on average (`None`: unlimited).
+    pub max_rows_per_second: Option<u32>,
+    /// Batches wait while a standby lags more than this (`None`: off).
+    pub max_replica_lag: Option<Duration>,
+    /// A batch transaction that takes longer makes the next batch smaller (`None`: off).
+    pub batch_duration: Option<Duration>,
 }
 
 #[cfg(test)]

@@ -9,11 +9,11 @@ use super::{
     derived_batch_timeout, derived_lock_timeout,
     raw::{
         RawAccrual, RawClaim, RawDatabase, RawFine, RawHttp, RawInstance, RawLog, RawSchedule, RawSettlement,
-        RawTime,
+        RawThrottle, RawTime,
     },
     AccrualSettings, ClaimSettings, ConfigError, DatabaseSettings, DatabaseUrl, Lease, LeaseError, LogFilter,
     LogFormat, Pooler, Problem, RawSettings, ScheduleMode, ScheduleSettings, Settings, SettlementSettings,
-    TimeSource,
+    ThrottleSettings, TimeSource,
 };
 use crate::{
     fine::{FinePolicy, PolicyError},
@@ -57,6 +57,21 @@ impl Checker {
         }
     }
 
+    /// A duration where `"0s"` means off (`None`).
+    fn duration_or_off(&mut self, key: &'static str, text: &str) -> Option<Option<Duration>> {
+        match humantime::parse_duration(text) {
+            Ok(d) if d.is_zero() => Some(None),
+            Ok(d) => Some(Some(d)),
+            Err(e) => {
+                self.fail(
+                    key,
+                    format!("{text:?} is not a duration ({e}); use e.g. \"5s\", or \"0s\" for off"),
+                );
+                None
+            }
+        }
+    }
+
     fn int_in(&mut self, key: &'static str, value: i64, range: std::ops::RangeInclusive<i64>) -> Option<u32> {
         if range.contains(&value) {
             u32::try_from(value).ok()
@@ -89,6 +104,7 @@ impl RawSettings {
         let fine = fine(&mut c, &self.fine);
         let log = log(&mut c, &self.log);
         let http_listen = http(&mut c, &self.http);
+        let throttle = throttle(&mut c, &self.throttle, claim.as_ref());
         if !c.problems.is_empty() {
             return Err(ConfigError::Invalid(c.problems));
         }
@@ -110,6 +126,7 @@ impl RawSettings {
                 log_format,
                 log_level,
                 http_listen: http_listen?,
+                throttle: throttle?,
             })
         })();
         built.ok_or_else(|| {
@@ -382,6 +399,37 @@ fn http(c: &mut Checker, raw: &RawHttp) -> Option<Option<SocketAddr>> {
     }
 }
 
+/// The largest `throttle.max_rows_per_second`: beyond it the limit would not bind on any server.
+pub const MAX_ROWS_PER_SECOND: i64 = 10_000_000;
+
+fn throttle(c: &mut Checker, raw: &RawThrottle, claim: Option<&ClaimSettings>) -> Option<ThrottleSettings> {
+    let rate = c.int_in(
+        "throttle.max_rows_per_second",
+        raw.max_rows_per_second,
+        0..=MAX_ROWS_PER_SECOND,
+    );
+    let lag = c.duration_or_off("throttle.max_replica_lag", &raw.max_replica_lag);
+    let batch_duration = c.duration_or_off("throttle.batch_duration", &raw.batch_duration);
+    if let (Some(Some(target)), Some(claim)) = (batch_duration, claim) {
+        let timeout = claim.lease.batch_timeout();
+        if target >= timeout {
+            c.fail(
+                "throttle.batch_duration",
+                format!(
+                    "{} must be shorter than claim.batch_timeout ({})",
+                    humantime::format_duration(target),
+                    humantime::format_duration(timeout)
+                ),
+            );
+        }
+    }
+    Some(ThrottleSettings {
+        max_rows_per_second: Some(rate?).filter(|r| *r > 0),
+        max_replica_lag: lag?,
+        batch_duration: batch_duration?,
+    })
+}
+
 /// The ordinal of a StatefulSet pod name: `fine-settler-2` → 2.
 pub fn pod_ordinal(name: &str) -> Option<i64> {
     let (_, ordinal) = name.trim().rsplit_once('-')?;
@@ -504,12 +552,68 @@ mod tests {
             ("DATABASE_URL", "mysql://x@y/z", "database.url"),
             ("FINE_SETTLER__LOG__FORMAT", "xml", "log.format"),
             ("FINE_SETTLER__HTTP__LISTEN", "nowhere", "http.listen"),
+            (
+                "FINE_SETTLER__THROTTLE__MAX_ROWS_PER_SECOND",
+                "-1",
+                "throttle.max_rows_per_second",
+            ),
+            (
+                "FINE_SETTLER__THROTTLE__MAX_ROWS_PER_SECOND",
+                "10000001",
+                "throttle.max_rows_per_second",
+            ),
+            (
+                "FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG",
+                "a while",
+                "throttle.max_replica_lag",
+            ),
+            (
+                "FINE_SETTLER__THROTTLE__BATCH_DURATION",
+                "fast",
+                "throttle.batch_duration",
+            ),
+            (
+                "FINE_SETTLER__THROTTLE__BATCH_DURATION",
+                "30s",
+                "throttle.batch_duration",
+            ),
         ];
         for (var, value, key) in cases {
             let lines = problems(&[(var, value)]);
             assert_eq!(lines.len(), 1, "{var}={value}: {lines:?}");
             assert!(lines[0].contains(key), "{var}={value}: {lines:?}");
         }
+    }
+
+    #[test]
+    fn the_throttle_is_off_by_default_and_zero_means_off() {
+        assert_eq!(settings(&[]).throttle, ThrottleSettings::default());
+        let zeros = settings(&[
+            ("FINE_SETTLER__THROTTLE__MAX_ROWS_PER_SECOND", "0"),
+            ("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "0s"),
+            ("FINE_SETTLER__THROTTLE__BATCH_DURATION", "0ms"),
+        ]);
+        assert_eq!(zeros.throttle, ThrottleSettings::default());
+        let on = settings(&[
+            ("FINE_SETTLER__THROTTLE__MAX_ROWS_PER_SECOND", "2500"),
+            ("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "5s"),
+            ("FINE_SETTLER__THROTTLE__BATCH_DURATION", "200ms"),
+        ]);
+        assert_eq!(
+            on.throttle,
+            ThrottleSettings {
+                max_rows_per_second: Some(2500),
+                max_replica_lag: Some(Duration::from_secs(5)),
+                batch_duration: Some(Duration::from_millis(200)),
+            }
+        );
+        // A target no shorter than the batch timeout could never shrink a batch before it times out.
+        assert_eq!(
+            problems(&[("FINE_SETTLER__THROTTLE__BATCH_DURATION", "30s")]),
+            vec![
+                "invalid configuration: throttle.batch_duration: 30s must be shorter than claim.batch_timeout (30s)"
+            ]
+        );
     }
 
     #[test]

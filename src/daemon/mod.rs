@@ -23,6 +23,7 @@ use crate::{
         accrual::{self, Accrual},
         runner::{process_owner, Runner},
         settlement::Settlement,
+        throttle::{Reason, Throttle},
         JobName, Outcome, RunKey, RunReport,
     },
     metrics::Metrics,
@@ -140,6 +141,8 @@ pub struct Daemon {
     accrual_rechecked: Option<tokio::time::Instant>,
     /// The pauses covering this shard at the last tick (each logged when it starts and when it ends).
     paused: Vec<Pause>,
+    /// `[throttle]`, shared by every run of the replica.
+    throttle: Arc<Throttle>,
 }
 
 impl Daemon {
@@ -171,8 +174,19 @@ impl Daemon {
         }
         metrics.add("fine_settler_compensation_errors_total", None, None, 0.0);
         for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
+            for reason in [Reason::Rate, Reason::ReplicaLag] {
+                metrics.add_reason(
+                    "fine_settler_throttled_seconds_total",
+                    Some(job.as_str()),
+                    reason.as_str(),
+                    0.0,
+                );
+            }
+        }
+        for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
             metrics.set("fine_settler_paused", Some(job.as_str()), 0.0);
         }
+        let throttle = Throttle::new(settings.throttle);
         Daemon {
             settings,
             pool,
@@ -188,6 +202,7 @@ impl Daemon {
             abandoned: HashSet::new(),
             accrual_rechecked: None,
             paused: Vec::new(),
+            throttle,
         }
     }
 
@@ -280,6 +295,7 @@ impl Daemon {
             self.shutdown.clone(),
         )
         .with_metrics(self.metrics.clone())
+        .with_throttle(self.throttle.clone())
     }
 
     /// Runs until shutdown: ticks on the schedule (and once at start), each tick retried through outages.
@@ -296,6 +312,10 @@ impl Daemon {
             self.pool.close().await;
             tracing::info!("replica stopped before it was ready");
             return;
+        }
+        // A lag limit this role cannot read is said once, now (and asked again at the first batch if this fails).
+        if let Err(e) = self.throttle.prepare(&self.pool).await {
+            tracing::debug!(error = %e, "could not ask whether standbys' positions are readable");
         }
         self.status(&format!(
             "READY=1\nSTATUS=shard {}: ticking {}",

@@ -616,7 +616,8 @@ pub async fn run(
         &settings.claim,
         batch_size,
         cancel.clone(),
-    );
+    )
+    .with_throttle(super::throttle::Throttle::new(settings.throttle));
     let runner = if request.ignore_pause {
         runner.ignoring_pauses()
     } else {

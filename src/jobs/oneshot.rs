@@ -72,13 +72,10 @@ async fn one_shot_runner(settings: &Settings, key: RunKey, batch_size: u32) -> R
             CancellationToken::new()
         }
     };
-    Ok(Runner::new(
-        pool,
-        process_owner(),
-        &settings.claim,
-        batch_size,
-        cancel,
-    ))
+    Ok(
+        Runner::new(pool, process_owner(), &settings.claim, batch_size, cancel)
+            .with_throttle(super::throttle::Throttle::new(settings.throttle)),
+    )
 }
 
 /// Why a one-shot run was refused before it started; nothing was written.

@@ -15,7 +15,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{Outcome, RunKey, RunReport};
+use super::{
+    throttle::{BatchSizer, Lagging, Reason, Throttle},
+    Outcome, RunKey, RunReport,
+};
 use crate::{
     backoff::Backoff,
     calendar::CalendarError,
@@ -198,17 +201,82 @@ pub struct Runner {
     /// Go on through a pause of the job (`--ignore-pause`); by default a run hands its key back after the
     /// batch whose fence saw the pause.
     pub ignore_pause: bool,
+    /// The process's throttle (`[throttle]`), shared by its runs.
+    pub throttle: Arc<Throttle>,
+}
+
+/// How often a run waiting for a lagging standby looks again.
+const LAG_POLL: Duration = Duration::from_millis(250);
+
+/// The throttle waits of one run, so that each episode is logged once: its start with the reason, its end with
+/// how long it lasted. Waits for the pace follow every batch, so the pace's episode is the whole run.
+#[derive(Default)]
+struct Episodes {
+    rate: Option<(Instant, Duration)>,
+    lag: Option<Instant>,
+}
+
+impl Episodes {
+    fn rate_wait(&mut self, rate: u32, waited: Duration) {
+        match &mut self.rate {
+            Some((_, total)) => *total += waited,
+            None => {
+                tracing::info!(
+                    reason = Reason::Rate.as_str(),
+                    max_rows_per_second = rate,
+                    "throttled: batches paced to throttle.max_rows_per_second"
+                );
+                self.rate = Some((Instant::now(), waited));
+            }
+        }
+    }
+
+    fn lag_start(&mut self, lagging: &Lagging, limit: Duration) {
+        if self.lag.is_none() {
+            tracing::warn!(reason = Reason::ReplicaLag.as_str(), standby = %lagging.standby,
+                unreplayed_bytes = lagging.unreplayed_bytes,
+                replay_lag_ms = lagging.replay_lag.map(|l| l.as_millis() as u64),
+                unmoved_ms = lagging.unmoved_for.as_millis() as u64,
+                max_replica_lag = %humantime::format_duration(limit),
+                "throttled: a standby lags more than throttle.max_replica_lag; batches wait ({lagging})");
+            self.lag = Some(Instant::now());
+        }
+    }
+
+    fn lag_end(&mut self, why: &str) {
+        if let Some(started) = self.lag.take() {
+            tracing::info!(
+                reason = Reason::ReplicaLag.as_str(),
+                waited_ms = started.elapsed().as_millis() as u64,
+                "throttle released: {why}"
+            );
+        }
+    }
+
+    fn end(&mut self) {
+        self.lag_end("the run ended");
+        if let Some((started, waited)) = self.rate.take() {
+            tracing::info!(
+                reason = Reason::Rate.as_str(),
+                waited_ms = waited.as_millis() as u64,
+                over_ms = started.elapsed().as_millis() as u64,
+                "throttle released: the run ended"
+            );
+        }
+    }
 }
 
 enum BatchResult {
     /// Nothing left to do.
     Empty,
-    /// Committed a batch ending at this id; `paused`: the fence saw a pause of the key (who, why).
+    /// Committed a batch ending at this id; `paused`: the fence saw a pause of the key (who, why); `took`: how
+    /// long its transaction was open.
     Committed {
         last_id: i64,
         scanned: i64,
         updated: i64,
         paused: Option<(String, String)>,
+        took: Duration,
     },
     /// The fence matched nothing: another replica owns the key now. Rolled back.
     Fenced,
@@ -243,7 +311,14 @@ impl Runner {
             metrics: None,
             progress: None,
             ignore_pause: false,
+            throttle: Throttle::off(),
         }
+    }
+
+    /// The same runner, waiting for `throttle` before its batches.
+    pub fn with_throttle(mut self, throttle: Arc<Throttle>) -> Self {
+        self.throttle = throttle;
+        self
     }
 
     /// The same runner, going on through pauses (an operator's `--ignore-pause`).
@@ -447,6 +522,10 @@ impl Runner {
             Some(c) => c.checked_add(1),
         };
         let mut asked_first_id = false;
+        let mut sizer = BatchSizer::new(self.batch_size, self.throttle.settings().batch_duration);
+        // When the lease was last renewed (by the claim, a batch or a renewal while throttled).
+        let mut renewed = Instant::now();
+        let mut episodes = Episodes::default();
         let stop = loop {
             if self.cancel.is_cancelled() {
                 break Ok(Stop::Shutdown);
@@ -460,9 +539,18 @@ impl Runner {
                 }
             }
             let Some(from_id) = next else { break Ok(Stop::Done) };
+            match self
+                .throttled(&key, epoch, committed, &mut renewed, &mut episodes)
+                .await
+            {
+                Ok(None) => {}
+                Ok(Some(stop)) => break Ok(stop),
+                Err(e) => break Err(e),
+            }
+            let limit = self.throttle.cap_batch(sizer.next());
             let batch = tokio::time::timeout(
                 self.lease.batch_timeout(),
-                self.batch(job, &key, epoch, committed, from_id),
+                self.batch(job, &key, epoch, committed, from_id, limit),
             )
             .await;
             match batch {
@@ -475,7 +563,20 @@ impl Runner {
                     scanned: s,
                     updated: u,
                     paused,
+                    took,
                 })) => {
+                    renewed = Instant::now();
+                    self.throttle.charge(s);
+                    let size = sizer.next();
+                    sizer.observe(s, took);
+                    if sizer.next() != size {
+                        tracing::debug!(
+                            took_ms = took.as_millis() as u64,
+                            from = size,
+                            to = sizer.next(),
+                            "batch resized to throttle.batch_duration"
+                        );
+                    }
                     scanned += s;
                     updated += u;
                     committed = Some(last_id);
@@ -513,6 +614,7 @@ impl Runner {
             }
         };
 
+        episodes.end();
         let ending = match &stop {
             Ok(Stop::Done) => Some(Ending::Success),
             Ok(Stop::Shutdown) => Some(Ending::Failed(SHUTDOWN_ERROR)),
@@ -603,6 +705,76 @@ impl Runner {
         }
     }
 
+    /// Waits before a batch for as long as the throttle asks: the pace, then any standby lagging past the limit.
+    /// Returns how the run must stop instead, if it must.
+    ///
+    /// A wait keeps the lease rules: every third of the lease the run renews its lease through the batch fence
+    /// (the key RUNNING under its epoch at its last committed cursor), so a live, waiting run never lets its
+    /// lease run out, and a run that lost its key learns so while it waits. The renewal also sees a pause of
+    /// the job (the run hands its key back, as after a batch), and a shutdown ends the wait at once.
+    async fn throttled(
+        &self,
+        key: &RunKey,
+        epoch: i64,
+        committed: Option<i64>,
+        renewed: &mut Instant,
+        episodes: &mut Episodes,
+    ) -> Result<Option<Stop>, JobError> {
+        let settings = self.throttle.settings();
+        loop {
+            let (reason, wait) = if let Some(wait) = self.throttle.pace_wait() {
+                episodes.rate_wait(settings.max_rows_per_second.unwrap_or(0), wait);
+                (Reason::Rate, wait)
+            } else {
+                match self.throttle.lagging(&self.pool).await? {
+                    Some(lagging) => {
+                        episodes.lag_start(&lagging, settings.max_replica_lag.unwrap_or_default());
+                        (Reason::ReplicaLag, LAG_POLL)
+                    }
+                    None => {
+                        episodes.lag_end("no standby lags more than throttle.max_replica_lag");
+                        return Ok(None);
+                    }
+                }
+            };
+            let renew_at = *renewed + self.lease.duration() / 3;
+            let slice = wait.min(renew_at.saturating_duration_since(Instant::now()));
+            let slept = Instant::now();
+            tokio::select! {
+                _ = self.cancel.cancelled() => return Ok(Some(Stop::Shutdown)),
+                _ = tokio::time::sleep(slice) => {}
+            }
+            if let Some(m) = &self.metrics {
+                let waited = slept.elapsed().as_secs_f64();
+                m.add_reason(
+                    "fine_settler_throttled_seconds_total",
+                    Some(key.job.as_str()),
+                    reason.as_str(),
+                    waited,
+                );
+                m.alive();
+            }
+            if Instant::now() >= renew_at {
+                match job_runs::renew(&self.pool, key, epoch, committed, self.lease.duration()).await? {
+                    Fence::Lost => return Ok(Some(Stop::LeaseLost)),
+                    Fence::Passed {
+                        paused: Some((by, reason)),
+                    } if !self.ignore_pause => {
+                        tracing::warn!(cursor = committed, paused_by = %by, reason = %reason,
+                            "job paused while throttled: handing the key back");
+                        return Ok(Some(Stop::Paused(Pause::run_error(&by, &reason))));
+                    }
+                    Fence::Passed { .. } => {}
+                }
+                *renewed = Instant::now();
+                tracing::debug!(cursor = committed, "lease renewed while throttled");
+                if let Some(m) = &self.metrics {
+                    m.progress_now();
+                }
+            }
+        }
+    }
+
     /// One batch: read the next rows, then one transaction that writes them and, last, passes the fence.
     async fn batch<J: BatchJob>(
         &self,
@@ -611,14 +783,14 @@ impl Runner {
         epoch: i64,
         after: Option<i64>,
         from_id: i64,
+        limit: u32,
     ) -> Result<BatchResult, JobError> {
-        let batch = job
-            .fetch(&self.pool, key, from_id, i64::from(self.batch_size))
-            .await?;
+        let batch = job.fetch(&self.pool, key, from_id, i64::from(limit)).await?;
         let Some(batch) = batch else {
             return Ok(BatchResult::Empty);
         };
         let (last_id, scanned) = J::extent(&batch);
+        let began = Instant::now();
         let mut tx = self.pool.begin().await?;
         store::set_local_lock_timeout(&mut tx, self.lease.lock_timeout()).await?;
         let updated = i64::try_from(job.write(&mut tx, key, &batch).await?).unwrap_or(i64::MAX);
@@ -641,6 +813,7 @@ impl Runner {
             scanned,
             updated,
             paused,
+            took: began.elapsed(),
         })
     }
 }

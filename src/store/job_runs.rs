@@ -356,6 +356,50 @@ pub async fn advance(
     })
 }
 
+/// Renews the lease of a run that waits between batches (the throttle) through the same fence as a batch: only
+/// while the key is RUNNING under `epoch` at the run's last committed `cursor`. Also tells, as the batch fence
+/// does, whether a pause covers the key, so that a long wait still honours an operator's pause.
+pub async fn renew(
+    pool: &Db,
+    key: &RunKey,
+    epoch: i64,
+    cursor: Option<i64>,
+    lease: Duration,
+) -> Result<Fence, sqlx::Error> {
+    let renewed = sqlx::query!(
+        r#"with fenced as (
+               update job_runs set
+                   heartbeat_at = clock_timestamp(),
+                   lease_until = clock_timestamp() + $6 * interval '1 millisecond'
+               where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
+                 and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $7
+               returning 1
+           ), pause as (
+               select paused_by, reason from job_pauses
+               where job_name = $1 and ((shards = 0 and shard = 0) or (shards = $3 and shard = $4))
+               order by shards
+               limit 1
+           )
+           select pause.paused_by as "paused_by?", pause.reason as "reason?"
+           from fenced left join pause on true"#,
+        key.job.as_str(),
+        key.business_date,
+        key.shard.shards(),
+        key.shard.shard(),
+        epoch,
+        millis(lease) as f64,
+        cursor,
+    )
+    .fetch_optional(pool)
+    .await?;
+    Ok(match renewed {
+        None => Fence::Lost,
+        Some(row) => Fence::Passed {
+            paused: row.paused_by.zip(row.reason),
+        },
+    })
+}
+
 /// How a run ended, as written to `job_runs` and `job_run_attempts`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ending<'a> {

@@ -6,6 +6,7 @@ pub mod job_runs;
 pub mod ledger;
 pub mod loans;
 pub mod pauses;
+pub mod replication;
 pub mod status;
 
 use std::time::Duration;
