@@ -4,13 +4,15 @@
 //! lease rules is the runner's part.
 //!
 //! **When a standby lags.** `replay_lag` alone cannot tell: it is measured only when the standby's replay
-//! position moves, so a standby whose replay is stuck keeps showing its last, small value. A standby lags when
-//! WAL is waiting for it (its replay position is behind the primary's current one) and either its `replay_lag`
-//! exceeds the limit, or its own reports show its replay position unmoved for longer than the limit. Reports are
-//! compared by the standby's `reply_time`, not by when this process looked: a quiet standby reports its replay
-//! position only every `wal_receiver_status_interval` (10 s by default), and an old report that shows a position
-//! a little behind is not a stuck standby. The price: once the primary is quiet (every batch waiting), a standby
-//! that caught up is seen to have done so at its next report, up to `wal_receiver_status_interval` later.
+//! position moves, so a standby whose replay is stuck may keep showing its last, small value. A standby lags
+//! when WAL is waiting for it (its replay position is behind the primary's current one) and either its
+//! `replay_lag` exceeds the limit, or its own reports show it stuck: the same replay position, behind WAL it had
+//! already received, in reports whose `reply_time`s span more than the limit. Reports are compared by the
+//! standby's own `reply_time`, not by when this process looked, because a quiet standby reports its replay
+//! position only every `wal_receiver_status_interval` (10 s by default): one old report showing replay a little
+//! behind what it had just received is not a stuck standby. The price: once the primary is quiet (every batch
+//! waiting), a standby that caught up is seen to have done so at its next report, up to
+//! `wal_receiver_status_interval` later.
 
 use std::{
     collections::HashMap,
@@ -82,11 +84,12 @@ fn whole_millis(d: Duration) -> Duration {
     Duration::from_millis(d.as_millis().min(u128::from(u64::MAX)) as u64)
 }
 
-/// What the throttle remembers of one standby: its last replay position and the time of its first report at it.
+/// What the throttle remembers of one standby: its last replay position and, if it was behind what it had
+/// received, the time of the first report that showed it stuck there.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Seen {
     replay_lsn: String,
-    since: DateTime<Utc>,
+    stuck_since: Option<DateTime<Utc>>,
 }
 
 /// Judges one standby's report against the limit, given what was seen of it before; returns what to remember
@@ -101,17 +104,24 @@ pub fn judge(
     else {
         return (before.cloned(), None);
     };
-    let seen = match before {
-        Some(b) if &b.replay_lsn == lsn => b.clone(),
-        _ => Seen {
-            replay_lsn: lsn.clone(),
-            since: reply_time,
-        },
+    // Replay had caught up with what the standby had received when it reported: not stuck, however long it
+    // has been at this position.
+    let behind = report.received_unreplayed_bytes.is_some_and(|b| b > 0);
+    let stuck_since = match before {
+        _ if !behind => None,
+        Some(b) if &b.replay_lsn == lsn && b.stuck_since.is_some() => b.stuck_since,
+        _ => Some(reply_time),
+    };
+    let seen = Seen {
+        replay_lsn: lsn.clone(),
+        stuck_since,
     };
     if unreplayed <= 0 {
         return (Some(seen), None);
     }
-    let unmoved_for = (reply_time - seen.since).to_std().unwrap_or_default();
+    let unmoved_for = stuck_since
+        .and_then(|since| (reply_time - since).to_std().ok())
+        .unwrap_or_default();
     let replay_lag = report
         .replay_lag_seconds
         .filter(|s| s.is_finite() && *s >= 0.0)
@@ -201,7 +211,8 @@ impl Throttle {
                     tracing::warn!(
                         max_replica_lag = %humantime::format_duration(limit),
                         "throttle.max_replica_lag is set but this role may not read standbys' positions in \
-                         pg_stat_replication (grant it pg_monitor); running without the replica lag limit"
+                         pg_stat_replication (grant it pg_read_all_stats, part of pg_monitor); running without the replica lag \
+                         limit"
                     );
                 }
                 Ok(readable)
@@ -291,12 +302,15 @@ mod tests {
 
     use super::*;
 
-    fn report(lsn: &str, unreplayed: i64, lag_ms: Option<u64>, at_ms: i64) -> StandbyReport {
+    /// A report of replay at `lsn`, `unreplayed` bytes behind the primary now and `behind` bytes behind what the
+    /// standby had received, sent at `at_ms`.
+    fn report(lsn: &str, unreplayed: i64, behind: i64, lag_ms: Option<u64>, at_ms: i64) -> StandbyReport {
         StandbyReport {
             pid: 7,
             name: "standby1 at 127.0.0.1".into(),
             replay_lsn: Some(lsn.into()),
             unreplayed_bytes: Some(unreplayed),
+            received_unreplayed_bytes: Some(behind),
             replay_lag_seconds: lag_ms.map(|ms| ms as f64 / 1000.0),
             reply_time: Some(DateTime::from_timestamp_millis(1_800_000_000_000 + at_ms).expect("time")),
         }
@@ -320,14 +334,16 @@ mod tests {
         let limit = Duration::from_secs(1);
         // Replay stuck at 0/100 while WAL piles up; replay_lag keeps its last small value.
         let stuck = [
-            report("0/100", 10, Some(78), 0),
-            report("0/100", 5_000, Some(78), 600),
-            report("0/100", 9_000, Some(78), 1_000),
-            report("0/100", 12_900_000, Some(78), 1_001),
+            // Caught up for a long time at 0/100: no evidence yet.
+            report("0/100", 0, 0, Some(78), -60_000),
+            report("0/100", 10, 10, Some(78), 0),
+            report("0/100", 5_000, 4_000, Some(78), 600),
+            report("0/100", 9_000, 9_000, Some(78), 1_000),
+            report("0/100", 12_900_000, 12_000_000, Some(78), 1_001),
         ];
-        assert_eq!(lags(&stuck, limit), [false, false, false, true]);
-        let lagging = judge(None, &stuck[0], limit).0;
-        let (_, l) = judge(lagging.as_ref(), &stuck[3], limit);
+        assert_eq!(lags(&stuck, limit), [false, false, false, false, true]);
+        let lagging = judge(None, &stuck[1], limit).0;
+        let (_, l) = judge(lagging.as_ref(), &stuck[4], limit);
         let text = l.expect("lags").to_string();
         assert!(
             text.contains("standby1 at 127.0.0.1 (pid 7): 12900000 bytes")
@@ -341,29 +357,37 @@ mod tests {
         let limit = Duration::from_secs(1);
         // Replay moves at every report.
         let moving = [
-            report("0/100", 10, Some(5), 0),
-            report("0/200", 10, Some(5), 900),
-            report("0/300", 10, Some(5), 1_800),
-            report("0/400", 10, Some(5), 2_700),
+            report("0/100", 10, 10, Some(5), 0),
+            report("0/200", 10, 10, Some(5), 900),
+            report("0/300", 10, 10, Some(5), 1_800),
+            report("0/400", 10, 10, Some(5), 2_700),
         ];
         assert_eq!(lags(&moving, limit), [false; 4]);
         // Caught up: nothing is waiting, whatever replay_lag last said and however long the position stays.
         let caught_up = [
-            report("0/100", 0, Some(5_000), 0),
-            report("0/100", 0, Some(5_000), 20_000),
+            report("0/100", 0, 0, Some(5_000), 0),
+            report("0/100", 0, 0, Some(5_000), 20_000),
         ];
         assert_eq!(lags(&caught_up, limit), [false, false]);
         // One old report, looked at again and again, is no evidence of a stuck standby.
-        let quiet = [report("0/100", 40, None, 0), report("0/100", 40, None, 0)];
+        let quiet = [report("0/100", 40, 40, None, 0), report("0/100", 40, 40, None, 0)];
         assert_eq!(lags(&quiet, limit), [false, false]);
+        // A quiet, healthy standby: its last report (10 s ago) showed it caught up at 0/100; new WAL arrives and
+        // its next report shows replay a little behind what it just received. Not stuck.
+        let woken = [
+            report("0/100", 0, 0, None, 0),
+            report("0/100", 300, 300, None, 10_000),
+            report("0/100", 300, 300, None, 10_000),
+        ];
+        assert_eq!(lags(&woken, limit), [false, false, false]);
     }
 
     #[test]
     fn replay_lag_over_the_limit_lags_while_wal_waits() {
         let limit = Duration::from_secs(1);
         let slow = [
-            report("0/100", 10, Some(1_500), 0),
-            report("0/200", 0, Some(1_500), 100),
+            report("0/100", 10, 10, Some(1_500), 0),
+            report("0/200", 0, 0, Some(1_500), 100),
         ];
         assert_eq!(lags(&slow, limit), [true, false]);
     }
@@ -373,7 +397,8 @@ mod tests {
         let hidden = StandbyReport {
             replay_lsn: None,
             unreplayed_bytes: None,
-            ..report("0/100", 1, Some(9_000), 0)
+            received_unreplayed_bytes: None,
+            ..report("0/100", 1, 1, Some(9_000), 0)
         };
         assert_eq!(judge(None, &hidden, Duration::from_secs(1)), (None, None));
     }

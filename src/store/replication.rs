@@ -15,6 +15,8 @@ pub struct StandbyReport {
     pub replay_lsn: Option<String>,
     /// WAL bytes the primary has written that it has not replayed, by that report.
     pub unreplayed_bytes: Option<i64>,
+    /// WAL bytes it had received (flushed) but not replayed when it sent that report.
+    pub received_unreplayed_bytes: Option<i64>,
     /// `replay_lag`: how old the WAL it last replayed was when it replayed it.
     pub replay_lag_seconds: Option<f64>,
     /// When the standby sent that report (its own clock).
@@ -38,6 +40,7 @@ pub async fn standbys(pool: &Db) -> Result<Vec<StandbyReport>, sqlx::Error> {
                   replay_lsn::text as replay_lsn,
                   case when pg_is_in_recovery() then null
                        else pg_wal_lsn_diff(pg_current_wal_lsn(), replay_lsn)::bigint end as unreplayed_bytes,
+                  pg_wal_lsn_diff(flush_lsn, replay_lsn)::bigint as received_unreplayed_bytes,
                   extract(epoch from replay_lag)::float8 as replay_lag_seconds,
                   reply_time
            from pg_stat_replication
@@ -52,6 +55,7 @@ pub async fn standbys(pool: &Db) -> Result<Vec<StandbyReport>, sqlx::Error> {
             name: r.name,
             replay_lsn: r.replay_lsn,
             unreplayed_bytes: r.unreplayed_bytes,
+            received_unreplayed_bytes: r.received_unreplayed_bytes,
             replay_lag_seconds: r.replay_lag_seconds,
             reply_time: r.reply_time,
         })
