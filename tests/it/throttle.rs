@@ -427,3 +427,32 @@ async fn an_operator_pause_reaches_a_run_waiting_for_a_lagging_standby() {
     standby.resume_replay().await;
     pool.close().await;
 }
+
+/// The daemon's runs are throttled too: one tick (`run --once`) settling the last month end under a cap.
+#[sqlx::test]
+async fn the_daemon_paces_its_runs(pool: PgPool) {
+    let month_end = crate::helpers::due_now(&pool, 1).await[0];
+    let first = chrono::Datelike::with_day(&month_end, 1)
+        .expect("first day")
+        .to_string();
+    let loans: Vec<_> = (1..=600)
+        .map(|id| loan(id, &first, Some(&month_end.to_string())))
+        .collect();
+    insert(&pool, &loans).await;
+    let mut tick = fine_settler(&database_url(&pool));
+    tick.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "50")
+        .env("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1")
+        .env("FINE_SETTLER__THROTTLE__MAX_ROWS_PER_SECOND", "300")
+        .args(["run", "--once"]);
+    let started = Instant::now();
+    let out = output(tick);
+    let took = started.elapsed();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert_eq!(settled(&pool, &month_end.to_string()).await.0, 600, "{log}");
+    assert!(
+        took >= Duration::from_millis(1_800),
+        "600 rows under 300/s took {took:?}"
+    );
+    assert_eq!(log.matches("throttled: batches paced").count(), 1, "{log}");
+}
