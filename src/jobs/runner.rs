@@ -635,7 +635,16 @@ impl Runner {
         let finished = match ending {
             Some(ending) => {
                 retrying("finish", &self.pool, || {
-                    job_runs::finish(&self.pool, &key, epoch, committed, ending, scanned, updated)
+                    job_runs::finish(
+                        &self.pool,
+                        &key,
+                        epoch,
+                        &self.owner,
+                        committed,
+                        ending,
+                        scanned,
+                        updated,
+                    )
                 })
                 .await
             }
@@ -755,7 +764,16 @@ impl Runner {
                 m.alive();
             }
             if Instant::now() >= renew_at {
-                match job_runs::renew(&self.pool, key, epoch, committed, self.lease.duration()).await? {
+                match job_runs::renew(
+                    &self.pool,
+                    key,
+                    epoch,
+                    &self.owner,
+                    committed,
+                    self.lease.duration(),
+                )
+                .await?
+                {
                     Fence::Lost => return Ok(Some(Stop::LeaseLost)),
                     Fence::Passed {
                         paused: Some((by, reason)),
@@ -800,13 +818,15 @@ impl Runner {
             scanned,
             updated,
         };
-        let paused = match job_runs::advance(&mut tx, key, epoch, progress, self.lease.duration()).await? {
-            Fence::Lost => {
-                tx.rollback().await?;
-                return Ok(BatchResult::Fenced);
-            }
-            Fence::Passed { paused } => paused.filter(|_| !self.ignore_pause),
-        };
+        let paused =
+            match job_runs::advance(&mut tx, key, epoch, &self.owner, progress, self.lease.duration()).await?
+            {
+                Fence::Lost => {
+                    tx.rollback().await?;
+                    return Ok(BatchResult::Fenced);
+                }
+                Fence::Passed { paused } => paused.filter(|_| !self.ignore_pause),
+            };
         tx.commit().await?;
         Ok(BatchResult::Committed {
             last_id,

@@ -298,8 +298,9 @@ pub enum Fence {
 }
 
 /// The fence, run inside the batch's transaction after its business writes: advances cursor and counters and
-/// renews the lease, only while `epoch` still owns the key ([`Fence::Lost`] otherwise: the claim was lost and
-/// the caller must roll back). It also says whether a pause now covers the key: the same statement reads
+/// renews the lease, only while `epoch` and `owner` still hold the key ([`Fence::Lost`] otherwise: the claim was
+/// lost and the caller must roll back). The owner as well as the epoch: a standby promoted before it replayed a
+/// run's claim can give the same epoch to another replica, and the run must not pass that one's fence. It also says whether a pause now covers the key: the same statement reads
 /// `job_pauses` (a primary-key lookup in a table of a few rows), so a run learns of a pause at the end of the
 /// batch in flight without a statement of its own. A pause never makes the fence fail: it only asks the run
 /// to stop after this batch.
@@ -314,6 +315,7 @@ pub async fn advance(
     tx: &mut PgConnection,
     key: &RunKey,
     epoch: i64,
+    owner: &str,
     progress: Progress,
     lease: Duration,
 ) -> Result<Fence, sqlx::Error> {
@@ -324,7 +326,7 @@ pub async fn advance(
                    heartbeat_at = clock_timestamp(),
                    lease_until = clock_timestamp() + $9 * interval '1 millisecond'
                where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
-                 and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $10
+                 and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $10 and owner = $11
                returning 1
            ), pause as (
                -- The whole job's pause before this shard's own.
@@ -345,6 +347,7 @@ pub async fn advance(
         progress.updated,
         millis(lease) as f64,
         progress.after,
+        owner,
     )
     .fetch_optional(&mut *tx)
     .await?;
@@ -357,12 +360,13 @@ pub async fn advance(
 }
 
 /// Renews the lease of a run that waits between batches (the throttle) through the same fence as a batch: only
-/// while the key is RUNNING under `epoch` at the run's last committed `cursor`. Also tells, as the batch fence
+/// while the key is RUNNING under `epoch` and `owner` at the run's last committed `cursor`. Also tells, as the batch fence
 /// does, whether a pause covers the key, so that a long wait still honours an operator's pause.
 pub async fn renew(
     pool: &Db,
     key: &RunKey,
     epoch: i64,
+    owner: &str,
     cursor: Option<i64>,
     lease: Duration,
 ) -> Result<Fence, sqlx::Error> {
@@ -372,7 +376,7 @@ pub async fn renew(
                    heartbeat_at = clock_timestamp(),
                    lease_until = clock_timestamp() + $6 * interval '1 millisecond'
                where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
-                 and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $7
+                 and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $7 and owner = $8
                returning 1
            ), pause as (
                select paused_by, reason from job_pauses
@@ -389,6 +393,7 @@ pub async fn renew(
         epoch,
         millis(lease) as f64,
         cursor,
+        owner,
     )
     .fetch_optional(pool)
     .await?;
@@ -408,8 +413,8 @@ pub enum Ending<'a> {
     Failed(&'a str),
 }
 
-/// Finishes the run held under `epoch`. `scanned`/`updated` are this attempt's own counts, for the history.
-/// Returns `false` if the epoch no longer owns the key (the claim was lost) — or, for a SUCCESS, if the key's
+/// Finishes the run held under `epoch` by `owner`. `scanned`/`updated` are this attempt's own counts, for the
+/// history. Returns `false` if they no longer hold the key (the claim was lost) — or, for a SUCCESS, if the key's
 /// cursor is not `cursor`, the run's last committed one (see [`Progress::after`]).
 ///
 /// The statement is safe to retry after a connection error: if an earlier attempt committed (the reply was
@@ -419,6 +424,7 @@ pub async fn finish(
     pool: &Db,
     key: &RunKey,
     epoch: i64,
+    owner: &str,
     cursor: Option<i64>,
     ending: Ending<'_>,
     scanned: i64,
@@ -433,7 +439,7 @@ pub async fn finish(
                update job_runs set status = $6, last_error = $8, finished_at = now(), heartbeat_at = now(),
                                    lease_until = now()
                where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
-                 and status = 'RUNNING' and epoch = $5
+                 and status = 'RUNNING' and epoch = $5 and owner = $12
                  -- SUCCESS only where the key's cursor is the run's last: a promoted standby lacking the run's
                  -- last batches keeps the key RUNNING, and its takeover settles their rows again.
                  and ($6 <> 'SUCCESS' or cursor is not distinct from $11)
@@ -455,6 +461,7 @@ pub async fn finish(
         scanned,
         updated,
         cursor,
+        owner,
     )
     .fetch_one(pool)
     .await?;
@@ -467,13 +474,14 @@ pub async fn finish(
     let now = sqlx::query_scalar!(
         r#"select exists (select 1 from job_runs
                           where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
-                            and status = $6 and epoch = $5) as "already!""#,
+                            and status = $6 and epoch = $5 and owner = $7) as "already!""#,
         key.job.as_str(),
         key.business_date,
         key.shard.shards(),
         key.shard.shard(),
         epoch,
         status.as_str(),
+        owner,
     )
     .fetch_one(pool)
     .await?;

@@ -725,7 +725,7 @@ async fn a_retried_finish_racing_its_own_first_attempt_counts_as_finished(pool: 
         .expect("first attempt");
     let retry = tokio::spawn({
         let pool = pool.clone();
-        async move { finish(&db(&pool), &k, 1, None, Ending::Success, 0, 0).await }
+        async move { finish(&db(&pool), &k, 1, "a", None, Ending::Success, 0, 0).await }
     });
     crate::helpers::wait_until(
         "the retry waits for the first attempt",

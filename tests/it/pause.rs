@@ -289,7 +289,7 @@ async fn the_fence_reports_a_pause_and_never_mistakes_it_for_a_lost_lease(pool: 
         let pool = pool.clone();
         async move {
             let mut tx = pool.begin().await.expect("begin");
-            let f = advance(&mut tx, &k, epoch, progress, Duration::from_secs(60))
+            let f = advance(&mut tx, &k, epoch, "a", progress, Duration::from_secs(60))
                 .await
                 .expect("fence");
             tx.rollback().await.expect("rollback");

@@ -456,3 +456,32 @@ async fn the_daemon_paces_its_runs(pool: PgPool) {
     );
     assert_eq!(log.matches("throttled: batches paced").count(), 1, "{log}");
 }
+
+/// Accrual batches are paced like settlement's: `accrue` of a day with 600 overdue loans under 300 rows/s.
+#[sqlx::test]
+async fn the_accrue_command_is_paced_too(pool: PgPool) {
+    let today = fine_settler::calendar::local_date(chrono::Utc::now(), chrono_tz::Asia::Shanghai);
+    let day = today - chrono::Duration::days(5);
+    let due = (day - chrono::Duration::days(3)).to_string();
+    let loans: Vec<_> = (1..=600).map(|id| loan(id, &due, None)).collect();
+    insert(&pool, &loans).await;
+    let mut cmd = fine_settler(&database_url(&pool));
+    cmd.env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "50")
+        .env("FINE_SETTLER__THROTTLE__MAX_ROWS_PER_SECOND", "300")
+        .args(["accrue", "--date", &day.to_string()]);
+    let started = Instant::now();
+    let out = output(cmd);
+    let took = started.elapsed();
+    let json = report(&out);
+    assert_eq!(json["updated"], 600, "{json}");
+    let charged: i64 = sqlx::query_scalar("select count(*) from fine_ledger where accrual_date = $1")
+        .bind(day)
+        .fetch_one(&pool)
+        .await
+        .expect("ledger");
+    assert_eq!(charged, 600);
+    assert!(
+        took >= Duration::from_millis(1_800),
+        "600 charges under 300/s took {took:?}"
+    );
+}
