@@ -28,7 +28,7 @@ use crate::{
     redact::secrets_in as redact_secrets_in,
     store::{
         self,
-        job_runs::{self, Claim, ClaimKind, ClaimMode, Ending, Fence, Progress, RunStatus},
+        job_runs::{self, Claim, ClaimKind, ClaimMode, Claimant, Ending, Fence, Progress, RunStatus},
         pauses::Pause,
     },
 };
@@ -214,6 +214,8 @@ const LAG_POLL: Duration = Duration::from_millis(250);
 struct Episodes {
     rate: Option<(Instant, Duration)>,
     lag: Option<Instant>,
+    /// The lag check failed in this run (said once).
+    lag_unreadable: bool,
 }
 
 impl Episodes {
@@ -236,10 +238,17 @@ impl Episodes {
             tracing::warn!(reason = Reason::ReplicaLag.as_str(), standby = %lagging.standby,
                 unreplayed_bytes = lagging.unreplayed_bytes,
                 replay_lag_ms = lagging.replay_lag.map(|l| l.as_millis() as u64),
-                unmoved_ms = lagging.unmoved_for.as_millis() as u64,
+                behind_ms = lagging.behind.as_millis() as u64,
                 max_replica_lag = %humantime::format_duration(limit),
                 "throttled: a standby lags more than throttle.max_replica_lag; batches wait ({lagging})");
             self.lag = Some(Instant::now());
+        }
+    }
+
+    fn lag_unreadable(&mut self, error: &JobError) {
+        if !self.lag_unreadable {
+            tracing::warn!(error = %error, "cannot read pg_stat_replication; this batch goes on without the replica lag limit");
+            self.lag_unreadable = true;
         }
     }
 
@@ -540,7 +549,14 @@ impl Runner {
             }
             let Some(from_id) = next else { break Ok(Stop::Done) };
             match self
-                .throttled(&key, epoch, committed, &mut renewed, &mut episodes)
+                .throttled(
+                    &key,
+                    epoch,
+                    committed,
+                    self.throttle.cap_batch(sizer.next()),
+                    &mut renewed,
+                    &mut episodes,
+                )
                 .await
             {
                 Ok(None) => {}
@@ -553,6 +569,12 @@ impl Runner {
                 self.batch(job, &key, epoch, committed, from_id, limit),
             )
             .await;
+            // The pace admitted `limit` rows (in `throttled`); it gets back what the batch did not work.
+            let done = match &batch {
+                Ok(Ok(BatchResult::Committed { scanned, .. })) => *scanned,
+                _ => 0,
+            };
+            self.throttle.settle(limit, done);
             match batch {
                 Err(_) => break Err(JobError::BatchTimeout(self.lease.batch_timeout())),
                 Ok(Err(e)) => break Err(e),
@@ -566,7 +588,6 @@ impl Runner {
                     took,
                 })) => {
                     renewed = Instant::now();
-                    self.throttle.charge(s);
                     let size = sizer.next();
                     sizer.observe(s, took);
                     if sizer.next() != size {
@@ -638,8 +659,7 @@ impl Runner {
                     job_runs::finish(
                         &self.pool,
                         &key,
-                        epoch,
-                        &self.owner,
+                        self.claimant(epoch),
                         committed,
                         ending,
                         scanned,
@@ -714,39 +734,50 @@ impl Runner {
         }
     }
 
-    /// Waits before a batch for as long as the throttle asks: the pace, then any standby lagging past the limit.
-    /// Returns how the run must stop instead, if it must.
+    /// Waits before a batch for as long as the throttle asks — while a standby lags past the limit, then for
+    /// the pace, which admits the batch's `limit` rows — and returns how the run must stop instead, if it must.
     ///
-    /// A wait keeps the lease rules: every third of the lease the run renews its lease through the batch fence
-    /// (the key RUNNING under its epoch at its last committed cursor), so a live, waiting run never lets its
-    /// lease run out, and a run that lost its key learns so while it waits. The renewal also sees a pause of
-    /// the job (the run hands its key back, as after a batch), and a shutdown ends the wait at once.
+    /// A wait keeps the lease rules: the run renews its lease through the batch fence (the key RUNNING under its
+    /// epoch and owner at its last committed cursor) every [`Runner::renew_every`], so a live, waiting run never
+    /// lets its lease run out, and a run that lost its key learns so while it waits. The renewal also sees a
+    /// pause of the job (the run hands its key back, as after a batch), and a shutdown ends the wait at once.
+    /// The lag check is advisory: if it cannot be read (the statement fails), the batch goes on, and a broken
+    /// connection fails that batch as it would have anyway.
     async fn throttled(
         &self,
         key: &RunKey,
         epoch: i64,
         committed: Option<i64>,
+        limit: u32,
         renewed: &mut Instant,
         episodes: &mut Episodes,
     ) -> Result<Option<Stop>, JobError> {
         let settings = self.throttle.settings();
         loop {
-            let (reason, wait) = if let Some(wait) = self.throttle.pace_wait() {
-                episodes.rate_wait(settings.max_rows_per_second.unwrap_or(0), wait);
-                (Reason::Rate, wait)
-            } else {
-                match self.throttle.lagging(&self.pool).await? {
-                    Some(lagging) => {
-                        episodes.lag_start(&lagging, settings.max_replica_lag.unwrap_or_default());
-                        (Reason::ReplicaLag, LAG_POLL)
-                    }
-                    None => {
-                        episodes.lag_end("no standby lags more than throttle.max_replica_lag");
-                        return Ok(None);
+            let lagging = match self.throttle.lagging(&self.pool).await {
+                Ok(lagging) => lagging,
+                Err(e) => {
+                    episodes.lag_unreadable(&JobError::from(e));
+                    None
+                }
+            };
+            let (reason, wait) = match lagging {
+                Some(lagging) => {
+                    episodes.lag_start(&lagging, settings.max_replica_lag.unwrap_or_default());
+                    (Reason::ReplicaLag, LAG_POLL)
+                }
+                None => {
+                    episodes.lag_end("no standby lags more than throttle.max_replica_lag");
+                    match self.throttle.admit(limit) {
+                        None => return Ok(None),
+                        Some(wait) => {
+                            episodes.rate_wait(settings.max_rows_per_second.unwrap_or(0), wait);
+                            (Reason::Rate, wait)
+                        }
                     }
                 }
             };
-            let renew_at = *renewed + self.lease.duration() / 3;
+            let renew_at = *renewed + self.renew_every();
             let slice = wait.min(renew_at.saturating_duration_since(Instant::now()));
             let slept = Instant::now();
             tokio::select! {
@@ -767,8 +798,7 @@ impl Runner {
                 match job_runs::renew(
                     &self.pool,
                     key,
-                    epoch,
-                    &self.owner,
+                    self.claimant(epoch),
                     committed,
                     self.lease.duration(),
                 )
@@ -791,6 +821,21 @@ impl Runner {
                 }
             }
         }
+    }
+
+    fn claimant(&self, epoch: i64) -> Claimant<'_> {
+        Claimant {
+            epoch,
+            owner: &self.owner,
+        }
+    }
+
+    /// How often a waiting run renews its lease: a third of the lease, or less when a long batch timeout needs
+    /// it — a batch may start just before a renewal was due and take the whole batch timeout, and the lease must
+    /// outlast both: `min(lease / 3, (lease - batch_timeout) / 2)`.
+    fn renew_every(&self) -> Duration {
+        let lease = self.lease.duration();
+        (lease / 3).min(lease.saturating_sub(self.lease.batch_timeout()) / 2)
     }
 
     /// One batch: read the next rows, then one transaction that writes them and, last, passes the fence.
@@ -818,15 +863,21 @@ impl Runner {
             scanned,
             updated,
         };
-        let paused =
-            match job_runs::advance(&mut tx, key, epoch, &self.owner, progress, self.lease.duration()).await?
-            {
-                Fence::Lost => {
-                    tx.rollback().await?;
-                    return Ok(BatchResult::Fenced);
-                }
-                Fence::Passed { paused } => paused.filter(|_| !self.ignore_pause),
-            };
+        let paused = match job_runs::advance(
+            &mut tx,
+            key,
+            self.claimant(epoch),
+            progress,
+            self.lease.duration(),
+        )
+        .await?
+        {
+            Fence::Lost => {
+                tx.rollback().await?;
+                return Ok(BatchResult::Fenced);
+            }
+            Fence::Passed { paused } => paused.filter(|_| !self.ignore_pause),
+        };
         tx.commit().await?;
         Ok(BatchResult::Committed {
             last_id,

@@ -314,8 +314,7 @@ pub enum Fence {
 pub async fn advance(
     tx: &mut PgConnection,
     key: &RunKey,
-    epoch: i64,
-    owner: &str,
+    holder: Claimant<'_>,
     progress: Progress,
     lease: Duration,
 ) -> Result<Fence, sqlx::Error> {
@@ -341,13 +340,13 @@ pub async fn advance(
         key.business_date,
         key.shard.shards(),
         key.shard.shard(),
-        epoch,
+        holder.epoch,
         progress.cursor,
         progress.scanned,
         progress.updated,
         millis(lease) as f64,
         progress.after,
-        owner,
+        holder.owner,
     )
     .fetch_optional(&mut *tx)
     .await?;
@@ -365,8 +364,7 @@ pub async fn advance(
 pub async fn renew(
     pool: &Db,
     key: &RunKey,
-    epoch: i64,
-    owner: &str,
+    holder: Claimant<'_>,
     cursor: Option<i64>,
     lease: Duration,
 ) -> Result<Fence, sqlx::Error> {
@@ -390,10 +388,10 @@ pub async fn renew(
         key.business_date,
         key.shard.shards(),
         key.shard.shard(),
-        epoch,
+        holder.epoch,
         millis(lease) as f64,
         cursor,
-        owner,
+        holder.owner,
     )
     .fetch_optional(pool)
     .await?;
@@ -403,6 +401,14 @@ pub async fn renew(
             paused: row.paused_by.zip(row.reason),
         },
     })
+}
+
+/// Who holds a claim: the epoch it won and the process that won it. The fence, the renewal and the finish match
+/// both: a standby promoted before it replayed a claim can give the same epoch to another process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claimant<'a> {
+    pub epoch: i64,
+    pub owner: &'a str,
 }
 
 /// How a run ended, as written to `job_runs` and `job_run_attempts`.
@@ -423,8 +429,7 @@ pub enum Ending<'a> {
 pub async fn finish(
     pool: &Db,
     key: &RunKey,
-    epoch: i64,
-    owner: &str,
+    holder: Claimant<'_>,
     cursor: Option<i64>,
     ending: Ending<'_>,
     scanned: i64,
@@ -454,14 +459,14 @@ pub async fn finish(
         key.business_date,
         key.shard.shards(),
         key.shard.shard(),
-        epoch,
+        holder.epoch,
         status.as_str(),
         event,
         error,
         scanned,
         updated,
         cursor,
-        owner,
+        holder.owner,
     )
     .fetch_one(pool)
     .await?;
@@ -479,9 +484,9 @@ pub async fn finish(
         key.business_date,
         key.shard.shards(),
         key.shard.shard(),
-        epoch,
+        holder.epoch,
         status.as_str(),
-        owner,
+        holder.owner,
     )
     .fetch_one(pool)
     .await?;

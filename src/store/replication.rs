@@ -4,23 +4,28 @@ use chrono::{DateTime, Utc};
 
 use crate::store::Db;
 
+/// One look at the primary: its WAL position and clock, and every standby's last report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replication {
+    /// `clock_timestamp()` of the primary when it was asked.
+    pub at: DateTime<Utc>,
+    /// Its WAL insert position, in bytes from `0/0` (`None` on a server in recovery).
+    pub lsn: Option<i64>,
+    pub standbys: Vec<StandbyReport>,
+}
+
 /// One standby's last report, as the primary saw it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StandbyReport {
-    /// The walsender's pid: a standby that reconnects is a new one.
-    pub pid: i32,
-    /// `application_name` (the standby's `cluster_name` by default) and address, for the log.
+    /// `application_name` (the standby's `cluster_name` by default), address and walsender pid, for the log.
     pub name: String,
-    /// The last replay position it reported (`None`: none yet).
-    pub replay_lsn: Option<String>,
-    /// WAL bytes the primary has written that it has not replayed, by that report.
-    pub unreplayed_bytes: Option<i64>,
-    /// WAL bytes it had received (flushed) but not replayed when it sent that report.
-    pub received_unreplayed_bytes: Option<i64>,
-    /// `replay_lag`: how old the WAL it last replayed was when it replayed it.
-    pub replay_lag_seconds: Option<f64>,
+    /// The replay position of its last report, in bytes from `0/0` (`None`: no report yet, or hidden from this
+    /// role).
+    pub replay_lsn: Option<i64>,
     /// When the standby sent that report (its own clock).
     pub reply_time: Option<DateTime<Utc>>,
+    /// `replay_lag`, for the log only (see [`crate::jobs::throttle`] on why it is not the rule).
+    pub replay_lag_seconds: Option<f64>,
 }
 
 /// Whether this role may read the standbys' positions: `pg_stat_replication` shows them only to superusers and
@@ -31,33 +36,36 @@ pub async fn can_read_positions(pool: &Db) -> Result<bool, sqlx::Error> {
         .await
 }
 
-/// Every standby streaming from this server, with its last report. Empty on a standby itself.
-pub async fn standbys(pool: &Db) -> Result<Vec<StandbyReport>, sqlx::Error> {
+/// The primary's position and every standby streaming from it. No standbys on a standby itself (a cascade is
+/// not followed).
+pub async fn look(pool: &Db) -> Result<Replication, sqlx::Error> {
     let rows = sqlx::query!(
-        r#"select pid as "pid!",
-                  coalesce(nullif(application_name, ''), 'standby') || coalesce(' at ' || host(client_addr), '')
-                      as "name!",
-                  replay_lsn::text as replay_lsn,
-                  case when pg_is_in_recovery() then null
-                       else pg_wal_lsn_diff(pg_current_wal_lsn(), replay_lsn)::bigint end as unreplayed_bytes,
-                  pg_wal_lsn_diff(flush_lsn, replay_lsn)::bigint as received_unreplayed_bytes,
-                  extract(epoch from replay_lag)::float8 as replay_lag_seconds,
-                  reply_time
-           from pg_stat_replication
-           order by pid"#
+        r#"select p.at as "at!", p.lsn,
+                  s.pid as "pid?",
+                  coalesce(nullif(s.application_name, ''), 'standby') || coalesce(' at ' || host(s.client_addr), '')
+                      || ' (pid ' || s.pid || ')' as name,
+                  pg_wal_lsn_diff(s.replay_lsn, '0/0')::bigint as replay_lsn,
+                  s.reply_time,
+                  extract(epoch from s.replay_lag)::float8 as replay_lag_seconds
+           from (select clock_timestamp() as at,
+                        case when pg_is_in_recovery() then null
+                             else pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint end as lsn) p
+           left join pg_stat_replication s on true
+           order by s.pid"#
     )
     .fetch_all(pool)
     .await?;
-    Ok(rows
+    let at = rows.first().map(|r| r.at).unwrap_or_else(Utc::now);
+    let lsn = rows.first().and_then(|r| r.lsn);
+    let standbys = rows
         .into_iter()
+        .filter(|r| r.pid.is_some())
         .map(|r| StandbyReport {
-            pid: r.pid,
-            name: r.name,
+            name: r.name.unwrap_or_else(|| "standby".into()),
             replay_lsn: r.replay_lsn,
-            unreplayed_bytes: r.unreplayed_bytes,
-            received_unreplayed_bytes: r.received_unreplayed_bytes,
-            replay_lag_seconds: r.replay_lag_seconds,
             reply_time: r.reply_time,
+            replay_lag_seconds: r.replay_lag_seconds,
         })
-        .collect())
+        .collect();
+    Ok(Replication { at, lsn, standbys })
 }

@@ -278,6 +278,81 @@ async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
     pool.close().await;
 }
 
+/// With the standby reporting at PostgreSQL's default pace (`wal_receiver_status_interval = 10s`) and a limit
+/// shorter than that (2 s): one lag episode while replay is paused, released at the standby's first report after
+/// the resume, and no more after it — a healthy standby's old reports, and the `replay_lag` it measured while
+/// paused, never hold a batch again.
+#[tokio::test]
+async fn a_standby_reporting_every_ten_seconds_holds_batches_once_and_not_after_it_caught_up() {
+    let primary = Cluster::primary().await;
+    primary
+        .connect()
+        .await
+        .execute("create database libraryd")
+        .await
+        .expect("create database");
+    let url = primary.url("libraryd");
+    migrate(&url);
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .expect("connect to the primary");
+    october(&pool, 8_000).await;
+    slow_down(&pool, "update on loans", 0.0005).await;
+    let standby = primary.standby().await;
+    let mut s = standby.connect().await;
+    for sql in [
+        "alter system set wal_receiver_status_interval = '10s'",
+        "select pg_reload_conf()",
+    ] {
+        sqlx::query(sql)
+            .execute(&mut s)
+            .await
+            .expect("the default status interval on the standby");
+    }
+    standby.wait_replayed(&primary).await;
+    standby.pause_replay().await;
+
+    let mut cmd = fine_settler(&url);
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "200")
+        .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "2s")
+        .args(["settle", "--business-date", "2026-10-31"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = spawn(&mut cmd);
+    let log = StderrLog::collect(&mut child);
+    wait_until(
+        "the run waits for the standby",
+        Duration::from_secs(30),
+        || async { log.contains("throttled: a standby lags") },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let resumed_at = Instant::now();
+    standby.resume_replay().await;
+    let (code, _) = crate::helpers::exit_of(child, Duration::from_secs(90)).await;
+    let after_resume = resumed_at.elapsed();
+    let stderr = log.finish();
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(
+        settled(&pool, "2026-10-31").await,
+        oracle(&pool, "2026-10-31").await
+    );
+    assert_eq!(
+        stderr.matches("throttled: a standby lags").count(),
+        1,
+        "held again after the standby caught up:\n{stderr}"
+    );
+    // Released at the standby's next report (at most 10 s), then the rest of the work (at most about 4 s).
+    assert!(
+        after_resume < Duration::from_secs(20),
+        "the run took {after_resume:?} after replay resumed"
+    );
+    eprintln!("throttle: 10 s status interval, 2 s limit: finished {after_resume:?} after the resume");
+    pool.close().await;
+}
+
 /// A role without `pg_read_all_stats` cannot see standbys' positions: a command with a lag limit says so once and
 /// runs unthrottled. `deploy/sql/least-privilege.sql -v monitor=on` grants what the limit needs.
 #[sqlx::test]
