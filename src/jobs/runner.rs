@@ -888,3 +888,32 @@ impl Runner {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Lease;
+
+    fn runner(lease: Duration, batch_timeout: Option<Duration>) -> Runner {
+        let claim = ClaimSettings {
+            lease: Lease::new(lease, batch_timeout, None).expect("lease"),
+            history_retention: Duration::from_secs(3600),
+        };
+        let pool = Db::from(sqlx::postgres::PgPoolOptions::new().connect_lazy_with(Default::default()));
+        Runner::new(pool, "a".into(), &claim, 100, CancellationToken::new())
+    }
+
+    #[tokio::test]
+    async fn a_waiting_run_renews_often_enough_for_a_whole_batch_after_it() {
+        // The derived batch timeout (30 s of a 2 m lease): a third of the lease.
+        assert_eq!(
+            runner(Duration::from_secs(120), None).renew_every(),
+            Duration::from_secs(40)
+        );
+        // A batch timeout of 100 s: a batch started just before a renewal was due must still end inside the
+        // lease, 10 + 100 < 120.
+        let long = runner(Duration::from_secs(120), Some(Duration::from_secs(100)));
+        assert_eq!(long.renew_every(), Duration::from_secs(10));
+        assert!(long.renew_every() + long.lease.batch_timeout() < long.lease.duration());
+    }
+}
