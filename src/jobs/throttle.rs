@@ -200,8 +200,8 @@ impl Throttle {
         Throttle::new(ThrottleSettings::default())
     }
 
-    pub fn settings(&self) -> ThrottleSettings {
-        self.settings
+    pub fn settings(&self) -> &ThrottleSettings {
+        &self.settings
     }
 
     /// The largest batch the pace allows: one second's rows, so that a run never works a long burst and then
@@ -256,6 +256,21 @@ impl Throttle {
         self.readable
             .get_or_try_init(|| async {
                 let readable = replication::can_read_positions(pool).await?;
+                if readable && !self.settings.standbys.is_empty() {
+                    let streaming = replication::look(pool, &self.settings.standbys).await?;
+                    let missing: Vec<&str> = self
+                        .settings
+                        .standbys
+                        .iter()
+                        .filter(|n| !streaming.standbys.iter().any(|s| &s.application_name == *n))
+                        .map(String::as_str)
+                        .collect();
+                    if !missing.is_empty() {
+                        tracing::warn!(missing = ?missing,
+                            "throttle.standbys names standbys that do not stream from this server now; the lag \
+                             limit watches them once they do");
+                    }
+                }
                 if !readable {
                     tracing::warn!(
                         max_replica_lag = %humantime::format_duration(limit),
@@ -279,7 +294,7 @@ impl Throttle {
         if !self.prepare(pool).await? {
             return Ok(None);
         }
-        let look = replication::look(pool).await?;
+        let look = replication::look(pool, &self.settings.standbys).await?;
         let Ok(mut history) = self.history.lock() else {
             return Ok(None);
         };
@@ -354,6 +369,7 @@ mod tests {
                 .iter()
                 .enumerate()
                 .map(|(i, (replay, sent_ms))| StandbyReport {
+                    application_name: format!("standby{i}"),
                     name: format!("standby{i} at 127.0.0.1 (pid {})", 100 + i),
                     replay_lsn: Some(*replay),
                     reply_time: Some(t(*sent_ms)),
@@ -432,6 +448,7 @@ mod tests {
     fn the_most_behind_standby_is_reported_and_one_that_never_reported_is_not_judged() {
         let mut two = look(2_000, 9_000, &[(9_000, 1_990), (1_000, 1_990)]);
         two.standbys.push(StandbyReport {
+            application_name: "new".into(),
             name: "new".into(),
             replay_lsn: None,
             reply_time: None,

@@ -17,6 +17,8 @@ pub struct Replication {
 /// One standby's last report, as the primary saw it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StandbyReport {
+    /// Its `application_name`, as `throttle.standbys` names it.
+    pub application_name: String,
     /// `application_name` (the standby's `cluster_name` by default), address and walsender pid, for the log.
     pub name: String,
     /// The replay position of its last report, in bytes from `0/0` (`None`: no report yet, or hidden from this
@@ -36,12 +38,13 @@ pub async fn can_read_positions(pool: &Db) -> Result<bool, sqlx::Error> {
         .await
 }
 
-/// The primary's position and every standby streaming from it. No standbys on a standby itself (a cascade is
-/// not followed).
-pub async fn look(pool: &Db) -> Result<Replication, sqlx::Error> {
+/// The primary's position and the standbys streaming from it whose `application_name` is in `names` (every
+/// standby when `names` is empty). No standbys on a standby itself (a cascade is not followed).
+pub async fn look(pool: &Db, names: &[String]) -> Result<Replication, sqlx::Error> {
     let rows = sqlx::query!(
         r#"select p.at as "at!", p.lsn,
                   s.pid as "pid?",
+                  s.application_name as "application_name?",
                   coalesce(nullif(s.application_name, ''), 'standby') || coalesce(' at ' || host(s.client_addr), '')
                       || ' (pid ' || s.pid || ')' as name,
                   pg_wal_lsn_diff(s.replay_lsn, '0/0')::bigint as replay_lsn,
@@ -50,8 +53,10 @@ pub async fn look(pool: &Db) -> Result<Replication, sqlx::Error> {
            from (select clock_timestamp() as at,
                         case when pg_is_in_recovery() then null
                              else pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint end as lsn) p
-           left join pg_stat_replication s on true
-           order by s.pid"#
+           left join pg_stat_replication s
+                  on cardinality($1::text[]) = 0 or s.application_name = any($1::text[])
+           order by s.pid"#,
+        names
     )
     .fetch_all(pool)
     .await?;
@@ -61,6 +66,7 @@ pub async fn look(pool: &Db) -> Result<Replication, sqlx::Error> {
         .into_iter()
         .filter(|r| r.pid.is_some())
         .map(|r| StandbyReport {
+            application_name: r.application_name.unwrap_or_default(),
             name: r.name.unwrap_or_else(|| "standby".into()),
             replay_lsn: r.replay_lsn,
             reply_time: r.reply_time,

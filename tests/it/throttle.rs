@@ -180,6 +180,8 @@ async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
     let mut cmd = fine_settler(&url);
     cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "200")
         .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "1s")
+        // Named, as an operator would list the standbys to watch.
+        .env("FINE_SETTLER__THROTTLE__STANDBYS", standby.name())
         .env("FINE_SETTLER__CLAIM__LEASE", "6s")
         .env(
             "FINE_SETTLER__LOG__LEVEL",
@@ -275,6 +277,54 @@ async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
             .await
             .expect("expired keys");
     assert_eq!(left, 0);
+    pool.close().await;
+}
+
+/// `throttle.standbys` leaves out a standby it does not name (one with `recovery_min_apply_delay`, say): its
+/// paused replay holds nothing, and a name that does not stream is warned about once.
+#[tokio::test]
+async fn a_standby_left_out_of_throttle_standbys_holds_nothing() {
+    let primary = Cluster::primary().await;
+    primary
+        .connect()
+        .await
+        .execute("create database libraryd")
+        .await
+        .expect("create database");
+    let url = primary.url("libraryd");
+    migrate(&url);
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .expect("connect to the primary");
+    october(&pool, 6_000).await;
+    slow_down(&pool, "update on loans", 0.0005).await;
+    let standby = primary.standby().await;
+    standby.wait_replayed(&primary).await;
+    standby.pause_replay().await;
+    let mut cmd = fine_settler(&url);
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "200")
+        .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "1s")
+        .env("FINE_SETTLER__THROTTLE__STANDBYS", "dr-west")
+        .args(["settle", "--business-date", "2026-10-31"]);
+    let started = Instant::now();
+    let out = output(cmd);
+    let took = started.elapsed();
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(report(&out)["updated"], 6_000, "{log}");
+    assert!(!log.contains("throttled"), "{log}");
+    assert_eq!(
+        log.matches("names standbys that do not stream").count(),
+        1,
+        "{log}"
+    );
+    assert!(log.contains("dr-west"), "{log}");
+    assert!(
+        took > Duration::from_secs(2),
+        "the run outlasted the limit: {took:?}"
+    );
+    standby.resume_replay().await;
     pool.close().await;
 }
 
