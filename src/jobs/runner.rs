@@ -208,6 +208,10 @@ pub struct Runner {
 /// How often a run waiting for a lagging standby looks again.
 const LAG_POLL: Duration = Duration::from_millis(250);
 
+/// The shortest interval between lease renewals of a waiting run (a lease barely longer than the batch timeout
+/// would otherwise renew in a busy loop).
+const MIN_RENEW_EVERY: Duration = Duration::from_millis(100);
+
 /// The throttle waits of one run, so that each episode is logged once: its start with the reason, its end with
 /// how long it lasted. Waits for the pace follow every batch, so the pace's episode is the whole run.
 #[derive(Default)]
@@ -755,55 +759,63 @@ impl Runner {
         let settings = self.throttle.settings();
         loop {
             let lagging = match self.throttle.lagging(&self.pool).await {
-                Ok(lagging) => lagging,
+                Ok(Some(lagging)) => {
+                    episodes.lag_start(&lagging, settings.max_replica_lag.unwrap_or_default());
+                    Some(lagging)
+                }
+                Ok(None) => {
+                    episodes.lag_end("no standby lags more than throttle.max_replica_lag");
+                    None
+                }
                 Err(e) => {
                     episodes.lag_unreadable(&JobError::from(e));
                     None
                 }
             };
-            let (reason, wait) = match lagging {
-                Some(lagging) => {
-                    episodes.lag_start(&lagging, settings.max_replica_lag.unwrap_or_default());
-                    (Reason::ReplicaLag, LAG_POLL)
-                }
-                None => {
-                    episodes.lag_end("no standby lags more than throttle.max_replica_lag");
-                    match self.throttle.admit(limit) {
-                        None => return Ok(None),
-                        Some(wait) => {
-                            episodes.rate_wait(settings.max_rows_per_second.unwrap_or(0), wait);
-                            (Reason::Rate, wait)
-                        }
-                    }
-                }
-            };
             let renew_at = *renewed + self.renew_every();
-            let slice = wait.min(renew_at.saturating_duration_since(Instant::now()));
-            let slept = Instant::now();
-            tokio::select! {
-                _ = self.cancel.cancelled() => return Ok(Some(Stop::Shutdown)),
-                _ = tokio::time::sleep(slice) => {}
-            }
-            if let Some(m) = &self.metrics {
-                let waited = slept.elapsed().as_secs_f64();
-                m.add_reason(
-                    "fine_settler_throttled_seconds_total",
-                    Some(key.job.as_str()),
-                    reason.as_str(),
-                    waited,
-                );
-                m.alive();
+            let wait = match lagging {
+                Some(_) => Some((Reason::ReplicaLag, LAG_POLL)),
+                // A batch about to start renews first if a renewal is due: it may take the whole batch timeout.
+                None if Instant::now() >= renew_at => None,
+                None => match self.throttle.admit(limit) {
+                    None => return Ok(None),
+                    Some(wait) => {
+                        episodes.rate_wait(settings.max_rows_per_second.unwrap_or(0), wait);
+                        Some((Reason::Rate, wait))
+                    }
+                },
+            };
+            if let Some((reason, wait)) = wait {
+                let slice = wait.min(renew_at.saturating_duration_since(Instant::now()));
+                let slept = Instant::now();
+                tokio::select! {
+                    _ = self.cancel.cancelled() => return Ok(Some(Stop::Shutdown)),
+                    _ = tokio::time::sleep(slice) => {}
+                }
+                if let Some(m) = &self.metrics {
+                    let waited = slept.elapsed().as_secs_f64();
+                    m.add_reason(
+                        "fine_settler_throttled_seconds_total",
+                        Some(key.job.as_str()),
+                        reason.as_str(),
+                        waited,
+                    );
+                    m.alive();
+                }
             }
             if Instant::now() >= renew_at {
-                match job_runs::renew(
-                    &self.pool,
-                    key,
-                    self.claimant(epoch),
-                    committed,
-                    self.lease.duration(),
-                )
-                .await?
-                {
+                // Retried like the finish: a connection cut during a long wait need not fail the run.
+                let renewal = retrying("renew the lease", &self.pool, || {
+                    job_runs::renew(
+                        &self.pool,
+                        key,
+                        self.claimant(epoch),
+                        committed,
+                        self.lease.duration(),
+                    )
+                })
+                .await?;
+                match renewal {
                     Fence::Lost => return Ok(Some(Stop::LeaseLost)),
                     Fence::Passed {
                         paused: Some((by, reason)),
@@ -835,7 +847,9 @@ impl Runner {
     /// outlast both: `min(lease / 3, (lease - batch_timeout) / 2)`.
     fn renew_every(&self) -> Duration {
         let lease = self.lease.duration();
-        (lease / 3).min(lease.saturating_sub(self.lease.batch_timeout()) / 2)
+        (lease / 3)
+            .min(lease.saturating_sub(self.lease.batch_timeout()) / 2)
+            .max(MIN_RENEW_EVERY)
     }
 
     /// One batch: read the next rows, then one transaction that writes them and, last, passes the fence.

@@ -88,32 +88,54 @@ pub struct WalSample {
 }
 
 /// The primary's WAL positions as this process noted them, oldest first, each position at the first time it was
-/// seen; only those some standby may not have replayed are kept.
+/// seen, for a while: a standby's lag is judged against them.
 #[derive(Debug, Default, Clone)]
 pub struct WalHistory {
     samples: VecDeque<WalSample>,
-    /// The server the samples are from (`host:port`): another one's positions say nothing of this one's.
+    /// The server the samples are from (address, port and timeline): another one's positions say nothing of
+    /// this one's standbys.
     server: String,
 }
 
 impl WalHistory {
-    /// At most this many samples (a stuck standby for hours, looked at four times a second): the oldest, the best
-    /// evidence, is always kept, and those after it go first.
+    /// At most this many samples (looked at four times a second while held): the oldest, the best evidence, is
+    /// always kept, and those after it go first.
     const MAX: usize = 4096;
 
-    /// Notes that WAL up to `sample.lsn` existed at `sample.at` on `server`. A position older than the last one
-    /// noted means another server (a failover): what was noted before is forgotten.
-    pub fn note(&mut self, server: &str, sample: WalSample) {
-        if self.server != server || self.samples.back().is_some_and(|last| sample.lsn < last.lsn) {
+    /// How long positions are kept, for a limit of `limit`: twice the limit, at least a minute. A standby stuck
+    /// for longer is still judged behind by the oldest kept position, so still more than the limit.
+    pub fn horizon(limit: Duration) -> Duration {
+        (limit * 2).max(Duration::from_secs(60))
+    }
+
+    /// Notes that WAL up to `sample.lsn` existed at `sample.at` on `server`, and forgets positions older than
+    /// `horizon` (but the newest). Another server (a failover, a pooler now pointing elsewhere), or a position
+    /// lower than one already noted, forgets everything noted before; a sample older than the newest one (two
+    /// runs of the process looking at once) is left out.
+    pub fn note(&mut self, server: &str, sample: WalSample, horizon: Duration) {
+        if self.server != server
+            || self
+                .samples
+                .back()
+                .is_some_and(|last| sample.lsn < last.lsn && sample.at >= last.at)
+        {
             self.samples.clear();
             self.server = server.to_string();
         }
-        if self.samples.back().is_some_and(|last| sample.lsn <= last.lsn) {
+        if self
+            .samples
+            .back()
+            .is_some_and(|last| sample.lsn <= last.lsn || sample.at < last.at)
+        {
             return;
         }
         self.samples.push_back(sample);
         if self.samples.len() > Self::MAX {
             self.samples.remove(1);
+        }
+        let horizon = chrono::Duration::from_std(horizon).unwrap_or(chrono::Duration::MAX);
+        while self.samples.len() > 1 && self.samples.front().is_some_and(|s| sample.at - s.at > horizon) {
+            self.samples.pop_front();
         }
     }
 
@@ -128,13 +150,6 @@ impl WalHistory {
             .unwrap_or_default()
     }
 
-    /// Forgets the positions every standby has replayed (up to `lsn`), but the last.
-    pub fn forget_through(&mut self, lsn: i64) {
-        while self.samples.len() > 1 && self.samples.front().is_some_and(|s| s.lsn <= lsn) {
-            self.samples.pop_front();
-        }
-    }
-
     pub fn len(&self) -> usize {
         self.samples.len()
     }
@@ -146,16 +161,16 @@ impl WalHistory {
 
 /// Judges one look at the primary against `limit`, after noting its position in `history`: the first standby
 /// that lags more than the limit.
-pub fn judge(history: &mut WalHistory, server: &str, look: &Replication, limit: Duration) -> Option<Lagging> {
-    let lsn = look.lsn?;
-    history.note(server, WalSample { at: look.at, lsn });
+pub fn judge(history: &mut WalHistory, look: &Replication, limit: Duration) -> Option<Lagging> {
+    let (Some(lsn), Some(server)) = (look.lsn, look.server.as_deref()) else {
+        return None;
+    };
+    history.note(server, WalSample { at: look.at, lsn }, WalHistory::horizon(limit));
     let mut first = None;
-    let mut replayed_by_all = lsn;
     for s in &look.standbys {
         let (Some(replay), Some(reply_time)) = (s.replay_lsn, s.reply_time) else {
             continue;
         };
-        replayed_by_all = replayed_by_all.min(replay);
         let behind = history.behind(replay, reply_time);
         if first.is_none() && behind > limit {
             first = Some(Lagging {
@@ -169,7 +184,6 @@ pub fn judge(history: &mut WalHistory, server: &str, look: &Replication, limit: 
             });
         }
     }
-    history.forget_through(replayed_by_all);
     first
 }
 
@@ -182,7 +196,8 @@ pub struct Throttle {
     next_batch_at: Mutex<Option<Instant>>,
     /// Whether this role may read the standbys' positions (asked once; `false` warned about once).
     readable: OnceCell<bool>,
-    history: Mutex<WalHistory>,
+    /// Held across a look, so that the looks of concurrent runs are noted in the order they were taken.
+    history: tokio::sync::Mutex<WalHistory>,
 }
 
 impl Throttle {
@@ -191,7 +206,7 @@ impl Throttle {
             settings,
             next_batch_at: Mutex::new(None),
             readable: OnceCell::new(),
-            history: Mutex::new(WalHistory::default()),
+            history: tokio::sync::Mutex::new(WalHistory::default()),
         })
     }
 
@@ -294,11 +309,9 @@ impl Throttle {
         if !self.prepare(pool).await? {
             return Ok(None);
         }
+        let mut history = self.history.lock().await;
         let look = replication::look(pool, &self.settings.standbys).await?;
-        let Ok(mut history) = self.history.lock() else {
-            return Ok(None);
-        };
-        Ok(judge(&mut history, &pool.host(), &look, limit))
+        Ok(judge(&mut history, &look, limit))
     }
 }
 
@@ -365,6 +378,7 @@ mod tests {
         Replication {
             at: t(at_ms),
             lsn: Some(lsn),
+            server: Some("10.0.0.5:5432 timeline 00000001".into()),
             standbys: standbys
                 .iter()
                 .enumerate()
@@ -385,7 +399,7 @@ mod tests {
         looks
             .iter()
             .map(|l| {
-                judge(&mut history, "db:5432", l, Duration::from_millis(limit_ms))
+                judge(&mut history, l, Duration::from_millis(limit_ms))
                     .map(|lagging| lagging.behind.as_millis() as u64)
             })
             .collect()
@@ -405,9 +419,9 @@ mod tests {
         assert_eq!(lags(&stuck, 1_000), [None, None, None, None, Some(1_150)]);
         let mut history = WalHistory::default();
         for l in &stuck[..4] {
-            judge(&mut history, "db:5432", l, Duration::from_secs(1));
+            judge(&mut history, l, Duration::from_secs(1));
         }
-        let lagging = judge(&mut history, "db:5432", &stuck[4], Duration::from_secs(1)).expect("lags");
+        let lagging = judge(&mut history, &stuck[4], Duration::from_secs(1)).expect("lags");
         assert_eq!(
             lagging.to_string(),
             "standby0 at 127.0.0.1 (pid 100): WAL written 1s 150ms before its last report was not replayed by it, \
@@ -460,38 +474,67 @@ mod tests {
 
     #[test]
     fn another_server_or_a_position_going_back_forgets_the_noted_positions() {
-        let mut history = WalHistory::default();
         let limit = Duration::from_secs(1);
-        judge(&mut history, "old:5432", &look(0, 1_000, &[(900, 0)]), limit);
-        judge(&mut history, "old:5432", &look(100, 2_000, &[(900, 90)]), limit);
-        // The promoted standby is behind the old primary's positions: they say nothing of its standbys.
-        assert_eq!(
-            judge(
-                &mut history,
-                "new:5432",
-                &look(5_000, 1_500, &[(1_200, 4_990)]),
-                limit
-            ),
-            None
+        let on = |server: &str, l: Replication| Replication {
+            server: Some(server.into()),
+            ..l
+        };
+        // A failover behind a pooler: the same address, another timeline, and the promoted standby already
+        // past the old primary's positions. Its own standby, replaying normally, is not behind those.
+        let mut history = WalHistory::default();
+        judge(
+            &mut history,
+            &on("db timeline 1", look(0, 1_000, &[(900, 0)])),
+            limit,
         );
+        judge(
+            &mut history,
+            &on("db timeline 1", look(100, 2_000, &[(900, 90)])),
+            limit,
+        );
+        let promoted = on("db timeline 2", look(5_000, 3_000, &[(2_500, 4_990)]));
+        assert_eq!(judge(&mut history, &promoted, limit), None);
         assert_eq!(history.len(), 1);
-        let mut same_host = WalHistory::default();
-        judge(&mut same_host, "vip:5432", &look(0, 1_000, &[(900, 0)]), limit);
-        judge(&mut same_host, "vip:5432", &look(100, 2_000, &[(900, 90)]), limit);
+        // A position lower than the last one noted, later: another server that the identity did not tell.
+        let mut same = WalHistory::default();
+        judge(&mut same, &look(0, 1_000, &[(900, 0)]), limit);
+        judge(&mut same, &look(100, 2_000, &[(900, 90)]), limit);
         assert_eq!(
-            judge(
-                &mut same_host,
-                "vip:5432",
-                &look(5_000, 1_500, &[(1_200, 4_990)]),
-                limit
-            ),
+            judge(&mut same, &look(5_000, 1_500, &[(1_200, 4_990)]), limit),
             None
         );
+        assert_eq!(same.len(), 1);
     }
 
     #[test]
-    fn the_history_keeps_what_some_standby_still_needs_and_at_most_max_samples() {
+    fn two_runs_looking_at_once_keep_the_evidence_of_a_stuck_standby() {
+        let limit = Duration::from_secs(5);
         let mut history = WalHistory::default();
+        // Stuck at 1000 for 10 s while WAL grows.
+        judge(&mut history, &look(0, 2_000, &[(1_000, -100)]), limit);
+        for i in 1..=10 {
+            judge(
+                &mut history,
+                &look(i * 1_000, 2_000 + i * 1_000, &[(1_000, i * 1_000 - 10)]),
+                limit,
+            );
+        }
+        // Run B's look (taken later) is noted before run A's: A's older sample is left out, not a failover.
+        let b = look(11_000, 14_000, &[(1_000, 10_990)]);
+        let a = look(10_900, 13_500, &[(1_000, 10_890)]);
+        assert!(judge(&mut history, &b, limit).is_some());
+        assert!(
+            judge(&mut history, &a, limit).is_some(),
+            "the stuck standby is still held"
+        );
+        assert!(history.len() > 5);
+    }
+
+    #[test]
+    fn the_history_keeps_the_oldest_evidence_and_forgets_past_its_horizon() {
+        let mut history = WalHistory::default();
+        let horizon = WalHistory::horizon(Duration::from_secs(1));
+        assert_eq!(horizon, Duration::from_secs(60));
         for i in 0..10_000 {
             history.note(
                 "db",
@@ -499,18 +542,38 @@ mod tests {
                     at: t(i),
                     lsn: 1_000 + i,
                 },
+                horizon,
             );
         }
         assert_eq!(history.len(), WalHistory::MAX);
         // The oldest position is kept: a standby stuck before it is still seen 10 s behind.
         assert_eq!(history.behind(999, t(10_000)), Duration::from_millis(10_000));
+        // Past the horizon, positions are forgotten; a standby stuck for longer is still judged behind by the
+        // oldest kept one: more than the limit.
+        history.note(
+            "db",
+            WalSample {
+                at: t(200_000),
+                lsn: 50_000,
+            },
+            horizon,
+        );
+        assert_eq!(history.len(), 1);
+        history.note(
+            "db",
+            WalSample {
+                at: t(230_000),
+                lsn: 60_000,
+            },
+            horizon,
+        );
+        assert_eq!(history.behind(999, t(250_000)), Duration::from_secs(50));
         // The same position noted again keeps its first time.
         let mut h = WalHistory::default();
-        h.note("db", WalSample { at: t(0), lsn: 5 });
-        h.note("db", WalSample { at: t(900), lsn: 5 });
+        h.note("db", WalSample { at: t(0), lsn: 5 }, horizon);
+        h.note("db", WalSample { at: t(900), lsn: 5 }, horizon);
         assert_eq!(h.behind(4, t(1_000)), Duration::from_millis(1_000));
-        h.forget_through(5);
-        assert_eq!(h.len(), 1, "the last position stays");
+        assert!(!h.is_empty());
     }
 
     #[test]

@@ -11,6 +11,9 @@ pub struct Replication {
     pub at: DateTime<Utc>,
     /// Its WAL insert position, in bytes from `0/0` (`None` on a server in recovery).
     pub lsn: Option<i64>,
+    /// Which server and timeline that position is on (address, port, timeline): a failover changes it, even
+    /// behind a pooler or a virtual address.
+    pub server: Option<String>,
     pub standbys: Vec<StandbyReport>,
 }
 
@@ -38,11 +41,13 @@ pub async fn can_read_positions(pool: &Db) -> Result<bool, sqlx::Error> {
         .await
 }
 
-/// The primary's position and the standbys streaming from it whose `application_name` is in `names` (every
-/// standby when `names` is empty). No standbys on a standby itself (a cascade is not followed).
+/// The primary's position and the standbys streaming from it whose `application_name` is in `names` — when
+/// `names` is empty, every physical standby: a logical walsender's `replay_lsn` is what its subscriber confirmed,
+/// which a healthy subscriber may do only every half minute, so logical ones count only when named. No standbys
+/// on a standby itself (a cascade is not followed).
 pub async fn look(pool: &Db, names: &[String]) -> Result<Replication, sqlx::Error> {
     let rows = sqlx::query!(
-        r#"select p.at as "at!", p.lsn,
+        r#"select p.at as "at!", p.lsn, p.server,
                   s.pid as "pid?",
                   s.application_name as "application_name?",
                   coalesce(nullif(s.application_name, ''), 'standby') || coalesce(' at ' || host(s.client_addr), '')
@@ -52,9 +57,17 @@ pub async fn look(pool: &Db, names: &[String]) -> Result<Replication, sqlx::Erro
                   extract(epoch from s.replay_lag)::float8 as replay_lag_seconds
            from (select clock_timestamp() as at,
                         case when pg_is_in_recovery() then null
-                             else pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint end as lsn) p
-           left join pg_stat_replication s
-                  on cardinality($1::text[]) = 0 or s.application_name = any($1::text[])
+                             else pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint end as lsn,
+                        case when pg_is_in_recovery() then null
+                             else coalesce(host(inet_server_addr()), 'local') || ':'
+                                  || coalesce(inet_server_port()::text, '') || ' timeline '
+                                  || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) end as server) p
+           left join (select w.pid, w.application_name, w.client_addr, w.replay_lsn, w.reply_time, w.replay_lag,
+                             slot.slot_type
+                      from pg_stat_replication w
+                      left join pg_replication_slots slot on slot.active_pid = w.pid) s
+                  on (cardinality($1::text[]) = 0 and s.slot_type is distinct from 'logical')
+                     or s.application_name = any($1::text[])
            order by s.pid"#,
         names
     )
@@ -62,6 +75,7 @@ pub async fn look(pool: &Db, names: &[String]) -> Result<Replication, sqlx::Erro
     .await?;
     let at = rows.first().map(|r| r.at).unwrap_or_else(Utc::now);
     let lsn = rows.first().and_then(|r| r.lsn);
+    let server = rows.first().and_then(|r| r.server.clone());
     let standbys = rows
         .into_iter()
         .filter(|r| r.pid.is_some())
@@ -73,5 +87,10 @@ pub async fn look(pool: &Db, names: &[String]) -> Result<Replication, sqlx::Erro
             replay_lag_seconds: r.replay_lag_seconds,
         })
         .collect();
-    Ok(Replication { at, lsn, standbys })
+    Ok(Replication {
+        at,
+        lsn,
+        server,
+        standbys,
+    })
 }
