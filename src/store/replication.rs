@@ -25,7 +25,7 @@ pub struct StandbyReport {
     /// `application_name` (the standby's `cluster_name` by default), address and walsender pid, for the log.
     pub name: String,
     /// The replay position of its last report, in bytes from `0/0` (`None`: no report yet, or hidden from this
-    /// role).
+    /// role); for a logical consumer that reports no apply position (`pg_recvlogical`), what it has flushed.
     pub replay_lsn: Option<i64>,
     /// When the standby sent that report (its own clock).
     pub reply_time: Option<DateTime<Utc>>,
@@ -52,7 +52,7 @@ pub async fn look(pool: &Db, names: &[String]) -> Result<Replication, sqlx::Erro
                   s.application_name as "application_name?",
                   coalesce(nullif(s.application_name, ''), 'standby') || coalesce(' at ' || host(s.client_addr), '')
                       || ' (pid ' || s.pid || ')' as name,
-                  pg_wal_lsn_diff(s.replay_lsn, '0/0')::bigint as replay_lsn,
+                  pg_wal_lsn_diff(coalesce(s.replay_lsn, s.flush_lsn), '0/0')::bigint as replay_lsn,
                   s.reply_time,
                   extract(epoch from s.replay_lag)::float8 as replay_lag_seconds
            from (select clock_timestamp() as at,
@@ -62,7 +62,8 @@ pub async fn look(pool: &Db, names: &[String]) -> Result<Replication, sqlx::Erro
                              else coalesce(host(inet_server_addr()), 'local') || ':'
                                   || coalesce(inet_server_port()::text, '') || ' timeline '
                                   || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) end as server) p
-           left join (select w.pid, w.application_name, w.client_addr, w.replay_lsn, w.reply_time, w.replay_lag,
+           left join (select w.pid, w.application_name, w.client_addr, w.replay_lsn, w.flush_lsn, w.reply_time,
+                             w.replay_lag,
                              slot.slot_type
                       from pg_stat_replication w
                       left join pg_replication_slots slot on slot.active_pid = w.pid) s

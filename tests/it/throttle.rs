@@ -610,3 +610,99 @@ async fn the_accrue_command_is_paced_too(pool: PgPool) {
         "600 charges under 300/s took {took:?}"
     );
 }
+
+/// A logical walsender counts only when `throttle.standbys` names it: a CDC consumer that confirms rarely (here
+/// `pg_recvlogical`, reporting every second but flushing, so confirming, only every 5 s) holds no batch by
+/// default, and holds them once named.
+#[tokio::test]
+async fn a_logical_consumer_holds_batches_only_when_named() {
+    let primary = Cluster::primary().await;
+    let mut admin = primary.connect().await;
+    admin
+        .execute("alter system set wal_level = 'logical'")
+        .await
+        .expect("wal_level");
+    admin
+        .execute("create database libraryd")
+        .await
+        .expect("create database");
+    drop(admin);
+    primary.stop_fast().await;
+    primary.start().await;
+    let url = primary.url("libraryd");
+    migrate(&url);
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .expect("connect to the primary");
+    october(&pool, 6_000).await;
+    slow_down(&pool, "update on loans", 0.0005).await;
+    for sql in [
+        "create publication cdc for all tables",
+        "select pg_create_logical_replication_slot('cdc', 'pgoutput')",
+    ] {
+        sqlx::query(sql)
+            .execute(&pool)
+            .await
+            .expect("publication and slot");
+    }
+    // Status every second, but fsync (and so confirm) only every 5 s: its confirmed position stands still for
+    // seconds at a time while it reports.
+    let out_dir = tempfile::tempdir().expect("temp dir");
+    let out_file = out_dir.path().join("changes");
+    let consumer = spawn(
+        std::process::Command::new(crate::helpers::program("pg_recvlogical"))
+            .args(["-d", &url, "-S", "cdc", "--start", "-s", "1", "-F", "5", "-f"])
+            .arg(&out_file)
+            .args(["-o", "proto_version=1", "-o", "publication_names=cdc"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    wait_until("the consumer streams", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from pg_stat_replication where reply_time is not null")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+            == 1
+    })
+    .await;
+    let settle = |standbys: Option<&str>, month_end: &str| {
+        let mut cmd = fine_settler(&url);
+        cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "200")
+            .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "1s")
+            .args(["settle", "--business-date", month_end])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(names) = standbys {
+            cmd.env("FINE_SETTLER__THROTTLE__STANDBYS", names);
+        }
+        cmd
+    };
+    // Not named: the consumer holds nothing; October (about 3 s of work) settles straight through.
+    let child = spawn(&mut settle(None, "2026-10-31"));
+    let (code, stderr) = crate::helpers::exit_of(child, Duration::from_secs(60)).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(!stderr.contains("throttled"), "{stderr}");
+    assert_eq!(
+        settled(&pool, "2026-10-31").await,
+        oracle(&pool, "2026-10-31").await
+    );
+    // Named: its confirmed position stands still for seconds while it reports, so it holds November's batches.
+    let november: Vec<_> = (10_001..=16_000)
+        .map(|id| loan(id, "2026-11-01", Some("2026-11-06")))
+        .collect();
+    insert(&pool, &november).await;
+    let mut child = spawn(&mut settle(Some("pg_recvlogical"), "2026-11-30"));
+    let log = StderrLog::collect(&mut child);
+    wait_until(
+        "the named consumer holds the run",
+        Duration::from_secs(30),
+        || async { log.contains("throttled: a standby lags") },
+    )
+    .await;
+    let (code, _) = crate::helpers::stop(child).await;
+    assert_eq!(code, Some(1), "SIGTERM hands the key back: {}", log.finish());
+    drop(consumer);
+    pool.close().await;
+}

@@ -65,6 +65,11 @@ fn pg_bin() -> PathBuf {
         .1
 }
 
+/// A PostgreSQL program beside the server's (`pg_recvlogical`, …).
+pub fn program(name: &str) -> PathBuf {
+    pg_bin().join(name)
+}
+
 fn running_as_root() -> bool {
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }

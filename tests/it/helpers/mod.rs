@@ -22,7 +22,7 @@ use fine_settler::{
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-pub use cluster::Cluster;
+pub use cluster::{program, Cluster};
 pub use pgbouncer::{PgBouncer, PoolMode};
 pub use process::{
     assert_success, daemon, exit_of, fine_settler, migrate, output, report, send_signal, sigkill, signal,
