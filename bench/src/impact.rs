@@ -268,9 +268,14 @@ impl Load {
 
     /// Ends the load and returns its transactions. pgbench has no way to end a run before its `--time`, so its
     /// sessions are terminated: each client then stops ("aborted"), and pgbench closes its logs and exits 2.
-    /// Anything else on its stderr is a failure of the load itself.
+    /// What it wrote to stderr before that is a failure of the load itself (a client that aborted on its own);
+    /// what it writes after is the termination's doing.
     async fn stop(mut self, admin: &PgPool, db: &str) -> Result<Vec<LoadTx>, Error> {
         self.check_running()?;
+        let before = std::fs::read_to_string(self.dir.join("stderr"))?;
+        if let Some(line) = before.lines().find(|l| !l.trim().is_empty()) {
+            return Err(format!("the pgbench load failed: {line}").into());
+        }
         sqlx::query(
             "select pg_terminate_backend(pid) from pg_stat_activity
              where datname = $1 and application_name = 'pgbench'",
@@ -280,13 +285,6 @@ impl Load {
         .await?;
         let mut child = self.child;
         tokio::task::spawn_blocking(move || child.wait()).await??;
-        let stderr = std::fs::read_to_string(self.dir.join("stderr"))?;
-        if let Some(line) = stderr.lines().find(|l| {
-            !l.contains("terminating connection due to administrator command")
-                && !l.contains("Run was aborted")
-        }) {
-            return Err(format!("the pgbench load failed: {line}").into());
-        }
         let mut txs = Vec::new();
         for entry in std::fs::read_dir(&self.dir)? {
             let path = entry?.path();
