@@ -182,7 +182,9 @@ struct PhaseResult {
     load_rate: f64,
     /// Whether the load had run every transaction scheduled in the phase when it was stopped.
     caught_up: bool,
-    longest_lock_wait_ms: f64,
+    waits: LockWaits,
+    /// The share of the machine's CPU that was busy during the phase (everything on it, not only the benchmark).
+    cpu: Option<f64>,
     /// Rows settled, and settlement's own time for them (`elapsed_ms` of the runs; the statements' time).
     settled: i64,
     settle_ms: u64,
@@ -301,25 +303,66 @@ impl Load {
     }
 }
 
-/// The longest a load session has waited for a lock so far, sampled from `pg_stat_activity` every
-/// [`SAMPLE_EVERY`] until `stop` is set: a waiting session's statement started at `query_start`, and the wait
-/// can have lasted at most since then (a point read or update spends microseconds before it waits).
-async fn longest_lock_wait(pool: PgPool, db: String, stop: Arc<AtomicBool>) -> Result<f64, Error> {
+/// What the lock-wait sampler saw of the load's lock waits.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct LockWaits {
+    /// The longest, ms.
+    longest_ms: f64,
+    /// How many statements of the load were seen waiting (each counted once).
+    statements: usize,
+}
+
+/// The load's lock waits, sampled from `pg_stat_activity` every [`SAMPLE_EVERY`] until `stop` is set: a
+/// waiting session's statement started at `query_start`, and the wait can have lasted at most since then (a
+/// point read or update spends microseconds before it waits); a statement is told by its session and
+/// `query_start`.
+async fn lock_waits(pool: PgPool, db: String, stop: Arc<AtomicBool>) -> Result<LockWaits, Error> {
     let mut longest: f64 = 0.0;
+    let mut seen = std::collections::HashSet::new();
     while !stop.load(Ordering::Relaxed) {
-        let waited: Option<f64> = sqlx::query_scalar(
-            "select max(extract(epoch from clock_timestamp() - query_start) * 1000)::float8
+        let waiting: Vec<(i32, i64, f64)> = sqlx::query_as(
+            "select pid, (extract(epoch from query_start) * 1000000)::int8,
+                    (extract(epoch from clock_timestamp() - query_start) * 1000)::float8
              from pg_stat_activity
              where datname = $1 and application_name = 'pgbench' and wait_event_type = 'Lock'",
         )
         .bind(&db)
-        .fetch_one(&pool)
+        .fetch_all(&pool)
         .await?;
-        longest = longest.max(waited.unwrap_or(0.0));
+        for (pid, started, waited) in waiting {
+            seen.insert((pid, started));
+            longest = longest.max(waited);
+        }
         tokio::time::sleep(SAMPLE_EVERY).await;
     }
     pool.close().await;
-    Ok(longest)
+    Ok(LockWaits {
+        longest_ms: longest,
+        statements: seen.len(),
+    })
+}
+
+/// The machine's CPU time so far, from the first line of `/proc/stat`: (busy, total) in clock ticks, busy
+/// being all but idle and iowait. `None` where there is no `/proc/stat`.
+fn cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|t| t.parse().ok())
+        .collect::<Option<_>>()?;
+    let total: u64 = ticks.iter().sum();
+    let idle = ticks.get(3)? + ticks.get(4)?;
+    Some((total - idle, total))
+}
+
+/// The share of the machine's CPU time (all cores) that was busy between two [`cpu_ticks`].
+fn cpu_busy(from: Option<(u64, u64)>, to: Option<(u64, u64)>) -> Option<f64> {
+    let ((b0, t0), (b1, t1)) = (from?, to?);
+    (t1 > t0).then(|| (b1 - b0) as f64 / (t1 - t0) as f64)
 }
 
 fn unix_us() -> Result<i64, Error> {
@@ -396,12 +439,13 @@ impl Bench {
         load.check_running()?;
 
         let stop = Arc::new(AtomicBool::new(false));
-        let sampler = tokio::spawn(longest_lock_wait(
+        let sampler = tokio::spawn(lock_waits(
             self.pool("postgres", 1).await?,
             db.clone(),
             stop.clone(),
         ));
         let from_us = unix_us()?;
+        let cpu_from = cpu_ticks();
         let started = Instant::now();
         let (settled, settle_ms) = match phase {
             Phase::Idle => {
@@ -412,9 +456,10 @@ impl Bench {
         };
         let wall = started.elapsed();
         let to_us = unix_us()?;
+        let cpu = cpu_busy(cpu_from, cpu_ticks());
         tokio::time::sleep(args.cooldown).await;
         stop.store(true, Ordering::Relaxed);
-        let longest_lock_wait_ms = sampler.await??;
+        let waits = sampler.await??;
         let txs = load.stop(&self.admin, &db).await?;
         self.drop_db(&db).await?;
 
@@ -426,7 +471,8 @@ impl Bench {
             load_rate: load.transactions as f64 / wall.as_secs_f64(),
             load,
             caught_up,
-            longest_lock_wait_ms,
+            waits,
+            cpu,
             settled,
             settle_ms,
         })
@@ -519,7 +565,7 @@ impl Impact {
         let _ = writeln!(r, "## Impact on a live load\n");
         let _ = writeln!(
             r,
-            "A libraryd-like load beside each phase: `pgbench` at {} transactions/s (`-R`, {} sessions, prepared statements), each transaction a point read of one random loan and `update loans set member_id = member_id` of another (by id: the row lock settlement's update needs, a new row version, nothing settlement reads). Each phase runs on a fresh copy of the {}-loan template, the load started {:.0} s before it and stopped {:.0} s after it; a phase's figures are the load's transactions scheduled while it ran. Every phase that settles settles the months ending {} one after another ({} rows). Latency is pgbench's, from each transaction's scheduled start (schedule lag included). The longest lock wait is sampled from `pg_stat_activity` every {} ms (a load session waiting on a lock, since its statement started): shorter waits can be missed.\n",
+            "A libraryd-like load beside each phase: `pgbench` at {} transactions/s (`-R`, {} sessions, prepared statements), each transaction a point read of one random loan and `update loans set member_id = member_id` of another (by id: the row lock settlement's update needs, a new row version, nothing settlement reads). Each phase runs on a fresh copy of the {}-loan template, the load started {:.0} s before it and stopped {:.0} s after it; a phase's figures are the load's transactions scheduled while it ran. Every phase that settles settles the months ending {} one after another ({} rows). Latency is pgbench's, from each transaction's scheduled start (schedule lag included). Lock waits are sampled from `pg_stat_activity` every {} ms (a load session waiting on a lock, since its statement started): shorter waits can be missed. Machine CPU busy is `/proc/stat` over the phase, all cores, everything running on the machine.\n",
             a.rate,
             a.clients,
             self.loans,
@@ -531,11 +577,11 @@ impl Impact {
         );
         let _ = writeln!(
             r,
-            "| phase | duration | load tx | load tx/s | p50 | p99 | max | longest lock wait | settled rows | rows/s |"
+            "| phase | duration | load tx | load tx/s | p50 | p99 | max | longest lock wait | load statements seen waiting | machine CPU busy | settled rows | rows/s |"
         );
         let _ = writeln!(
             r,
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
         );
         let row = |r: &mut String, p: &PhaseResult| {
             let rate = if p.phase == Phase::Idle {
@@ -550,7 +596,7 @@ impl Impact {
             };
             let _ = writeln!(
                 r,
-                "| {}{} | {:.1} s | {} | {:.0} | {:.1} ms | {:.1} ms | {:.1} ms | {:.0} ms | {settled} | {rate} |",
+                "| {}{} | {:.1} s | {} | {:.0} | {:.1} ms | {:.1} ms | {:.1} ms | {:.0} ms | {} ({:.2} % of the load's) | {} | {settled} | {rate} |",
                 p.phase.label(self.batch),
                 if p.caught_up { "" } else { " (load behind schedule when stopped)" },
                 p.wall.as_secs_f64(),
@@ -559,7 +605,10 @@ impl Impact {
                 p.load.p50_ms,
                 p.load.p99_ms,
                 p.load.max_ms,
-                p.longest_lock_wait_ms,
+                p.waits.longest_ms,
+                p.waits.statements,
+                100.0 * p.waits.statements as f64 / p.load.transactions.max(1) as f64,
+                p.cpu.map_or_else(|| "?".to_string(), |c| format!("{:.0} %", c * 100.0)),
             );
         };
         row(&mut r, &self.idle);
@@ -570,7 +619,7 @@ impl Impact {
             Err(why) => {
                 let _ = writeln!(
                     r,
-                    "| `settle`, throttled | not available: {} | | | | | | | | |",
+                    "| `settle`, throttled | not available: {} | | | | | | | | | | |",
                     why.replace('|', "\\|")
                 );
             }
@@ -709,6 +758,15 @@ mod tests {
         assert!(err.to_string().contains("skipped"), "{err}");
         let err = parse_log("0 1 12").expect_err("too short");
         assert!(err.to_string().contains("3 fields"), "{err}");
+    }
+
+    #[test]
+    fn cpu_busy_is_the_busy_share_of_the_ticks_between_two_readings() {
+        assert_eq!(cpu_busy(Some((100, 1000)), Some((400, 2000))), Some(0.3));
+        assert_eq!(cpu_busy(Some((100, 1000)), Some((100, 1000))), None);
+        assert_eq!(cpu_busy(None, Some((100, 1000))), None);
+        let (busy, total) = cpu_ticks().expect("/proc/stat on Linux");
+        assert!(busy <= total && total > 0);
     }
 
     #[test]
