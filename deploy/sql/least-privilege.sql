@@ -32,3 +32,11 @@ select format('grant select, insert on job_pause_events to %I', :'role') \gexec
 -- The ledger is append-only; the compensation queue is worked through (rows updated, then deleted).
 select format('grant select, insert on fine_ledger to %I', :'role') \gexec
 select format('grant select, insert, update, delete on fine_pending to %I', :'role') \gexec
+
+-- Optional, for throttle.max_replica_lag: with `-v monitor=on`, the role may read the standbys' replay positions
+-- in pg_stat_replication (pg_read_all_stats, the part of pg_monitor the throttle needs). Granting it takes a
+-- superuser (or, from PostgreSQL 16, a role holding pg_read_all_stats with the admin option). Without it a
+-- replica with a lag limit warns once at start and runs without that limit.
+\if :{?monitor}
+select format('grant pg_read_all_stats to %I', :'role') \gexec
+\endif

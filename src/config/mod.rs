@@ -32,6 +32,9 @@ pub const DEFAULTS_TOML: &str = include_str!("../../config/default.toml");
 /// Prefix of the environment variables that override keys: `FINE_SETTLER__SECTION__KEY`.
 pub const ENV_PREFIX: &str = "FINE_SETTLER";
 
+/// `throttle.standbys` from the environment: names separated by commas.
+const STANDBYS_VAR: &str = "FINE_SETTLER__THROTTLE__STANDBYS";
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
     pub key: &'static str,
@@ -85,7 +88,7 @@ pub fn load(file: Option<&Path>, env: &HashMap<String, String>) -> Result<RawSet
     }
     let prefixed: config::Map<String, String> = env
         .iter()
-        .filter(|(k, _)| k.starts_with(ENV_PREFIX))
+        .filter(|(k, _)| k.starts_with(ENV_PREFIX) && k.as_str() != STANDBYS_VAR)
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     builder = builder.add_source(
@@ -94,6 +97,13 @@ pub fn load(file: Option<&Path>, env: &HashMap<String, String>) -> Result<RawSet
             .separator("__")
             .source(Some(prefixed)),
     );
+    // The one list-valued key: comma-separated in the environment.
+    if let Some(names) = env.get(STANDBYS_VAR) {
+        let names: Vec<String> = names.split(',').map(str::to_string).collect();
+        builder = builder
+            .set_override("throttle.standbys", names)
+            .map_err(|e| ConfigError::Load(e.to_string()))?;
+    }
     if let Some(url) = env.get("DATABASE_URL").filter(|u| !u.is_empty()) {
         builder = builder
             .set_override("database.url", url.as_str())

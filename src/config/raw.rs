@@ -120,6 +120,7 @@ pub struct RawHttp {
 pub struct RawThrottle {
     pub max_rows_per_second: i64,
     pub max_replica_lag: String,
+    pub standbys: Vec<String>,
     pub batch_duration: String,
 }
 

@@ -761,12 +761,14 @@ pub struct Settings {
 }
 
 /// How gently runs treat libraryd's traffic (`[throttle]`); every limit is off by default.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ThrottleSettings {
     /// The most rows a run works per second, on average (`None`: unlimited).
     pub max_rows_per_second: Option<u32>,
     /// Batches wait while a standby lags more than this (`None`: off).
     pub max_replica_lag: Option<Duration>,
+    /// The `application_name`s of the standbys the lag limit watches (empty: every standby).
+    pub standbys: Vec<String>,
     /// A batch transaction that takes longer makes the next batch smaller (`None`: off).
     pub batch_duration: Option<Duration>,
 }

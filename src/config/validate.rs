@@ -423,9 +423,17 @@ fn throttle(c: &mut Checker, raw: &RawThrottle, claim: Option<&ClaimSettings>) -
             );
         }
     }
+    // An empty name (a trailing comma in the environment) is no standby.
+    let standbys: Vec<String> = raw
+        .standbys
+        .iter()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
     Some(ThrottleSettings {
         max_rows_per_second: Some(rate?).filter(|r| *r > 0),
         max_replica_lag: lag?,
+        standbys,
         batch_duration: batch_duration?,
     })
 }
@@ -604,9 +612,13 @@ mod tests {
             ThrottleSettings {
                 max_rows_per_second: Some(2500),
                 max_replica_lag: Some(Duration::from_secs(5)),
+                standbys: Vec::new(),
                 batch_duration: Some(Duration::from_millis(200)),
             }
         );
+        // The standbys the limit watches, as a TOML list or a comma-separated variable.
+        let named = settings(&[("FINE_SETTLER__THROTTLE__STANDBYS", "standby1, dr-east,")]);
+        assert_eq!(named.throttle.standbys, ["standby1", "dr-east"]);
         // A target no shorter than the batch timeout could never shrink a batch before it times out.
         assert_eq!(
             problems(&[("FINE_SETTLER__THROTTLE__BATCH_DURATION", "30s")]),

@@ -186,7 +186,7 @@ impl Daemon {
         for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
             metrics.set("fine_settler_paused", Some(job.as_str()), 0.0);
         }
-        let throttle = Throttle::new(settings.throttle);
+        let throttle = Throttle::new(settings.throttle.clone());
         Daemon {
             settings,
             pool,

@@ -617,7 +617,7 @@ pub async fn run(
         batch_size,
         cancel.clone(),
     )
-    .with_throttle(super::throttle::Throttle::new(settings.throttle));
+    .with_throttle(super::throttle::Throttle::new(settings.throttle.clone()));
     let runner = if request.ignore_pause {
         runner.ignoring_pauses()
     } else {

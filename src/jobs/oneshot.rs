@@ -74,7 +74,7 @@ async fn one_shot_runner(settings: &Settings, key: RunKey, batch_size: u32) -> R
     };
     Ok(
         Runner::new(pool, process_owner(), &settings.claim, batch_size, cancel)
-            .with_throttle(super::throttle::Throttle::new(settings.throttle)),
+            .with_throttle(super::throttle::Throttle::new(settings.throttle.clone())),
     )
 }
 

@@ -28,7 +28,7 @@ use crate::{
     redact::secrets_in as redact_secrets_in,
     store::{
         self,
-        job_runs::{self, Claim, ClaimKind, ClaimMode, Ending, Fence, Progress, RunStatus},
+        job_runs::{self, Claim, ClaimKind, ClaimMode, Claimant, Ending, Fence, Progress, RunStatus},
         pauses::Pause,
     },
 };
@@ -208,12 +208,18 @@ pub struct Runner {
 /// How often a run waiting for a lagging standby looks again.
 const LAG_POLL: Duration = Duration::from_millis(250);
 
+/// The shortest interval between lease renewals of a waiting run (a lease barely longer than the batch timeout
+/// would otherwise renew in a busy loop).
+const MIN_RENEW_EVERY: Duration = Duration::from_millis(100);
+
 /// The throttle waits of one run, so that each episode is logged once: its start with the reason, its end with
 /// how long it lasted. Waits for the pace follow every batch, so the pace's episode is the whole run.
 #[derive(Default)]
 struct Episodes {
     rate: Option<(Instant, Duration)>,
     lag: Option<Instant>,
+    /// The lag check failed in this run (said once).
+    lag_unreadable: bool,
 }
 
 impl Episodes {
@@ -236,10 +242,17 @@ impl Episodes {
             tracing::warn!(reason = Reason::ReplicaLag.as_str(), standby = %lagging.standby,
                 unreplayed_bytes = lagging.unreplayed_bytes,
                 replay_lag_ms = lagging.replay_lag.map(|l| l.as_millis() as u64),
-                unmoved_ms = lagging.unmoved_for.as_millis() as u64,
+                behind_ms = lagging.behind.as_millis() as u64,
                 max_replica_lag = %humantime::format_duration(limit),
                 "throttled: a standby lags more than throttle.max_replica_lag; batches wait ({lagging})");
             self.lag = Some(Instant::now());
+        }
+    }
+
+    fn lag_unreadable(&mut self, error: &JobError) {
+        if !self.lag_unreadable {
+            tracing::warn!(error = %error, "cannot read pg_stat_replication; this batch goes on without the replica lag limit");
+            self.lag_unreadable = true;
         }
     }
 
@@ -540,7 +553,14 @@ impl Runner {
             }
             let Some(from_id) = next else { break Ok(Stop::Done) };
             match self
-                .throttled(&key, epoch, committed, &mut renewed, &mut episodes)
+                .throttled(
+                    &key,
+                    epoch,
+                    committed,
+                    self.throttle.cap_batch(sizer.next()),
+                    &mut renewed,
+                    &mut episodes,
+                )
                 .await
             {
                 Ok(None) => {}
@@ -553,6 +573,12 @@ impl Runner {
                 self.batch(job, &key, epoch, committed, from_id, limit),
             )
             .await;
+            // The pace admitted `limit` rows (in `throttled`); it gets back what the batch did not work.
+            let done = match &batch {
+                Ok(Ok(BatchResult::Committed { scanned, .. })) => *scanned,
+                _ => 0,
+            };
+            self.throttle.settle(limit, done);
             match batch {
                 Err(_) => break Err(JobError::BatchTimeout(self.lease.batch_timeout())),
                 Ok(Err(e)) => break Err(e),
@@ -566,7 +592,6 @@ impl Runner {
                     took,
                 })) => {
                     renewed = Instant::now();
-                    self.throttle.charge(s);
                     let size = sizer.next();
                     sizer.observe(s, took);
                     if sizer.next() != size {
@@ -635,7 +660,15 @@ impl Runner {
         let finished = match ending {
             Some(ending) => {
                 retrying("finish", &self.pool, || {
-                    job_runs::finish(&self.pool, &key, epoch, committed, ending, scanned, updated)
+                    job_runs::finish(
+                        &self.pool,
+                        &key,
+                        self.claimant(epoch),
+                        committed,
+                        ending,
+                        scanned,
+                        updated,
+                    )
                 })
                 .await
             }
@@ -705,57 +738,84 @@ impl Runner {
         }
     }
 
-    /// Waits before a batch for as long as the throttle asks: the pace, then any standby lagging past the limit.
-    /// Returns how the run must stop instead, if it must.
+    /// Waits before a batch for as long as the throttle asks — while a standby lags past the limit, then for
+    /// the pace, which admits the batch's `limit` rows — and returns how the run must stop instead, if it must.
     ///
-    /// A wait keeps the lease rules: every third of the lease the run renews its lease through the batch fence
-    /// (the key RUNNING under its epoch at its last committed cursor), so a live, waiting run never lets its
-    /// lease run out, and a run that lost its key learns so while it waits. The renewal also sees a pause of
-    /// the job (the run hands its key back, as after a batch), and a shutdown ends the wait at once.
+    /// A wait keeps the lease rules: the run renews its lease through the batch fence (the key RUNNING under its
+    /// epoch and owner at its last committed cursor) every [`Runner::renew_every`], so a live, waiting run never
+    /// lets its lease run out, and a run that lost its key learns so while it waits. The renewal also sees a
+    /// pause of the job (the run hands its key back, as after a batch), and a shutdown ends the wait at once.
+    /// The lag check is advisory: if it cannot be read (the statement fails), the batch goes on, and a broken
+    /// connection fails that batch as it would have anyway.
     async fn throttled(
         &self,
         key: &RunKey,
         epoch: i64,
         committed: Option<i64>,
+        limit: u32,
         renewed: &mut Instant,
         episodes: &mut Episodes,
     ) -> Result<Option<Stop>, JobError> {
         let settings = self.throttle.settings();
         loop {
-            let (reason, wait) = if let Some(wait) = self.throttle.pace_wait() {
-                episodes.rate_wait(settings.max_rows_per_second.unwrap_or(0), wait);
-                (Reason::Rate, wait)
-            } else {
-                match self.throttle.lagging(&self.pool).await? {
-                    Some(lagging) => {
-                        episodes.lag_start(&lagging, settings.max_replica_lag.unwrap_or_default());
-                        (Reason::ReplicaLag, LAG_POLL)
-                    }
-                    None => {
-                        episodes.lag_end("no standby lags more than throttle.max_replica_lag");
-                        return Ok(None);
-                    }
+            let lagging = match self.throttle.lagging(&self.pool).await {
+                Ok(Some(lagging)) => {
+                    episodes.lag_start(&lagging, settings.max_replica_lag.unwrap_or_default());
+                    Some(lagging)
+                }
+                Ok(None) => {
+                    episodes.lag_end("no standby lags more than throttle.max_replica_lag");
+                    None
+                }
+                Err(e) => {
+                    episodes.lag_unreadable(&JobError::from(e));
+                    None
                 }
             };
-            let renew_at = *renewed + self.lease.duration() / 3;
-            let slice = wait.min(renew_at.saturating_duration_since(Instant::now()));
-            let slept = Instant::now();
-            tokio::select! {
-                _ = self.cancel.cancelled() => return Ok(Some(Stop::Shutdown)),
-                _ = tokio::time::sleep(slice) => {}
-            }
-            if let Some(m) = &self.metrics {
-                let waited = slept.elapsed().as_secs_f64();
-                m.add_reason(
-                    "fine_settler_throttled_seconds_total",
-                    Some(key.job.as_str()),
-                    reason.as_str(),
-                    waited,
-                );
-                m.alive();
+            let renew_at = *renewed + self.renew_every();
+            let wait = match lagging {
+                Some(_) => Some((Reason::ReplicaLag, LAG_POLL)),
+                // A batch about to start renews first if a renewal is due: it may take the whole batch timeout.
+                None if Instant::now() >= renew_at => None,
+                None => match self.throttle.admit(limit) {
+                    None => return Ok(None),
+                    Some(wait) => {
+                        episodes.rate_wait(settings.max_rows_per_second.unwrap_or(0), wait);
+                        Some((Reason::Rate, wait))
+                    }
+                },
+            };
+            if let Some((reason, wait)) = wait {
+                let slice = wait.min(renew_at.saturating_duration_since(Instant::now()));
+                let slept = Instant::now();
+                tokio::select! {
+                    _ = self.cancel.cancelled() => return Ok(Some(Stop::Shutdown)),
+                    _ = tokio::time::sleep(slice) => {}
+                }
+                if let Some(m) = &self.metrics {
+                    let waited = slept.elapsed().as_secs_f64();
+                    m.add_reason(
+                        "fine_settler_throttled_seconds_total",
+                        Some(key.job.as_str()),
+                        reason.as_str(),
+                        waited,
+                    );
+                    m.alive();
+                }
             }
             if Instant::now() >= renew_at {
-                match job_runs::renew(&self.pool, key, epoch, committed, self.lease.duration()).await? {
+                // Retried like the finish: a connection cut during a long wait need not fail the run.
+                let renewal = retrying("renew the lease", &self.pool, || {
+                    job_runs::renew(
+                        &self.pool,
+                        key,
+                        self.claimant(epoch),
+                        committed,
+                        self.lease.duration(),
+                    )
+                })
+                .await?;
+                match renewal {
                     Fence::Lost => return Ok(Some(Stop::LeaseLost)),
                     Fence::Passed {
                         paused: Some((by, reason)),
@@ -773,6 +833,23 @@ impl Runner {
                 }
             }
         }
+    }
+
+    fn claimant(&self, epoch: i64) -> Claimant<'_> {
+        Claimant {
+            epoch,
+            owner: &self.owner,
+        }
+    }
+
+    /// How often a waiting run renews its lease: a third of the lease, or less when a long batch timeout needs
+    /// it — a batch may start just before a renewal was due and take the whole batch timeout, and the lease must
+    /// outlast both: `min(lease / 3, (lease - batch_timeout) / 2)`.
+    fn renew_every(&self) -> Duration {
+        let lease = self.lease.duration();
+        (lease / 3)
+            .min(lease.saturating_sub(self.lease.batch_timeout()) / 2)
+            .max(MIN_RENEW_EVERY)
     }
 
     /// One batch: read the next rows, then one transaction that writes them and, last, passes the fence.
@@ -800,7 +877,15 @@ impl Runner {
             scanned,
             updated,
         };
-        let paused = match job_runs::advance(&mut tx, key, epoch, progress, self.lease.duration()).await? {
+        let paused = match job_runs::advance(
+            &mut tx,
+            key,
+            self.claimant(epoch),
+            progress,
+            self.lease.duration(),
+        )
+        .await?
+        {
             Fence::Lost => {
                 tx.rollback().await?;
                 return Ok(BatchResult::Fenced);
@@ -815,5 +900,34 @@ impl Runner {
             paused,
             took: began.elapsed(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Lease;
+
+    fn runner(lease: Duration, batch_timeout: Option<Duration>) -> Runner {
+        let claim = ClaimSettings {
+            lease: Lease::new(lease, batch_timeout, None).expect("lease"),
+            history_retention: Duration::from_secs(3600),
+        };
+        let pool = Db::from(sqlx::postgres::PgPoolOptions::new().connect_lazy_with(Default::default()));
+        Runner::new(pool, "a".into(), &claim, 100, CancellationToken::new())
+    }
+
+    #[tokio::test]
+    async fn a_waiting_run_renews_often_enough_for_a_whole_batch_after_it() {
+        // The derived batch timeout (30 s of a 2 m lease): a third of the lease.
+        assert_eq!(
+            runner(Duration::from_secs(120), None).renew_every(),
+            Duration::from_secs(40)
+        );
+        // A batch timeout of 100 s: a batch started just before a renewal was due must still end inside the
+        // lease, 10 + 100 < 120.
+        let long = runner(Duration::from_secs(120), Some(Duration::from_secs(100)));
+        assert_eq!(long.renew_every(), Duration::from_secs(10));
+        assert!(long.renew_every() + long.lease.batch_timeout() < long.lease.duration());
     }
 }

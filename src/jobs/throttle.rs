@@ -1,19 +1,23 @@
 //! Keeping runs kind to libraryd's traffic (`[throttle]`): a rows-per-second pace, a wait while a standby
-//! lags, and batches shrunk to a target duration. The runner asks before every batch ([`Throttle::pace_wait`],
+//! lags, and batches shrunk to a target duration. The runner asks before every batch ([`Throttle::admit`],
 //! [`Throttle::lagging`]) and sizes every batch with a [`BatchSizer`]; how a run waits without breaking the
 //! lease rules is the runner's part.
 //!
-//! **When a standby lags.** `replay_lag` alone cannot tell: it is measured only when the standby's replay
-//! position moves, so a standby whose replay is stuck keeps showing its last, small value. A standby lags when
-//! WAL is waiting for it (its replay position is behind the primary's current one) and either its `replay_lag`
-//! exceeds the limit, or its own reports show its replay position unmoved for longer than the limit. Reports are
-//! compared by the standby's `reply_time`, not by when this process looked: a quiet standby reports its replay
-//! position only every `wal_receiver_status_interval` (10 s by default), and an old report that shows a position
-//! a little behind is not a stuck standby. The price: once the primary is quiet (every batch waiting), a standby
-//! that caught up is seen to have done so at its next report, up to `wal_receiver_status_interval` later.
+//! **When a standby lags.** `replay_lag` cannot be the rule. PostgreSQL measures it only when a standby reports
+//! a replay position that moved, and a quiet standby reports only every `wal_receiver_status_interval` (10 s by
+//! default): a standby whose replay is stuck may keep showing its last, small value while megabytes wait, and one
+//! that caught up long ago keeps its last, large value (or shows the time its report took, not its replay) until
+//! it has reported itself fully replayed twice. The rule uses what a report does say for certain: at its
+//! `reply_time`, the standby had replayed up to its `replay_lsn`. Before every batch the throttle notes the
+//! primary's WAL position and clock (a [`WalHistory`]); a standby lags by at least the time from the first
+//! noted position beyond its replay position to its report's `reply_time` — WAL that existed then was still not
+//! replayed at the report. It lags when that exceeds the limit. A stale report can only under-state the lag,
+//! never invent one; a stuck standby's lag grows with each of its reports (every WAL arrival, or every status
+//! interval); once it catches up, its next report releases the batches. The lag is the standby's clock against
+//! the primary's: keep them synchronised (NTP); a skew adds to or takes from it.
 
 use std::{
-    collections::HashMap,
+    collections::VecDeque,
     fmt,
     sync::{Arc, Mutex},
     time::Duration,
@@ -25,7 +29,7 @@ use tokio::{sync::OnceCell, time::Instant};
 use crate::{
     config::ThrottleSettings,
     store::{
-        replication::{self, StandbyReport},
+        replication::{self, Replication},
         Db,
     },
 };
@@ -52,29 +56,23 @@ impl Reason {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Lagging {
     pub standby: String,
+    /// How long WAL had waited for it, as of its last report.
+    pub behind: Duration,
+    /// WAL bytes the primary has that it had not replayed at its last report.
     pub unreplayed_bytes: i64,
+    /// Its `replay_lag`, for the log.
     pub replay_lag: Option<Duration>,
-    /// How long, by its own reports, its replay position has not moved.
-    pub unmoved_for: Duration,
 }
 
 impl fmt::Display for Lagging {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{}: {} bytes of WAL not replayed, replay position unmoved for {}",
+            "{}: WAL written {} before its last report was not replayed by it, {} bytes not replayed",
             self.standby,
-            self.unreplayed_bytes,
-            humantime::format_duration(whole_millis(self.unmoved_for))
-        )?;
-        if let Some(lag) = self.replay_lag {
-            write!(
-                f,
-                ", replay_lag {}",
-                humantime::format_duration(whole_millis(lag))
-            )?;
-        }
-        Ok(())
+            humantime::format_duration(whole_millis(self.behind)),
+            self.unreplayed_bytes
+        )
     }
 }
 
@@ -82,52 +80,115 @@ fn whole_millis(d: Duration) -> Duration {
     Duration::from_millis(d.as_millis().min(u128::from(u64::MAX)) as u64)
 }
 
-/// What the throttle remembers of one standby: its last replay position and the time of its first report at it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Seen {
-    replay_lsn: String,
-    since: DateTime<Utc>,
+/// One noted WAL position of the primary, by its clock: WAL up to `lsn` existed at `at`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WalSample {
+    pub at: DateTime<Utc>,
+    pub lsn: i64,
 }
 
-/// Judges one standby's report against the limit, given what was seen of it before; returns what to remember
-/// and whether it lags. A report without positions (none sent yet, or hidden from this role) never lags.
-pub fn judge(
-    before: Option<&Seen>,
-    report: &StandbyReport,
-    limit: Duration,
-) -> (Option<Seen>, Option<Lagging>) {
-    let (Some(lsn), Some(unreplayed), Some(reply_time)) =
-        (&report.replay_lsn, report.unreplayed_bytes, report.reply_time)
-    else {
-        return (before.cloned(), None);
-    };
-    let seen = match before {
-        Some(b) if &b.replay_lsn == lsn => b.clone(),
-        _ => Seen {
-            replay_lsn: lsn.clone(),
-            since: reply_time,
-        },
-    };
-    if unreplayed <= 0 {
-        return (Some(seen), None);
+/// The primary's WAL positions as this process noted them, oldest first, each position at the first time it was
+/// seen, for a while: a standby's lag is judged against them.
+#[derive(Debug, Default, Clone)]
+pub struct WalHistory {
+    samples: VecDeque<WalSample>,
+    /// The server the samples are from (address, port and timeline): another one's positions say nothing of
+    /// this one's standbys.
+    server: String,
+}
+
+impl WalHistory {
+    /// At most this many samples (looked at four times a second while held): the oldest, the best evidence, is
+    /// always kept, and those after it go first.
+    const MAX: usize = 4096;
+
+    /// How long positions are kept, for a limit of `limit`: twice the limit, at least a minute. A standby stuck
+    /// for longer is still judged behind by the oldest kept position, so still more than the limit.
+    pub fn horizon(limit: Duration) -> Duration {
+        (limit * 2).max(Duration::from_secs(60))
     }
-    let unmoved_for = (reply_time - seen.since).to_std().unwrap_or_default();
-    let replay_lag = report
-        .replay_lag_seconds
-        .filter(|s| s.is_finite() && *s >= 0.0)
-        .map(Duration::from_secs_f64);
-    let lags = unmoved_for > limit || replay_lag.is_some_and(|l| l > limit);
-    let lagging = lags.then(|| Lagging {
-        standby: format!("{} (pid {})", report.name, report.pid),
-        unreplayed_bytes: unreplayed,
-        replay_lag,
-        unmoved_for,
-    });
-    (Some(seen), lagging)
+
+    /// Notes that WAL up to `sample.lsn` existed at `sample.at` on `server`, and forgets positions older than
+    /// `horizon` (but the newest). Another server (a failover, a pooler now pointing elsewhere), or a position
+    /// lower than one already noted, forgets everything noted before; a sample older than the newest one (two
+    /// runs of the process looking at once) is left out.
+    pub fn note(&mut self, server: &str, sample: WalSample, horizon: Duration) {
+        if self.server != server
+            || self
+                .samples
+                .back()
+                .is_some_and(|last| sample.lsn < last.lsn && sample.at >= last.at)
+        {
+            self.samples.clear();
+            self.server = server.to_string();
+        }
+        if self
+            .samples
+            .back()
+            .is_some_and(|last| sample.lsn <= last.lsn || sample.at < last.at)
+        {
+            return;
+        }
+        self.samples.push_back(sample);
+        if self.samples.len() > Self::MAX {
+            self.samples.remove(1);
+        }
+        let horizon = chrono::Duration::from_std(horizon).unwrap_or(chrono::Duration::MAX);
+        while self.samples.len() > 1 && self.samples.front().is_some_and(|s| sample.at - s.at > horizon) {
+            self.samples.pop_front();
+        }
+    }
+
+    /// How long WAL had been waiting for a standby that, at `reply_time`, had replayed up to `replay_lsn`: from
+    /// the first noted position beyond it, if that was noted by then.
+    pub fn behind(&self, replay_lsn: i64, reply_time: DateTime<Utc>) -> Duration {
+        self.samples
+            .iter()
+            .find(|s| s.lsn > replay_lsn)
+            .filter(|s| s.at <= reply_time)
+            .and_then(|s| (reply_time - s.at).to_std().ok())
+            .unwrap_or_default()
+    }
+
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
 }
 
-/// The throttle of one process, shared by all its runs: the pace and what was seen of the standbys carry from
-/// one run to the next.
+/// Judges one look at the primary against `limit`, after noting its position in `history`: the first standby
+/// that lags more than the limit.
+pub fn judge(history: &mut WalHistory, look: &Replication, limit: Duration) -> Option<Lagging> {
+    let (Some(lsn), Some(server)) = (look.lsn, look.server.as_deref()) else {
+        return None;
+    };
+    history.note(server, WalSample { at: look.at, lsn }, WalHistory::horizon(limit));
+    let mut first = None;
+    for s in &look.standbys {
+        let (Some(replay), Some(reply_time)) = (s.replay_lsn, s.reply_time) else {
+            continue;
+        };
+        let behind = history.behind(replay, reply_time);
+        if first.is_none() && behind > limit {
+            first = Some(Lagging {
+                standby: s.name.clone(),
+                behind,
+                unreplayed_bytes: lsn.saturating_sub(replay).max(0),
+                replay_lag: s
+                    .replay_lag_seconds
+                    .filter(|l| l.is_finite() && *l >= 0.0)
+                    .map(Duration::from_secs_f64),
+            });
+        }
+    }
+    first
+}
+
+/// The throttle of one process, shared by all its runs (the daemon's, a backfill's concurrent keys): the pace and
+/// the noted WAL positions carry from one run to the next, so the rate is per process — each replica has its own.
 #[derive(Debug)]
 pub struct Throttle {
     settings: ThrottleSettings,
@@ -135,7 +196,8 @@ pub struct Throttle {
     next_batch_at: Mutex<Option<Instant>>,
     /// Whether this role may read the standbys' positions (asked once; `false` warned about once).
     readable: OnceCell<bool>,
-    standbys: Mutex<HashMap<i32, Seen>>,
+    /// Held across a look, so that the looks of concurrent runs are noted in the order they were taken.
+    history: tokio::sync::Mutex<WalHistory>,
 }
 
 impl Throttle {
@@ -144,7 +206,7 @@ impl Throttle {
             settings,
             next_batch_at: Mutex::new(None),
             readable: OnceCell::new(),
-            standbys: Mutex::new(HashMap::new()),
+            history: tokio::sync::Mutex::new(WalHistory::default()),
         })
     }
 
@@ -153,8 +215,8 @@ impl Throttle {
         Throttle::new(ThrottleSettings::default())
     }
 
-    pub fn settings(&self) -> ThrottleSettings {
-        self.settings
+    pub fn settings(&self) -> &ThrottleSettings {
+        &self.settings
     }
 
     /// The largest batch the pace allows: one second's rows, so that a run never works a long burst and then
@@ -166,25 +228,37 @@ impl Throttle {
         }
     }
 
-    /// How long the next batch must wait for the pace (`None`: it may start now).
-    pub fn pace_wait(&self) -> Option<Duration> {
-        self.settings.max_rows_per_second?;
-        let at = (*self.next_batch_at.lock().ok()?)?;
-        let now = Instant::now();
-        (at > now).then(|| at - now)
+    fn cost(rate: u32, rows: i64) -> Duration {
+        Duration::from_secs_f64(rows.max(0) as f64 / f64::from(rate))
     }
 
-    /// Charges `rows` worked by a committed batch to the pace: the next batch may start `rows / rate` seconds
-    /// after this one could (never earlier than now), so the average over a run stays under the rate.
-    pub fn charge(&self, rows: i64) {
+    /// Admits a batch of up to `rows` rows under the pace: `None` if it may start now — its rows are then
+    /// reserved, so that concurrent runs of the process do not all start at once — or how long to wait first.
+    pub fn admit(&self, rows: u32) -> Option<Duration> {
+        let rate = self.settings.max_rows_per_second?;
+        let mut next = self.next_batch_at.lock().ok()?;
+        let now = Instant::now();
+        match *next {
+            Some(at) if at > now => Some(at - now),
+            _ => {
+                *next = Some(now + Self::cost(rate, i64::from(rows)));
+                None
+            }
+        }
+    }
+
+    /// Settles an admitted batch of `reserved` rows that worked `done` (0 if it did not commit): the pace is
+    /// given back what the batch did not use. The next batch may then start `done / rate` seconds after this one
+    /// was admitted, so a run's average stays under the rate.
+    pub fn settle(&self, reserved: u32, done: i64) {
         let Some(rate) = self.settings.max_rows_per_second else {
             return;
         };
-        let cost = Duration::from_secs_f64(rows.max(0) as f64 / f64::from(rate));
+        let unused = Self::cost(rate, i64::from(reserved) - done.clamp(0, i64::from(reserved)));
         if let Ok(mut next) = self.next_batch_at.lock() {
-            let now = Instant::now();
-            let from = next.filter(|at| *at > now).unwrap_or(now);
-            *next = Some(from + cost);
+            if let Some(at) = next.as_mut() {
+                *at = at.checked_sub(unused).unwrap_or(*at);
+            }
         }
     }
 
@@ -197,11 +271,27 @@ impl Throttle {
         self.readable
             .get_or_try_init(|| async {
                 let readable = replication::can_read_positions(pool).await?;
+                if readable && !self.settings.standbys.is_empty() {
+                    let streaming = replication::look(pool, &self.settings.standbys).await?;
+                    let missing: Vec<&str> = self
+                        .settings
+                        .standbys
+                        .iter()
+                        .filter(|n| !streaming.standbys.iter().any(|s| &s.application_name == *n))
+                        .map(String::as_str)
+                        .collect();
+                    if !missing.is_empty() {
+                        tracing::warn!(missing = ?missing,
+                            "throttle.standbys names standbys that do not stream from this server now; the lag \
+                             limit watches them once they do");
+                    }
+                }
                 if !readable {
                     tracing::warn!(
                         max_replica_lag = %humantime::format_duration(limit),
                         "throttle.max_replica_lag is set but this role may not read standbys' positions in \
-                         pg_stat_replication (grant it pg_monitor); running without the replica lag limit"
+                         pg_stat_replication (grant it pg_read_all_stats, part of pg_monitor); running without \
+                         the replica lag limit"
                     );
                 }
                 Ok(readable)
@@ -219,22 +309,9 @@ impl Throttle {
         if !self.prepare(pool).await? {
             return Ok(None);
         }
-        let reports = replication::standbys(pool).await?;
-        let Ok(mut seen) = self.standbys.lock() else {
-            return Ok(None);
-        };
-        let mut remembered = HashMap::with_capacity(reports.len());
-        let mut first = None;
-        for report in &reports {
-            let (now_seen, lagging) = judge(seen.get(&report.pid), report, limit);
-            if let Some(s) = now_seen {
-                remembered.insert(report.pid, s);
-            }
-            first = first.or(lagging);
-        }
-        // Standbys gone from the view are forgotten.
-        *seen = remembered;
-        Ok(first)
+        let mut history = self.history.lock().await;
+        let look = replication::look(pool, &self.settings.standbys).await?;
+        Ok(judge(&mut history, &look, limit))
     }
 }
 
@@ -290,118 +367,238 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::store::replication::StandbyReport;
 
-    fn report(lsn: &str, unreplayed: i64, lag_ms: Option<u64>, at_ms: i64) -> StandbyReport {
-        StandbyReport {
-            pid: 7,
-            name: "standby1 at 127.0.0.1".into(),
-            replay_lsn: Some(lsn.into()),
-            unreplayed_bytes: Some(unreplayed),
-            replay_lag_seconds: lag_ms.map(|ms| ms as f64 / 1000.0),
-            reply_time: Some(DateTime::from_timestamp_millis(1_800_000_000_000 + at_ms).expect("time")),
+    fn t(ms: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp_millis(1_800_000_000_000 + ms).expect("time")
+    }
+
+    /// The primary at `at_ms` with WAL up to `lsn`, and standbys' last reports: (replay position, sent at).
+    fn look(at_ms: i64, lsn: i64, standbys: &[(i64, i64)]) -> Replication {
+        Replication {
+            at: t(at_ms),
+            lsn: Some(lsn),
+            server: Some("10.0.0.5:5432 timeline 00000001".into()),
+            standbys: standbys
+                .iter()
+                .enumerate()
+                .map(|(i, (replay, sent_ms))| StandbyReport {
+                    application_name: format!("standby{i}"),
+                    name: format!("standby{i} at 127.0.0.1 (pid {})", 100 + i),
+                    replay_lsn: Some(*replay),
+                    reply_time: Some(t(*sent_ms)),
+                    replay_lag_seconds: Some(0.078),
+                })
+                .collect(),
         }
     }
 
-    /// Feeds the reports in order; returns whether each lagged.
-    fn lags(reports: &[StandbyReport], limit: Duration) -> Vec<bool> {
-        let mut seen = None;
-        reports
+    /// Judges the looks in order (one server); returns how far behind each found a lagging standby, in ms.
+    fn lags(looks: &[Replication], limit_ms: u64) -> Vec<Option<u64>> {
+        let mut history = WalHistory::default();
+        looks
             .iter()
-            .map(|r| {
-                let (s, lagging) = judge(seen.as_ref(), r, limit);
-                seen = s;
-                lagging.is_some()
+            .map(|l| {
+                judge(&mut history, l, Duration::from_millis(limit_ms))
+                    .map(|lagging| lagging.behind.as_millis() as u64)
             })
             .collect()
     }
 
     #[test]
-    fn a_stuck_replay_lags_once_its_own_reports_span_the_limit() {
-        let limit = Duration::from_secs(1);
-        // Replay stuck at 0/100 while WAL piles up; replay_lag keeps its last small value.
+    fn a_stuck_replay_lags_once_wal_it_has_not_replayed_is_older_than_the_limit_at_its_report() {
+        // Replay stuck at 1000 while batches write; the standby reports at every WAL arrival.
         let stuck = [
-            report("0/100", 10, Some(78), 0),
-            report("0/100", 5_000, Some(78), 600),
-            report("0/100", 9_000, Some(78), 1_000),
-            report("0/100", 12_900_000, Some(78), 1_001),
+            look(0, 1_000, &[(1_000, -5_000)]),
+            look(300, 60_000, &[(1_000, 250)]),
+            look(600, 120_000, &[(1_000, 550)]),
+            look(1_200, 180_000, &[(1_000, 1_150)]),
+            look(1_500, 240_000, &[(1_000, 1_450)]),
         ];
-        assert_eq!(lags(&stuck, limit), [false, false, false, true]);
-        let lagging = judge(None, &stuck[0], limit).0;
-        let (_, l) = judge(lagging.as_ref(), &stuck[3], limit);
-        let text = l.expect("lags").to_string();
-        assert!(
-            text.contains("standby1 at 127.0.0.1 (pid 7): 12900000 bytes")
-                && text.contains("unmoved for 1s 1ms"),
-            "{text}"
+        // The first position beyond 1000 was noted at 300 ms: lag 1150 - 300 = 850 ms, then 1150 ms.
+        assert_eq!(lags(&stuck, 1_000), [None, None, None, None, Some(1_150)]);
+        let mut history = WalHistory::default();
+        for l in &stuck[..4] {
+            judge(&mut history, l, Duration::from_secs(1));
+        }
+        let lagging = judge(&mut history, &stuck[4], Duration::from_secs(1)).expect("lags");
+        assert_eq!(
+            lagging.to_string(),
+            "standby0 at 127.0.0.1 (pid 100): WAL written 1s 150ms before its last report was not replayed by it, \
+             239000 bytes not replayed"
         );
+        assert_eq!(lagging.replay_lag, Some(Duration::from_millis(78)));
     }
 
     #[test]
-    fn a_moving_or_caught_up_standby_does_not_lag() {
-        let limit = Duration::from_secs(1);
-        // Replay moves at every report.
+    fn old_or_caught_up_reports_never_invent_a_lag() {
+        // A quiet, healthy standby: its last report, 10 s old, shows it caught up at 1000. New WAL is noted
+        // after that report: nothing says the standby has not replayed it.
+        let quiet = [
+            look(0, 1_000, &[(1_000, -10_000)]),
+            look(100, 2_000, &[(1_000, -10_000)]),
+            look(5_000, 2_000, &[(1_000, -10_000)]),
+        ];
+        assert_eq!(lags(&quiet, 1_000), [None, None, None]);
+        // A report that shows replay moving with the WAL: never far behind.
         let moving = [
-            report("0/100", 10, Some(5), 0),
-            report("0/200", 10, Some(5), 900),
-            report("0/300", 10, Some(5), 1_800),
-            report("0/400", 10, Some(5), 2_700),
+            look(0, 1_000, &[(1_000, 0)]),
+            look(500, 2_000, &[(1_500, 480)]),
+            look(1_000, 3_000, &[(2_600, 990)]),
+            look(1_500, 4_000, &[(3_900, 1_490)]),
         ];
-        assert_eq!(lags(&moving, limit), [false; 4]);
-        // Caught up: nothing is waiting, whatever replay_lag last said and however long the position stays.
+        assert_eq!(lags(&moving, 1_000), [None; 4]);
+        // Caught up after a lag: its next report releases, whatever replay_lag says.
         let caught_up = [
-            report("0/100", 0, Some(5_000), 0),
-            report("0/100", 0, Some(5_000), 20_000),
+            look(0, 1_000, &[(1_000, 0)]),
+            look(100, 5_000, &[(1_000, 90)]),
+            look(3_000, 5_000, &[(1_000, 2_900)]),
+            look(4_000, 5_000, &[(5_000, 3_900)]),
         ];
-        assert_eq!(lags(&caught_up, limit), [false, false]);
-        // One old report, looked at again and again, is no evidence of a stuck standby.
-        let quiet = [report("0/100", 40, None, 0), report("0/100", 40, None, 0)];
-        assert_eq!(lags(&quiet, limit), [false, false]);
+        assert_eq!(lags(&caught_up, 1_000), [None, None, Some(2_800), None]);
     }
 
     #[test]
-    fn replay_lag_over_the_limit_lags_while_wal_waits() {
-        let limit = Duration::from_secs(1);
-        let slow = [
-            report("0/100", 10, Some(1_500), 0),
-            report("0/200", 0, Some(1_500), 100),
-        ];
-        assert_eq!(lags(&slow, limit), [true, false]);
-    }
-
-    #[test]
-    fn a_report_without_positions_never_lags() {
-        let hidden = StandbyReport {
+    fn the_most_behind_standby_is_reported_and_one_that_never_reported_is_not_judged() {
+        let mut two = look(2_000, 9_000, &[(9_000, 1_990), (1_000, 1_990)]);
+        two.standbys.push(StandbyReport {
+            application_name: "new".into(),
+            name: "new".into(),
             replay_lsn: None,
-            unreplayed_bytes: None,
-            ..report("0/100", 1, Some(9_000), 0)
-        };
-        assert_eq!(judge(None, &hidden, Duration::from_secs(1)), (None, None));
+            reply_time: None,
+            replay_lag_seconds: None,
+        });
+        let looks = [look(0, 1_000, &[]), look(100, 2_000, &[]), two];
+        assert_eq!(lags(&looks, 1_000), [None, None, Some(1_890)]);
     }
 
     #[test]
-    fn the_pace_spaces_batches_by_their_rows() {
+    fn another_server_or_a_position_going_back_forgets_the_noted_positions() {
+        let limit = Duration::from_secs(1);
+        let on = |server: &str, l: Replication| Replication {
+            server: Some(server.into()),
+            ..l
+        };
+        // A failover behind a pooler: the same address, another timeline, and the promoted standby already
+        // past the old primary's positions. Its own standby, replaying normally, is not behind those.
+        let mut history = WalHistory::default();
+        judge(
+            &mut history,
+            &on("db timeline 1", look(0, 1_000, &[(900, 0)])),
+            limit,
+        );
+        judge(
+            &mut history,
+            &on("db timeline 1", look(100, 2_000, &[(900, 90)])),
+            limit,
+        );
+        let promoted = on("db timeline 2", look(5_000, 3_000, &[(2_500, 4_990)]));
+        assert_eq!(judge(&mut history, &promoted, limit), None);
+        assert_eq!(history.len(), 1);
+        // A position lower than the last one noted, later: another server that the identity did not tell.
+        let mut same = WalHistory::default();
+        judge(&mut same, &look(0, 1_000, &[(900, 0)]), limit);
+        judge(&mut same, &look(100, 2_000, &[(900, 90)]), limit);
+        assert_eq!(
+            judge(&mut same, &look(5_000, 1_500, &[(1_200, 4_990)]), limit),
+            None
+        );
+        assert_eq!(same.len(), 1);
+    }
+
+    #[test]
+    fn two_runs_looking_at_once_keep_the_evidence_of_a_stuck_standby() {
+        let limit = Duration::from_secs(5);
+        let mut history = WalHistory::default();
+        // Stuck at 1000 for 10 s while WAL grows.
+        judge(&mut history, &look(0, 2_000, &[(1_000, -100)]), limit);
+        for i in 1..=10 {
+            judge(
+                &mut history,
+                &look(i * 1_000, 2_000 + i * 1_000, &[(1_000, i * 1_000 - 10)]),
+                limit,
+            );
+        }
+        // Run B's look (taken later) is noted before run A's: A's older sample is left out, not a failover.
+        let b = look(11_000, 14_000, &[(1_000, 10_990)]);
+        let a = look(10_900, 13_500, &[(1_000, 10_890)]);
+        assert!(judge(&mut history, &b, limit).is_some());
+        assert!(
+            judge(&mut history, &a, limit).is_some(),
+            "the stuck standby is still held"
+        );
+        assert!(history.len() > 5);
+    }
+
+    #[test]
+    fn the_history_keeps_the_oldest_evidence_and_forgets_past_its_horizon() {
+        let mut history = WalHistory::default();
+        let horizon = WalHistory::horizon(Duration::from_secs(1));
+        assert_eq!(horizon, Duration::from_secs(60));
+        for i in 0..10_000 {
+            history.note(
+                "db",
+                WalSample {
+                    at: t(i),
+                    lsn: 1_000 + i,
+                },
+                horizon,
+            );
+        }
+        assert_eq!(history.len(), WalHistory::MAX);
+        // The oldest position is kept: a standby stuck before it is still seen 10 s behind.
+        assert_eq!(history.behind(999, t(10_000)), Duration::from_millis(10_000));
+        // Past the horizon, positions are forgotten; a standby stuck for longer is still judged behind by the
+        // oldest kept one: more than the limit.
+        history.note(
+            "db",
+            WalSample {
+                at: t(200_000),
+                lsn: 50_000,
+            },
+            horizon,
+        );
+        assert_eq!(history.len(), 1);
+        history.note(
+            "db",
+            WalSample {
+                at: t(230_000),
+                lsn: 60_000,
+            },
+            horizon,
+        );
+        assert_eq!(history.behind(999, t(250_000)), Duration::from_secs(50));
+        // The same position noted again keeps its first time.
+        let mut h = WalHistory::default();
+        h.note("db", WalSample { at: t(0), lsn: 5 }, horizon);
+        h.note("db", WalSample { at: t(900), lsn: 5 }, horizon);
+        assert_eq!(h.behind(4, t(1_000)), Duration::from_millis(1_000));
+        assert!(!h.is_empty());
+    }
+
+    #[test]
+    fn the_pace_spaces_batches_by_their_rows_and_reserves_for_concurrent_runs() {
         let throttle = Throttle::new(ThrottleSettings {
             max_rows_per_second: Some(1000),
             ..ThrottleSettings::default()
         });
         assert_eq!(throttle.cap_batch(10_000), 1000);
         assert_eq!(throttle.cap_batch(500), 500);
-        assert_eq!(throttle.pace_wait(), None);
-        throttle.charge(500);
-        let wait = throttle.pace_wait().expect("waits");
+        assert_eq!(throttle.admit(500), None);
+        // A second run asking at once waits for the first's reservation.
+        let wait = throttle.admit(500).expect("reserved");
         assert!(
             wait > Duration::from_millis(400) && wait <= Duration::from_millis(500),
             "{wait:?}"
         );
-        throttle.charge(500);
-        let wait = throttle.pace_wait().expect("waits");
-        assert!(
-            wait > Duration::from_millis(900) && wait <= Duration::from_secs(1),
-            "{wait:?}"
-        );
+        // The batch worked only 100 of its 500 rows: the pace gets 400 rows' time back.
+        throttle.settle(500, 100);
+        let wait = throttle.admit(500).expect("still waits");
+        assert!(wait <= Duration::from_millis(100), "{wait:?}");
         let off = Throttle::off();
-        off.charge(1_000_000);
-        assert_eq!((off.pace_wait(), off.cap_batch(10_000)), (None, 10_000));
+        assert_eq!(off.admit(1_000_000), None);
+        assert_eq!(off.admit(1_000_000), None);
+        assert_eq!(off.cap_batch(10_000), 10_000);
     }
 
     #[test]

@@ -298,8 +298,9 @@ pub enum Fence {
 }
 
 /// The fence, run inside the batch's transaction after its business writes: advances cursor and counters and
-/// renews the lease, only while `epoch` still owns the key ([`Fence::Lost`] otherwise: the claim was lost and
-/// the caller must roll back). It also says whether a pause now covers the key: the same statement reads
+/// renews the lease, only while `epoch` and `owner` still hold the key ([`Fence::Lost`] otherwise: the claim was
+/// lost and the caller must roll back). The owner as well as the epoch: a standby promoted before it replayed a
+/// run's claim can give the same epoch to another replica, and the run must not pass that one's fence. It also says whether a pause now covers the key: the same statement reads
 /// `job_pauses` (a primary-key lookup in a table of a few rows), so a run learns of a pause at the end of the
 /// batch in flight without a statement of its own. A pause never makes the fence fail: it only asks the run
 /// to stop after this batch.
@@ -313,7 +314,7 @@ pub enum Fence {
 pub async fn advance(
     tx: &mut PgConnection,
     key: &RunKey,
-    epoch: i64,
+    holder: Claimant<'_>,
     progress: Progress,
     lease: Duration,
 ) -> Result<Fence, sqlx::Error> {
@@ -324,7 +325,7 @@ pub async fn advance(
                    heartbeat_at = clock_timestamp(),
                    lease_until = clock_timestamp() + $9 * interval '1 millisecond'
                where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
-                 and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $10
+                 and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $10 and owner = $11
                returning 1
            ), pause as (
                -- The whole job's pause before this shard's own.
@@ -339,12 +340,13 @@ pub async fn advance(
         key.business_date,
         key.shard.shards(),
         key.shard.shard(),
-        epoch,
+        holder.epoch,
         progress.cursor,
         progress.scanned,
         progress.updated,
         millis(lease) as f64,
         progress.after,
+        holder.owner,
     )
     .fetch_optional(&mut *tx)
     .await?;
@@ -357,12 +359,12 @@ pub async fn advance(
 }
 
 /// Renews the lease of a run that waits between batches (the throttle) through the same fence as a batch: only
-/// while the key is RUNNING under `epoch` at the run's last committed `cursor`. Also tells, as the batch fence
+/// while the key is RUNNING under `epoch` and `owner` at the run's last committed `cursor`. Also tells, as the batch fence
 /// does, whether a pause covers the key, so that a long wait still honours an operator's pause.
 pub async fn renew(
     pool: &Db,
     key: &RunKey,
-    epoch: i64,
+    holder: Claimant<'_>,
     cursor: Option<i64>,
     lease: Duration,
 ) -> Result<Fence, sqlx::Error> {
@@ -372,7 +374,7 @@ pub async fn renew(
                    heartbeat_at = clock_timestamp(),
                    lease_until = clock_timestamp() + $6 * interval '1 millisecond'
                where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
-                 and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $7
+                 and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $7 and owner = $8
                returning 1
            ), pause as (
                select paused_by, reason from job_pauses
@@ -386,9 +388,10 @@ pub async fn renew(
         key.business_date,
         key.shard.shards(),
         key.shard.shard(),
-        epoch,
+        holder.epoch,
         millis(lease) as f64,
         cursor,
+        holder.owner,
     )
     .fetch_optional(pool)
     .await?;
@@ -400,6 +403,14 @@ pub async fn renew(
     })
 }
 
+/// Who holds a claim: the epoch it won and the process that won it. The fence, the renewal and the finish match
+/// both: a standby promoted before it replayed a claim can give the same epoch to another process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claimant<'a> {
+    pub epoch: i64,
+    pub owner: &'a str,
+}
+
 /// How a run ended, as written to `job_runs` and `job_run_attempts`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ending<'a> {
@@ -408,8 +419,8 @@ pub enum Ending<'a> {
     Failed(&'a str),
 }
 
-/// Finishes the run held under `epoch`. `scanned`/`updated` are this attempt's own counts, for the history.
-/// Returns `false` if the epoch no longer owns the key (the claim was lost) — or, for a SUCCESS, if the key's
+/// Finishes the run held under `epoch` by `owner`. `scanned`/`updated` are this attempt's own counts, for the
+/// history. Returns `false` if they no longer hold the key (the claim was lost) — or, for a SUCCESS, if the key's
 /// cursor is not `cursor`, the run's last committed one (see [`Progress::after`]).
 ///
 /// The statement is safe to retry after a connection error: if an earlier attempt committed (the reply was
@@ -418,7 +429,7 @@ pub enum Ending<'a> {
 pub async fn finish(
     pool: &Db,
     key: &RunKey,
-    epoch: i64,
+    holder: Claimant<'_>,
     cursor: Option<i64>,
     ending: Ending<'_>,
     scanned: i64,
@@ -433,7 +444,7 @@ pub async fn finish(
                update job_runs set status = $6, last_error = $8, finished_at = now(), heartbeat_at = now(),
                                    lease_until = now()
                where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
-                 and status = 'RUNNING' and epoch = $5
+                 and status = 'RUNNING' and epoch = $5 and owner = $12
                  -- SUCCESS only where the key's cursor is the run's last: a promoted standby lacking the run's
                  -- last batches keeps the key RUNNING, and its takeover settles their rows again.
                  and ($6 <> 'SUCCESS' or cursor is not distinct from $11)
@@ -448,13 +459,14 @@ pub async fn finish(
         key.business_date,
         key.shard.shards(),
         key.shard.shard(),
-        epoch,
+        holder.epoch,
         status.as_str(),
         event,
         error,
         scanned,
         updated,
         cursor,
+        holder.owner,
     )
     .fetch_one(pool)
     .await?;
@@ -467,13 +479,14 @@ pub async fn finish(
     let now = sqlx::query_scalar!(
         r#"select exists (select 1 from job_runs
                           where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
-                            and status = $6 and epoch = $5) as "already!""#,
+                            and status = $6 and epoch = $5 and owner = $7) as "already!""#,
         key.job.as_str(),
         key.business_date,
         key.shard.shards(),
         key.shard.shard(),
-        epoch,
+        holder.epoch,
         status.as_str(),
+        holder.owner,
     )
     .fetch_one(pool)
     .await?;

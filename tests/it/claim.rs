@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use fine_settler::store::job_runs::{claim, finish, Claim, ClaimKind, ClaimMode, Ending};
+use fine_settler::store::job_runs::{claim, finish, Claim, ClaimKind, ClaimMode, Claimant, Ending};
 use sqlx::{postgres::PgPoolOptions, PgPool};
 
 use crate::helpers::{db, key};
@@ -66,21 +66,45 @@ async fn an_expired_running_key_is_taken_over_with_the_next_epoch(pool: PgPool) 
     assert_eq!(status(&pool).await, ("RUNNING".into(), "b".into(), 2));
     // The old owner can no longer finish the key.
     let k = key("2026-10-31", 0, 1);
-    assert!(!finish(&db(&pool), &k, 1, None, Ending::Success, 0, 0)
-        .await
-        .expect("finish"));
-    assert!(finish(&db(&pool), &k, 2, None, Ending::Success, 0, 0)
-        .await
-        .expect("finish"));
+    assert!(!finish(
+        &db(&pool),
+        &k,
+        Claimant { epoch: 1, owner: "a" },
+        None,
+        Ending::Success,
+        0,
+        0
+    )
+    .await
+    .expect("finish"));
+    assert!(finish(
+        &db(&pool),
+        &k,
+        Claimant { epoch: 2, owner: "b" },
+        None,
+        Ending::Success,
+        0,
+        0
+    )
+    .await
+    .expect("finish"));
 }
 
 #[sqlx::test]
 async fn a_failed_key_is_taken_over_at_once(pool: PgPool) {
     won(&pool, "a", false).await;
     let k = key("2026-10-31", 0, 1);
-    assert!(finish(&db(&pool), &k, 1, None, Ending::Failed("boom"), 3, 2)
-        .await
-        .expect("fail"));
+    assert!(finish(
+        &db(&pool),
+        &k,
+        Claimant { epoch: 1, owner: "a" },
+        None,
+        Ending::Failed("boom"),
+        3,
+        2
+    )
+    .await
+    .expect("fail"));
     assert_eq!(won(&pool, "b", false).await, Some((2, ClaimKind::TakenOver)));
     let last_error: Option<String> = sqlx::query_scalar("select last_error from job_runs")
         .fetch_one(&pool)
@@ -97,9 +121,17 @@ async fn success_is_skipped_unless_forced_and_force_resets_the_cursor(pool: PgPo
         .await
         .expect("progress");
     let k = key("2026-10-31", 0, 1);
-    assert!(finish(&db(&pool), &k, 1, Some(500), Ending::Success, 10, 7)
-        .await
-        .expect("finish"));
+    assert!(finish(
+        &db(&pool),
+        &k,
+        Claimant { epoch: 1, owner: "a" },
+        Some(500),
+        Ending::Success,
+        10,
+        7
+    )
+    .await
+    .expect("finish"));
     assert_eq!(won(&pool, "b", false).await, None);
     match claim(&db(&pool), &k, "c", LEASE, ClaimMode::Force)
         .await
@@ -197,13 +229,29 @@ async fn every_transition_appends_history(pool: PgPool) {
     won(&pool, "a", false).await;
     expire_lease(&pool).await;
     won(&pool, "b", false).await;
-    finish(&db(&pool), &k, 2, None, Ending::Failed("disk full"), 5, 5)
-        .await
-        .expect("fail");
+    finish(
+        &db(&pool),
+        &k,
+        Claimant { epoch: 2, owner: "b" },
+        None,
+        Ending::Failed("disk full"),
+        5,
+        5,
+    )
+    .await
+    .expect("fail");
     won(&pool, "c", false).await;
-    finish(&db(&pool), &k, 3, None, Ending::Success, 1, 1)
-        .await
-        .expect("finish");
+    finish(
+        &db(&pool),
+        &k,
+        Claimant { epoch: 3, owner: "c" },
+        None,
+        Ending::Success,
+        1,
+        1,
+    )
+    .await
+    .expect("finish");
     let events: Vec<(i64, String, String, Option<String>)> =
         sqlx::query_as("select epoch, owner, event, error from job_run_attempts order by id")
             .fetch_all(&pool)
@@ -265,13 +313,29 @@ async fn old_attempt_history_is_pruned_in_batches_and_job_runs_are_kept(pool: Pg
 async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool) {
     won(&pool, "a", false).await;
     let k = key("2026-10-31", 0, 1);
-    assert!(finish(&db(&pool), &k, 1, None, Ending::Success, 5, 5)
-        .await
-        .expect("finish"));
+    assert!(finish(
+        &db(&pool),
+        &k,
+        Claimant { epoch: 1, owner: "a" },
+        None,
+        Ending::Success,
+        5,
+        5
+    )
+    .await
+    .expect("finish"));
     assert!(
-        finish(&db(&pool), &k, 1, None, Ending::Success, 5, 5)
-            .await
-            .expect("retried finish"),
+        finish(
+            &db(&pool),
+            &k,
+            Claimant { epoch: 1, owner: "a" },
+            None,
+            Ending::Success,
+            5,
+            5
+        )
+        .await
+        .expect("retried finish"),
         "the retry sees its own SUCCESS"
     );
     let events: Vec<String> = sqlx::query_scalar("select event from job_run_attempts order by id")
@@ -280,9 +344,17 @@ async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool
         .expect("history");
     assert_eq!(events, ["claimed", "success"]);
     // Another epoch's finish is still refused.
-    assert!(!finish(&db(&pool), &k, 2, None, Ending::Success, 0, 0)
-        .await
-        .expect("finish"));
+    assert!(!finish(
+        &db(&pool),
+        &k,
+        Claimant { epoch: 2, owner: "b" },
+        None,
+        Ending::Success,
+        0,
+        0
+    )
+    .await
+    .expect("finish"));
     // And a retried FAILED finish after a peer took the key over is a lost lease.
     expire_lease(&pool).await;
     sqlx::query("update job_runs set status = 'FAILED'")
@@ -290,9 +362,17 @@ async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool
         .await
         .expect("fail");
     assert_eq!(won(&pool, "b", false).await, Some((2, ClaimKind::TakenOver)));
-    assert!(!finish(&db(&pool), &k, 1, None, Ending::Failed("x"), 0, 0)
-        .await
-        .expect("finish"));
+    assert!(!finish(
+        &db(&pool),
+        &k,
+        Claimant { epoch: 1, owner: "a" },
+        None,
+        Ending::Failed("x"),
+        0,
+        0
+    )
+    .await
+    .expect("finish"));
 }
 
 /// The fence renews the lease from the moment it runs: a batch that took most of the batch timeout leaves its
@@ -314,9 +394,15 @@ async fn the_fence_renews_the_lease_from_the_moment_it_runs(pool: PgPool) {
     };
     let lease = Duration::from_secs(2);
     assert_eq!(
-        fine_settler::store::job_runs::advance(&mut tx, &k, 1, progress, lease)
-            .await
-            .expect("fence"),
+        fine_settler::store::job_runs::advance(
+            &mut tx,
+            &k,
+            fine_settler::store::job_runs::Claimant { epoch: 1, owner: "a" },
+            progress,
+            lease
+        )
+        .await
+        .expect("fence"),
         fine_settler::store::job_runs::Fence::Passed { paused: None }
     );
     tx.commit().await.expect("commit");
@@ -446,7 +532,9 @@ async fn the_fence_and_a_success_pass_only_at_the_cursor_the_run_last_committed(
                 scanned: 1,
                 updated: 1,
             };
-            let f = advance(&mut tx, &k, 1, progress, LEASE).await.expect("fence");
+            let f = advance(&mut tx, &k, Claimant { epoch: 1, owner: "a" }, progress, LEASE)
+                .await
+                .expect("fence");
             tx.commit().await.expect("commit");
             f
         }
@@ -459,16 +547,107 @@ async fn the_fence_and_a_success_pass_only_at_the_cursor_the_run_last_committed(
         .await
         .expect("lose the last batch");
     assert_eq!(fence(Some(20), 30).await, Fence::Lost);
-    assert!(!finish(&db(&pool), &k, 1, Some(20), Ending::Success, 0, 0)
-        .await
-        .expect("finish"));
+    assert!(!finish(
+        &db(&pool),
+        &k,
+        Claimant { epoch: 1, owner: "a" },
+        Some(20),
+        Ending::Success,
+        0,
+        0
+    )
+    .await
+    .expect("finish"));
     assert_eq!(
         status(&pool).await.0,
         "RUNNING",
         "not SUCCESS at a cursor the server does not have"
     );
-    assert!(finish(&db(&pool), &k, 1, Some(20), Ending::Failed("boom"), 0, 0)
-        .await
-        .expect("finish"));
+    assert!(finish(
+        &db(&pool),
+        &k,
+        Claimant { epoch: 1, owner: "a" },
+        Some(20),
+        Ending::Failed("boom"),
+        0,
+        0
+    )
+    .await
+    .expect("finish"));
     assert_eq!(status(&pool).await.0, "FAILED");
+}
+
+/// A standby promoted before it replayed a run's claim can give the same epoch, at the same cursor, to another
+/// replica. The run still holding its old claim must not pass that replica's fence, renew its lease or finish its
+/// key: the fence, the renewal and the finish name the owner too. Here the other replica's claim is written over
+/// the row while the run's first batch is in flight (its loans updated, its fence not yet run).
+#[sqlx::test]
+async fn a_run_is_fenced_out_of_its_epoch_held_by_another_owner(pool: PgPool) {
+    use fine_settler::{
+        fine::FinePolicy,
+        jobs::{settlement::Settlement, Outcome},
+    };
+    let loans: Vec<_> = (1..=400)
+        .map(|id| crate::helpers::loan(id, "2026-10-01", Some("2026-10-06")))
+        .collect();
+    crate::helpers::insert(&pool, &loans).await;
+    // 5 ms a row: the first batch of 100 takes about half a second before its fence.
+    crate::helpers::slow_down(&pool, "update on loans", 0.005).await;
+    let k = key("2026-10-31", 0, 1);
+    let run = crate::helpers::runner(&pool, "a", 100);
+    let task = tokio::spawn(async move {
+        run.run(
+            &Settlement {
+                policy: FinePolicy::DEFAULT,
+            },
+            k,
+            false,
+        )
+        .await
+    });
+    crate::helpers::wait_until("the claim", Duration::from_secs(10), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from job_runs")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+            == 1
+    })
+    .await;
+    // What the promoted standby holds: the same key, epoch 1, no cursor — claimed by "b".
+    sqlx::query("update job_runs set owner = 'b', lease_until = now() + interval '1 hour'")
+        .execute(&pool)
+        .await
+        .expect("b's claim");
+    let report = task.await.expect("run");
+    assert_eq!(report.outcome, Outcome::LeaseLost, "{report:?}");
+    assert_eq!(status(&pool).await, ("RUNNING".into(), "b".into(), 1));
+    let settled: i64 = sqlx::query_scalar("select count(*) from loans where fine_settled_at is not null")
+        .fetch_one(&pool)
+        .await
+        .expect("settled");
+    assert_eq!(settled, 0, "the fenced batch rolled back");
+    let cursor: Option<i64> = sqlx::query_scalar("select cursor from job_runs")
+        .fetch_one(&pool)
+        .await
+        .expect("cursor");
+    assert_eq!(cursor, None);
+    // Nor can it finish or renew b's key.
+    assert!(!finish(
+        &db(&pool),
+        &k,
+        Claimant { epoch: 1, owner: "a" },
+        None,
+        Ending::Failed("x"),
+        0,
+        0
+    )
+    .await
+    .expect("finish"));
+    assert_eq!(
+        fine_settler::store::job_runs::renew(&db(&pool), &k, Claimant { epoch: 1, owner: "a" }, None, LEASE)
+            .await
+            .expect("renew"),
+        fine_settler::store::job_runs::Fence::Lost
+    );
+    assert_eq!(status(&pool).await, ("RUNNING".into(), "b".into(), 1));
 }

@@ -713,7 +713,7 @@ async fn with_a_daily_rate_of_zero_accrual_days_do_not_reopen_at_every_tick(pool
 /// nothing, and must still see that the key is SUCCESS under its own epoch.
 #[sqlx::test]
 async fn a_retried_finish_racing_its_own_first_attempt_counts_as_finished(pool: PgPool) {
-    use fine_settler::store::job_runs::{claim, finish, ClaimMode, Ending};
+    use fine_settler::store::job_runs::{claim, finish, ClaimMode, Claimant, Ending};
     let k = key("2026-10-31", 0, 1);
     claim(&db(&pool), &k, "a", Duration::from_secs(60), ClaimMode::Free)
         .await
@@ -725,7 +725,18 @@ async fn a_retried_finish_racing_its_own_first_attempt_counts_as_finished(pool: 
         .expect("first attempt");
     let retry = tokio::spawn({
         let pool = pool.clone();
-        async move { finish(&db(&pool), &k, 1, None, Ending::Success, 0, 0).await }
+        async move {
+            finish(
+                &db(&pool),
+                &k,
+                Claimant { epoch: 1, owner: "a" },
+                None,
+                Ending::Success,
+                0,
+                0,
+            )
+            .await
+        }
     });
     crate::helpers::wait_until(
         "the retry waits for the first attempt",

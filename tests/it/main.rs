@@ -26,3 +26,4 @@ mod server;
 mod settlement;
 mod status;
 mod systemd;
+mod throttle;

@@ -10,7 +10,7 @@ use fine_settler::{
     jobs::{settlement::Settlement, JobName, Outcome},
     shard::ShardSpec,
     store::{
-        job_runs::{advance, claim, Claim, ClaimMode, Fence, Progress},
+        job_runs::{advance, claim, Claim, ClaimMode, Claimant, Fence, Progress},
         pauses::{self, PauseScope},
     },
 };
@@ -289,9 +289,15 @@ async fn the_fence_reports_a_pause_and_never_mistakes_it_for_a_lost_lease(pool: 
         let pool = pool.clone();
         async move {
             let mut tx = pool.begin().await.expect("begin");
-            let f = advance(&mut tx, &k, epoch, progress, Duration::from_secs(60))
-                .await
-                .expect("fence");
+            let f = advance(
+                &mut tx,
+                &k,
+                Claimant { epoch, owner: "a" },
+                progress,
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("fence");
             tx.rollback().await.expect("rollback");
             f
         }

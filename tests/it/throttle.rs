@@ -1,0 +1,612 @@
+//! `[throttle]` on real servers: the rows-per-second cap (in-process and through the `settle` command), batches
+//! shrunk to `throttle.batch_duration` under a slowed trigger, and the replica lag limit against a real streaming
+//! standby whose replay is paused — no batch commits while it lags, the run renews its lease while it waits and
+//! finishes soon after replay resumes.
+
+use std::{
+    process::Stdio,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use fine_settler::{
+    config::{ClaimSettings, Lease, ThrottleSettings},
+    fine::FinePolicy,
+    jobs::{settlement::Settlement, throttle::Throttle, Outcome},
+    metrics::Metrics,
+};
+use sqlx::{postgres::PgPoolOptions, Executor, PgPool};
+
+use crate::helpers::{
+    database_url, db, fine_settler, insert, loan, migrate, oracle, output, report, runner, settled,
+    slow_down, spawn, wait_until, Cluster, StderrLog,
+};
+
+const POLICY: Settlement = Settlement {
+    policy: FinePolicy::DEFAULT,
+};
+
+/// `n` loans returned in October 2026 (ids from 1), each 5 days late.
+async fn october(pool: &PgPool, n: i64) {
+    let loans: Vec<_> = (1..=n)
+        .map(|id| loan(id, "2026-10-01", Some("2026-10-06")))
+        .collect();
+    insert(pool, &loans).await;
+}
+
+fn throttle(settings: ThrottleSettings) -> Arc<Throttle> {
+    Throttle::new(settings)
+}
+
+#[sqlx::test]
+async fn a_run_under_a_rows_per_second_cap_takes_at_least_rows_over_cap(pool: PgPool) {
+    october(&pool, 2_000).await;
+    let k = crate::helpers::key("2026-10-31", 0, 1);
+    let metrics = Arc::new(Metrics::new("0/1".into()));
+    let cap = 1_000;
+    let run = runner(&pool, "capped", 100)
+        .with_metrics(metrics.clone())
+        .with_throttle(throttle(ThrottleSettings {
+            max_rows_per_second: Some(cap),
+            ..ThrottleSettings::default()
+        }));
+    let started = Instant::now();
+    let report = run.run(&POLICY, k, false).await;
+    let took = started.elapsed();
+    assert_eq!((report.outcome, report.updated), (Outcome::Settled, 2_000));
+    assert_eq!(
+        settled(&pool, "2026-10-31").await,
+        oracle(&pool, "2026-10-31").await
+    );
+    let floor = Duration::from_secs_f64(0.9 * 2_000.0 / f64::from(cap));
+    assert!(
+        took >= floor,
+        "2000 rows under {cap}/s took {took:?}, less than {floor:?}"
+    );
+    let text = metrics.render();
+    let waited = text
+        .lines()
+        .find(|l| {
+            l.starts_with(
+                "fine_settler_throttled_seconds_total{job=\"fine-settlement\",shard=\"0/1\",reason=\"rate\"}",
+            )
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no rate series in\n{text}"));
+    assert!(
+        waited > 1.0,
+        "the run waited {waited} s for the rate, by the metric"
+    );
+}
+
+#[sqlx::test]
+async fn the_settle_command_honours_the_cap_from_its_configuration(pool: PgPool) {
+    october(&pool, 1_000).await;
+    let mut cmd = fine_settler(&database_url(&pool));
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "50")
+        .env("FINE_SETTLER__THROTTLE__MAX_ROWS_PER_SECOND", "500")
+        .args(["settle", "--business-date", "2026-10-31"]);
+    let started = Instant::now();
+    let out = output(cmd);
+    let took = started.elapsed();
+    let json = report(&out);
+    assert_eq!(json["outcome"], "settled", "{json}");
+    assert_eq!(json["updated"], 1_000);
+    assert!(
+        took >= Duration::from_millis(1_800),
+        "1000 rows under 500/s took {took:?}"
+    );
+    let log = String::from_utf8_lossy(&out.stderr);
+    // One episode, logged once when it starts and once when it ends.
+    assert_eq!(log.matches("throttled: batches paced").count(), 1, "{log}");
+    assert_eq!(log.matches("throttle released").count(), 1, "{log}");
+}
+
+#[sqlx::test]
+async fn batches_shrink_to_the_target_duration_under_a_slow_trigger(pool: PgPool) {
+    october(&pool, 1_200).await;
+    // Which transaction wrote each loan: the batches' sizes, in commit order.
+    sqlx::raw_sql(
+        r#"create table batch_rows (loan_id bigint primary key, tx bigint not null, at timestamptz not null);
+           create function note_batch() returns trigger language plpgsql as $$
+           begin
+               insert into batch_rows values (new.id, txid_current(), clock_timestamp());
+               return new;
+           end $$;
+           create trigger note_batch after update on loans for each row execute function note_batch();"#,
+    )
+    .execute(&pool)
+    .await
+    .expect("batch trigger");
+    // 2 ms a row: a batch of 200 holds its transaction for about 400 ms.
+    slow_down(&pool, "update on loans", 0.002).await;
+    let k = crate::helpers::key("2026-10-31", 0, 1);
+    let report = runner(&pool, "sized", 200)
+        .with_throttle(throttle(ThrottleSettings {
+            batch_duration: Some(Duration::from_millis(100)),
+            ..ThrottleSettings::default()
+        }))
+        .run(&POLICY, k, false)
+        .await;
+    assert_eq!((report.outcome, report.updated), (Outcome::Settled, 1_200));
+    let sizes: Vec<i64> = sqlx::query_scalar("select count(*) from batch_rows group by tx order by min(at)")
+        .fetch_all(&pool)
+        .await
+        .expect("batch sizes");
+    assert_eq!(sizes.iter().sum::<i64>(), 1_200);
+    assert_eq!(sizes[0], 200, "the first batch has batch_size rows: {sizes:?}");
+    // After the first, a batch of about 100 ms holds about 50 rows; never the full 200 again.
+    assert!(
+        sizes[1..].iter().all(|s| *s <= 100),
+        "later batches stay near the target: {sizes:?}"
+    );
+    assert!(sizes.len() >= 8, "{sizes:?}");
+}
+
+/// Settles 6,000 loans on `primary` with the `settle` command under a lag limit of 1 s while `standby`'s replay is
+/// paused; a short lease (6 s) so that the wait outlasts it.
+#[tokio::test]
+async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
+    let primary = Cluster::primary().await;
+    primary
+        .connect()
+        .await
+        .execute("create database libraryd")
+        .await
+        .expect("create database");
+    let url = primary.url("libraryd");
+    migrate(&url);
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .expect("connect to the primary");
+    october(&pool, 6_000).await;
+    sqlx::raw_sql(
+        r#"create table batch_rows (loan_id bigint primary key, at timestamptz not null);
+           create function note_batch() returns trigger language plpgsql as $$
+           begin insert into batch_rows values (new.id, clock_timestamp()); return new; end $$;
+           create trigger note_batch after update on loans for each row execute function note_batch();"#,
+    )
+    .execute(&pool)
+    .await
+    .expect("batch trigger");
+    // Half a millisecond a row: about 3 s of work unthrottled, batches of 200 (0.1 s each).
+    slow_down(&pool, "update on loans", 0.0005).await;
+    let standby = primary.standby().await;
+    standby.wait_replayed(&primary).await;
+    standby.pause_replay().await;
+
+    let mut cmd = fine_settler(&url);
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "200")
+        .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "1s")
+        // Named, as an operator would list the standbys to watch.
+        .env("FINE_SETTLER__THROTTLE__STANDBYS", standby.name())
+        .env("FINE_SETTLER__CLAIM__LEASE", "6s")
+        .env(
+            "FINE_SETTLER__LOG__LEVEL",
+            "info,fine_settler::jobs::runner=debug",
+        )
+        .args(["settle", "--business-date", "2026-10-31"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = spawn(&mut cmd);
+    let log = StderrLog::collect(&mut child);
+    wait_until(
+        "the run waits for the standby",
+        Duration::from_secs(30),
+        || async { log.contains("throttled: a standby lags") },
+    )
+    .await;
+    let started: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("select min(at) from batch_rows")
+        .fetch_one(&pool)
+        .await
+        .expect("first batch");
+    let held_at: (i64, Option<i64>) = sqlx::query_as(
+        "select (select count(*) from batch_rows), cursor from job_runs where job_name = 'fine-settlement'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("progress");
+    assert!(
+        held_at.0 < 6_000,
+        "the run finished before the standby was seen lagging"
+    );
+
+    // Held for longer than the lease: nothing commits, and the key stays RUNNING with a live lease.
+    let mut expired = 0;
+    for _ in 0..16 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (status, live): (String, bool) = sqlx::query_as(
+            "select status, lease_until > now() from job_runs where job_name = 'fine-settlement'",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("key");
+        assert_eq!(status, "RUNNING");
+        expired += i32::from(!live);
+    }
+    assert_eq!(expired, 0, "the waiting run let its lease expire");
+    let still: (i64, Option<i64>) = sqlx::query_as(
+        "select (select count(*) from batch_rows), cursor from job_runs where job_name = 'fine-settlement'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("progress");
+    assert_eq!(still, held_at, "a batch committed while the standby lagged");
+
+    let resumed_at = Instant::now();
+    let resumed: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("select now()")
+        .fetch_one(&pool)
+        .await
+        .expect("now");
+    standby.resume_replay().await;
+    let (code, _) = crate::helpers::exit_of(child, Duration::from_secs(60)).await;
+    let stderr = log.finish();
+    let after_resume = resumed_at.elapsed();
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(
+        settled(&pool, "2026-10-31").await,
+        oracle(&pool, "2026-10-31").await
+    );
+    // The rest of the work is about 2 s; the standby reports its replay every second.
+    assert!(
+        after_resume < Duration::from_secs(10),
+        "the run took {after_resume:?} after replay resumed"
+    );
+    // Before the resume, batches committed only in the first moments of the run: replay was paused before it
+    // started, so the standby's lag is the time since the run's first write. One batch and one standby report
+    // (at most a second apart here) may pass after the lag crosses the limit before a batch sees it.
+    let last_before: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("select max(at) from batch_rows where at < $1")
+            .bind(resumed)
+            .fetch_one(&pool)
+            .await
+            .expect("last batch before the resume");
+    let span = (last_before - started).to_std().expect("ordered");
+    assert!(
+        span < Duration::from_millis(2_500),
+        "batches committed for {span:?} after the first one while replay was paused"
+    );
+    assert_eq!(stderr.matches("throttled: a standby lags").count(), 1, "{stderr}");
+    assert!(stderr.contains("lease renewed while throttled"), "{stderr}");
+    assert!(stderr.contains("throttle released"), "{stderr}");
+    let left: i64 =
+        sqlx::query_scalar("select count(*) from job_runs where status = 'RUNNING' and lease_until < now()")
+            .fetch_one(&pool)
+            .await
+            .expect("expired keys");
+    assert_eq!(left, 0);
+    pool.close().await;
+}
+
+/// `throttle.standbys` leaves out a standby it does not name (one with `recovery_min_apply_delay`, say): its
+/// paused replay holds nothing, and a name that does not stream is warned about once.
+#[tokio::test]
+async fn a_standby_left_out_of_throttle_standbys_holds_nothing() {
+    let primary = Cluster::primary().await;
+    primary
+        .connect()
+        .await
+        .execute("create database libraryd")
+        .await
+        .expect("create database");
+    let url = primary.url("libraryd");
+    migrate(&url);
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .expect("connect to the primary");
+    october(&pool, 6_000).await;
+    slow_down(&pool, "update on loans", 0.0005).await;
+    let standby = primary.standby().await;
+    standby.wait_replayed(&primary).await;
+    standby.pause_replay().await;
+    let mut cmd = fine_settler(&url);
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "200")
+        .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "1s")
+        .env("FINE_SETTLER__THROTTLE__STANDBYS", "dr-west")
+        .args(["settle", "--business-date", "2026-10-31"]);
+    let started = Instant::now();
+    let out = output(cmd);
+    let took = started.elapsed();
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(report(&out)["updated"], 6_000, "{log}");
+    assert!(!log.contains("throttled"), "{log}");
+    assert_eq!(
+        log.matches("names standbys that do not stream").count(),
+        1,
+        "{log}"
+    );
+    assert!(log.contains("dr-west"), "{log}");
+    assert!(
+        took > Duration::from_secs(2),
+        "the run outlasted the limit: {took:?}"
+    );
+    standby.resume_replay().await;
+    pool.close().await;
+}
+
+/// With the standby reporting at PostgreSQL's default pace (`wal_receiver_status_interval = 10s`) and a limit
+/// shorter than that (2 s): one lag episode while replay is paused, released at the standby's first report after
+/// the resume, and no more after it — a healthy standby's old reports, and the `replay_lag` it measured while
+/// paused, never hold a batch again.
+#[tokio::test]
+async fn a_standby_reporting_every_ten_seconds_holds_batches_once_and_not_after_it_caught_up() {
+    let primary = Cluster::primary().await;
+    primary
+        .connect()
+        .await
+        .execute("create database libraryd")
+        .await
+        .expect("create database");
+    let url = primary.url("libraryd");
+    migrate(&url);
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .expect("connect to the primary");
+    october(&pool, 8_000).await;
+    slow_down(&pool, "update on loans", 0.0005).await;
+    let standby = primary.standby().await;
+    let mut s = standby.connect().await;
+    for sql in [
+        "alter system set wal_receiver_status_interval = '10s'",
+        "select pg_reload_conf()",
+    ] {
+        sqlx::query(sql)
+            .execute(&mut s)
+            .await
+            .expect("the default status interval on the standby");
+    }
+    standby.wait_replayed(&primary).await;
+    standby.pause_replay().await;
+
+    let mut cmd = fine_settler(&url);
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "200")
+        .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "2s")
+        .args(["settle", "--business-date", "2026-10-31"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = spawn(&mut cmd);
+    let log = StderrLog::collect(&mut child);
+    wait_until(
+        "the run waits for the standby",
+        Duration::from_secs(30),
+        || async { log.contains("throttled: a standby lags") },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let resumed_at = Instant::now();
+    standby.resume_replay().await;
+    let (code, _) = crate::helpers::exit_of(child, Duration::from_secs(90)).await;
+    let after_resume = resumed_at.elapsed();
+    let stderr = log.finish();
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(
+        settled(&pool, "2026-10-31").await,
+        oracle(&pool, "2026-10-31").await
+    );
+    assert_eq!(
+        stderr.matches("throttled: a standby lags").count(),
+        1,
+        "held again after the standby caught up:\n{stderr}"
+    );
+    // Released at the standby's next report (at most 10 s), then the rest of the work (at most about 4 s).
+    assert!(
+        after_resume < Duration::from_secs(20),
+        "the run took {after_resume:?} after replay resumed"
+    );
+    eprintln!("throttle: 10 s status interval, 2 s limit: finished {after_resume:?} after the resume");
+    pool.close().await;
+}
+
+/// A role without `pg_read_all_stats` cannot see standbys' positions: a command with a lag limit says so once and
+/// runs unthrottled. `deploy/sql/least-privilege.sql -v monitor=on` grants what the limit needs.
+#[sqlx::test]
+async fn a_lag_limit_the_role_cannot_read_warns_once_and_the_script_can_grant_it(pool: PgPool) {
+    october(&pool, 300).await;
+    let november: Vec<_> = (1_001..=1_300)
+        .map(|id| loan(id, "2026-11-01", Some("2026-11-06")))
+        .collect();
+    insert(&pool, &november).await;
+    let owner_url = database_url(&pool);
+    let (base, db) = owner_url.rsplit_once('/').expect("url");
+    // Roles are cluster-wide: named after the test's database.
+    let tail: String = db.to_lowercase().chars().rev().take(24).collect();
+    let role = format!("fm_{tail}");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/sql/least-privilege.sql");
+    let grant = |extra: &[&str]| {
+        let out = std::process::Command::new("psql")
+            .arg(&owner_url)
+            .args(["-qX", "-v", "ON_ERROR_STOP=1", "-v", &format!("role={role}")])
+            .args(["-v", "password=s3cret"])
+            .args(extra)
+            .args(["-f", script])
+            .output()
+            .expect("psql");
+        crate::helpers::assert_success(&out);
+    };
+    grant(&[]);
+    let (scheme, host) = base.split_once("://").expect("scheme");
+    let host = host.rsplit_once('@').map_or(host, |(_, h)| h);
+    let role_url = format!("{scheme}://{role}:s3cret@{host}/{db}");
+    let settle = |date: &str| {
+        let mut cmd = fine_settler(&role_url);
+        cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "50")
+            .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "1s")
+            .args(["settle", "--business-date", date]);
+        let out = output(cmd);
+        (report(&out), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (json, log) = settle("2026-10-31");
+    assert_eq!(
+        (json["outcome"].clone(), json["updated"].clone()),
+        ("settled".into(), 300.into()),
+        "{log}"
+    );
+    assert_eq!(
+        log.matches("may not read standbys' positions").count(),
+        1,
+        "{log}"
+    );
+
+    grant(&["-v", "monitor=on"]);
+    let readable: bool = sqlx::query_scalar("select pg_has_role($1, 'pg_read_all_stats', 'usage')")
+        .bind(&role)
+        .fetch_one(&pool)
+        .await
+        .expect("role");
+    assert!(readable, "monitor=on grants pg_read_all_stats");
+    let (json, log) = settle("2026-11-30");
+    assert_eq!(json["updated"], 300, "{log}");
+    assert!(!log.contains("may not read"), "{log}");
+    sqlx::raw_sql(&format!("drop owned by {role}; drop role {role};"))
+        .execute(&pool)
+        .await
+        .expect("drop role");
+}
+
+/// A run waiting for a lagging standby still hears an operator's pause: its lease renewal, like a batch's
+/// fence, sees it, and the run hands its key back without waiting for the standby.
+#[tokio::test]
+async fn an_operator_pause_reaches_a_run_waiting_for_a_lagging_standby() {
+    let primary = Cluster::primary().await;
+    primary
+        .connect()
+        .await
+        .execute("create database libraryd")
+        .await
+        .expect("create database");
+    let url = primary.url("libraryd");
+    migrate(&url);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .expect("connect to the primary");
+    october(&pool, 3_000).await;
+    slow_down(&pool, "update on loans", 0.0005).await;
+    let standby = primary.standby().await;
+    standby.wait_replayed(&primary).await;
+    standby.pause_replay().await;
+
+    let k = crate::helpers::key("2026-10-31", 0, 1);
+    // A 3 s lease, renewed every second while the run waits.
+    let claim = ClaimSettings {
+        lease: Lease::new(Duration::from_secs(3), None, None).expect("lease"),
+        history_retention: Duration::from_secs(86_400),
+    };
+    let metrics = Arc::new(Metrics::new("0/1".into()));
+    let run = fine_settler::jobs::runner::Runner::new(
+        db(&pool),
+        "waiting".into(),
+        &claim,
+        100,
+        tokio_util::sync::CancellationToken::new(),
+    )
+    .with_metrics(metrics.clone())
+    .with_throttle(throttle(ThrottleSettings {
+        max_replica_lag: Some(Duration::from_secs(1)),
+        ..ThrottleSettings::default()
+    }));
+    let task = tokio::spawn(async move { run.run(&POLICY, k, false).await });
+    let waited = |m: &Metrics| {
+        m.render()
+            .lines()
+            .find(|l| l.contains("reason=\"replica_lag\""))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // Past a renewal: the wait has outlasted a third of the lease.
+    wait_until(
+        "the run waits for the standby",
+        Duration::from_secs(30),
+        || async { waited(&metrics) > 1.5 },
+    )
+    .await;
+    sqlx::query(
+        "insert into job_pauses (job_name, shards, shard, paused_by, reason)
+         values ('fine-settlement', 0, 0, 'ops', 'month-end freeze')",
+    )
+    .execute(&pool)
+    .await
+    .expect("pause");
+    let report = tokio::time::timeout(Duration::from_secs(5), task)
+        .await
+        .expect("the waiting run handed its key back within a renewal or two")
+        .expect("task");
+    assert!(report.paused, "{report:?}");
+    assert_eq!(report.outcome, Outcome::Failed);
+    assert!(report.updated < 3_000, "{report:?}");
+    let (status, error, lease_ended): (String, Option<String>, bool) =
+        sqlx::query_as("select status, last_error, lease_until <= now() from job_runs")
+            .fetch_one(&pool)
+            .await
+            .expect("key");
+    assert_eq!(status, "FAILED");
+    assert_eq!(error.as_deref(), Some("paused: month-end freeze (by ops)"));
+    assert!(lease_ended);
+    standby.resume_replay().await;
+    pool.close().await;
+}
+
+/// The daemon's runs are throttled too: one tick (`run --once`) settling the last month end under a cap.
+#[sqlx::test]
+async fn the_daemon_paces_its_runs(pool: PgPool) {
+    let month_end = crate::helpers::due_now(&pool, 1).await[0];
+    let first = chrono::Datelike::with_day(&month_end, 1)
+        .expect("first day")
+        .to_string();
+    let loans: Vec<_> = (1..=600)
+        .map(|id| loan(id, &first, Some(&month_end.to_string())))
+        .collect();
+    insert(&pool, &loans).await;
+    let mut tick = fine_settler(&database_url(&pool));
+    tick.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "50")
+        .env("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1")
+        .env("FINE_SETTLER__THROTTLE__MAX_ROWS_PER_SECOND", "300")
+        .args(["run", "--once"]);
+    let started = Instant::now();
+    let out = output(tick);
+    let took = started.elapsed();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert_eq!(settled(&pool, &month_end.to_string()).await.0, 600, "{log}");
+    assert!(
+        took >= Duration::from_millis(1_800),
+        "600 rows under 300/s took {took:?}"
+    );
+    assert_eq!(log.matches("throttled: batches paced").count(), 1, "{log}");
+}
+
+/// Accrual batches are paced like settlement's: `accrue` of a day with 600 overdue loans under 300 rows/s.
+#[sqlx::test]
+async fn the_accrue_command_is_paced_too(pool: PgPool) {
+    let today = fine_settler::calendar::local_date(chrono::Utc::now(), chrono_tz::Asia::Shanghai);
+    let day = today - chrono::Duration::days(5);
+    let due = (day - chrono::Duration::days(3)).to_string();
+    let loans: Vec<_> = (1..=600).map(|id| loan(id, &due, None)).collect();
+    insert(&pool, &loans).await;
+    let mut cmd = fine_settler(&database_url(&pool));
+    cmd.env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "50")
+        .env("FINE_SETTLER__THROTTLE__MAX_ROWS_PER_SECOND", "300")
+        .args(["accrue", "--date", &day.to_string()]);
+    let started = Instant::now();
+    let out = output(cmd);
+    let took = started.elapsed();
+    let json = report(&out);
+    assert_eq!(json["updated"], 600, "{json}");
+    let charged: i64 = sqlx::query_scalar("select count(*) from fine_ledger where accrual_date = $1")
+        .bind(day)
+        .fetch_one(&pool)
+        .await
+        .expect("ledger");
+    assert_eq!(charged, 600);
+    assert!(
+        took >= Duration::from_millis(1_800),
+        "600 charges under 300/s took {took:?}"
+    );
+}
