@@ -4,8 +4,9 @@
 //! (and with two concurrent sessions), `fine-settler settle` with 1 and 2 shards, a plain and a forced rerun,
 //! the statements of an idle daemon tick, the process's peak RSS, a batch-size sweep and, optionally, scaling
 //! and scheduler drift; with `--pgbouncer` also `settle` through PgBouncer in transaction and in session mode
-//! beside a direct one, each bouncer started and stopped by that script. It prints a Markdown report and writes
-//! it to `--out`.
+//! beside a direct one, each bouncer started and stopped by that script; with `--pgbench` what settlement costs a
+//! libraryd-like load beside it, and the WAL it writes per row (the `impact` module). It prints a Markdown report
+//! and writes it to `--out`.
 //!
 //! It runs the `fine-settler` binary found beside its own executable (both are built into the workspace's
 //! `target/`), which also generates the loans (`fine-settler demo-data`); it does not link the product library.
@@ -18,10 +19,13 @@ use std::{
 };
 
 use clap::Parser;
+use impact::ImpactArgs;
 use sqlx::{
     postgres::{PgConnectOptions, PgPoolOptions},
     Connection, PgConnection, PgPool,
 };
+
+mod impact;
 
 /// The month the generated loans cluster around (`fine-settler demo-data --month`), and its last day.
 const MONTH: &str = "2026-10";
@@ -39,7 +43,7 @@ struct Args {
     /// Batch size for the main settle measurements (the configuration default).
     #[arg(long, default_value_t = 10000)]
     batch_size: u32,
-    /// Also measure 100k and 4M loans, and 4 shards.
+    /// Also measure 100k, 4M and 10M loans, and 4 shards.
     #[arg(long)]
     scaling: bool,
     /// Also run `drift` for 1,000 fixed-rate ticks (about 200 s).
@@ -53,6 +57,25 @@ struct Args {
     /// Rounds of the PgBouncer leg (each: direct, transaction, session); the report takes each way's median.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
     pooler_rounds: u32,
+    /// `pgbench`: measure the impact of settlement on a libraryd-like load it drives beside each phase (the
+    /// load alone, `settle`, the single statement, `settle` throttled to a quarter of its rate).
+    #[arg(long)]
+    pgbench: Option<PathBuf>,
+    /// The load's rate, transactions per second (`pgbench -R`).
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..))]
+    load_rate: u32,
+    /// The load's sessions (`pgbench -c`).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    load_clients: u32,
+    /// Seconds the idle phase (the load alone) lasts.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    idle_secs: u64,
+    /// Seconds the load runs before each phase.
+    #[arg(long, default_value_t = 2)]
+    warmup_secs: u64,
+    /// Seconds the load runs after each phase, so that what was scheduled in it finishes.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    cooldown_secs: u64,
     /// Where to write the Markdown report (stdout always gets it).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -217,6 +240,17 @@ impl PoolerLeg {
     }
 }
 
+/// What one `settle` measurement runs: the business date, the shard count (one process per shard, all at once),
+/// the batch size, `--force`, and environment settings beyond those (`FINE_SETTLER__…`).
+#[derive(Debug, Clone, Copy)]
+struct SettleJob<'a> {
+    business_date: &'a str,
+    shards: i32,
+    batch: u32,
+    force: bool,
+    env: &'a [(&'a str, String)],
+}
+
 /// One `settle` process as measured.
 #[derive(Debug, Clone, Copy)]
 struct Settle {
@@ -292,6 +326,11 @@ impl Bench {
     /// The single set-based update of the month (the practical limit), split `sessions` ways by `id % sessions`,
     /// all sessions at once. Returns (rows, seconds).
     async fn limit(&self, db: &str, sessions: i64) -> Result<(u64, f64), Error> {
+        self.limit_of(db, MONTH_END, sessions).await
+    }
+
+    /// [`Bench::limit`] for the month that ends on `month_end`.
+    async fn limit_of(&self, db: &str, month_end: &str, sessions: i64) -> Result<(u64, f64), Error> {
         let pool = self.pool(db, sessions as u32).await?;
         // Warm the connections so that connecting is not timed.
         let mut conns = Vec::new();
@@ -303,6 +342,7 @@ impl Bench {
         let mut tasks = Vec::new();
         for part in 0..sessions {
             let pool = pool.clone();
+            let month_end = month_end.to_string();
             tasks.push(tokio::spawn(async move {
                 sqlx::query(
                     "update loans set fine_cents = greatest(0, returned_on - due_on)::bigint * 100,
@@ -310,7 +350,7 @@ impl Bench {
                      where returned_on between date_trunc('month', $1::date) and $1::date
                        and fine_settled_at is null and id % $2 = $3",
                 )
-                .bind(MONTH_END.parse::<chrono::NaiveDate>().ok())
+                .bind(month_end.parse::<chrono::NaiveDate>().ok())
                 .bind(sessions)
                 .bind(part)
                 .execute(&pool)
@@ -342,13 +382,32 @@ impl Bench {
         batch: u32,
         force: bool,
     ) -> Result<Settle, Error> {
+        let job = SettleJob {
+            business_date: MONTH_END,
+            shards,
+            batch,
+            force,
+            env: &[],
+        };
+        self.settle_job(via, db, &job).await
+    }
+
+    /// `fine-settler settle` as `job` describes, every shard at once, through `via`; the slowest shard's time.
+    async fn settle_job(&self, via: &Via, db: &str, job: &SettleJob<'_>) -> Result<Settle, Error> {
+        let SettleJob {
+            business_date,
+            shards,
+            batch,
+            force,
+            env,
+        } = *job;
         let mut children = Vec::new();
         for shard in 0..shards {
             let mut cmd = Command::new(binary()?);
             cmd.args([
                 "settle",
                 "--business-date",
-                MONTH_END,
+                business_date,
                 "--shards",
                 &shards.to_string(),
                 "--shard",
@@ -358,6 +417,7 @@ impl Bench {
             .env("FINE_SETTLER__DATABASE__POOLER", via.pooler)
             .env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", batch.to_string())
             .env("FINE_SETTLER__LOG__LEVEL", "warn")
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::piped());
             if force {
                 cmd.arg("--force");
@@ -649,6 +709,25 @@ async fn main() -> Result<(), Error> {
         None => None,
     };
 
+    let impact = match &args.pgbench {
+        Some(pgbench) => {
+            let impact_args = ImpactArgs {
+                pgbench: pgbench.clone(),
+                rate: args.load_rate,
+                clients: args.load_clients,
+                idle: Duration::from_secs(args.idle_secs),
+                warmup: Duration::from_secs(args.warmup_secs),
+                cooldown: Duration::from_secs(args.cooldown_secs),
+            };
+            Some(
+                bench
+                    .impact(&template, args.loans, args.batch_size, &impact_args)
+                    .await?,
+            )
+        }
+        None => None,
+    };
+
     eprintln!("   batch-size sweep");
     let mut sweep = Vec::new();
     for size in &args.sweep {
@@ -660,7 +739,8 @@ async fn main() -> Result<(), Error> {
     let mut scaling = Vec::new();
     let mut four_shards = None;
     if args.scaling {
-        for n in [100_000, 4_000_000] {
+        // The largest copy is dropped as soon as it is measured: 10M loans take about 2 GB per database.
+        for n in [100_000, 4_000_000, 10_000_000] {
             let (run, db) = measure(&bench, n, args.batch_size).await?;
             bench.drop_db(&db).await?;
             bench.drop_db(&format!("fsb_template_{n}")).await?;
@@ -880,8 +960,8 @@ async fn main() -> Result<(), Error> {
 
     if !scaling.is_empty() {
         let _ = writeln!(r, "## Scaling\n");
-        let _ = writeln!(r, "| loans | to settle | limit | settle, 1 shard | ratio | settle, 2 shards | time per settled row |");
-        let _ = writeln!(r, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        let _ = writeln!(r, "| loans | to settle | limit | settle, 1 shard | ratio | settle, 2 shards | time per settled row | peak RSS, 1 shard |");
+        let _ = writeln!(r, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         let mut all: Vec<&Run> = scaling.iter().collect();
         all.push(&main);
         all.sort_by_key(|run| run.loans);
@@ -890,14 +970,15 @@ async fn main() -> Result<(), Error> {
             let one = per_sec(run.one.updated, run.one.elapsed_ms);
             let _ = writeln!(
                 r,
-                "| {} | {} | {:.0} ms | {} ms | {:.2} | {} ms | {:.2} µs |",
+                "| {} | {} | {:.0} ms | {} ms | {:.2} | {} ms | {:.2} µs | {:.1} MiB |",
                 run.loans,
                 run.to_settle,
                 run.limit1.1 * 1e3,
                 run.one.elapsed_ms,
                 one / limit,
                 run.two.elapsed_ms,
-                run.one.elapsed_ms as f64 * 1000.0 / run.to_settle.max(1) as f64
+                run.one.elapsed_ms as f64 * 1000.0 / run.to_settle.max(1) as f64,
+                run.one.peak_rss_kib as f64 / 1024.0
             );
         }
         if let Some(four) = four_shards {
@@ -908,6 +989,17 @@ async fn main() -> Result<(), Error> {
             );
         }
         let _ = writeln!(r);
+    }
+
+    match &impact {
+        Some(impact) => r.push_str(&impact.report()),
+        None => {
+            let _ = writeln!(r, "## Impact on a live load\n");
+            let _ = writeln!(
+                r,
+                "Not measured: no `--pgbench` (`scripts/bench.sh` passes the one beside the server binaries).\n"
+            );
+        }
     }
 
     if let Some(line) = &drift {
@@ -983,6 +1075,19 @@ async fn main() -> Result<(), Error> {
         main.one.peak_rss_kib as f64 / 1024.0,
         verdict(main.one.peak_rss_kib <= 64 * 1024)
     );
+
+    if let Some(impact) = &impact {
+        r.push_str(&impact.targets());
+    }
+    if let Some(largest) = scaling.iter().max_by_key(|run| run.loans) {
+        let _ = writeln!(
+            r,
+            "| RSS while settling {} loans ≤ 64 MiB | {:.1} MiB | {} |",
+            largest.loans,
+            largest.one.peak_rss_kib as f64 / 1024.0,
+            verdict(largest.one.peak_rss_kib <= 64 * 1024)
+        );
+    }
 
     print!("{r}");
     if let Some(path) = args.out {
