@@ -34,6 +34,11 @@ use crate::{
     },
 };
 
+/// The most work a paced batch holds, in time at the rate: a batch works at full speed, so what libraryd's
+/// transactions meet while it runs — its row locks, the WAL its commit must flush before theirs — grows with
+/// its size; the pace keeps the average, the slice keeps each burst short.
+pub const PACE_SLICE: Duration = Duration::from_millis(50);
+
 /// Why a batch waits; the `reason` label of `fine_settler_throttled_seconds_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
@@ -219,11 +224,14 @@ impl Throttle {
         &self.settings
     }
 
-    /// The largest batch the pace allows: one second's rows, so that a run never works a long burst and then
-    /// waits as long (`limit` when there is no pace).
+    /// The largest batch the pace allows: [`PACE_SLICE`]'s rows, so that a paced run works in short bursts
+    /// spread evenly over each second rather than one long one (`limit` when there is no pace).
     pub fn cap_batch(&self, limit: u32) -> u32 {
         match self.settings.max_rows_per_second {
-            Some(rate) => limit.min(rate).max(1),
+            Some(rate) => {
+                let slice = (u64::from(rate) * PACE_SLICE.as_millis() as u64 / 1000).max(1);
+                limit.min(u32::try_from(slice).unwrap_or(u32::MAX))
+            }
             None => limit,
         }
     }
@@ -582,8 +590,14 @@ mod tests {
             max_rows_per_second: Some(1000),
             ..ThrottleSettings::default()
         });
-        assert_eq!(throttle.cap_batch(10_000), 1000);
-        assert_eq!(throttle.cap_batch(500), 500);
+        // Batches of a twentieth of a second's rows.
+        assert_eq!(throttle.cap_batch(10_000), 50);
+        assert_eq!(throttle.cap_batch(20), 20);
+        let slow = Throttle::new(ThrottleSettings {
+            max_rows_per_second: Some(3),
+            ..ThrottleSettings::default()
+        });
+        assert_eq!(slow.cap_batch(10_000), 1);
         assert_eq!(throttle.admit(500), None);
         // A second run asking at once waits for the first's reservation.
         let wait = throttle.admit(500).expect("reserved");
