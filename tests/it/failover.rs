@@ -32,7 +32,7 @@ async fn loans_settled(conn: &mut PgConnection) -> i64 {
 
 #[tokio::test]
 async fn replicas_follow_a_failover_to_the_promoted_standby_and_settle_every_loan_once() {
-    let primary = primary_with_libraryd().await;
+    let primary = Cluster::primary_with_libraryd().await;
     migrate(&primary.url("libraryd"));
     let pool = PgPoolOptions::new()
         .max_connections(2)
@@ -197,18 +197,6 @@ async fn replicas_follow_a_failover_to_the_promoted_standby_and_settle_every_loa
     );
 }
 
-/// A fresh primary with an empty `libraryd` database (not migrated).
-async fn primary_with_libraryd() -> Cluster {
-    let primary = Cluster::primary().await;
-    primary
-        .connect()
-        .await
-        .execute("create database libraryd")
-        .await
-        .expect("create database");
-    primary
-}
-
 async fn standby_db(standby: &Cluster) -> PgConnection {
     PgConnection::connect(&standby.url("libraryd"))
         .await
@@ -217,7 +205,7 @@ async fn standby_db(standby: &Cluster) -> PgConnection {
 
 #[tokio::test]
 async fn one_shot_commands_use_the_first_qualifying_host_of_a_multi_host_url() {
-    let primary = primary_with_libraryd().await;
+    let primary = Cluster::primary_with_libraryd().await;
     let standby = primary.standby().await;
     let both = |target: &str| {
         format!(

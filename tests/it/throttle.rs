@@ -34,6 +34,33 @@ async fn october(pool: &PgPool, n: i64) {
     insert(pool, &loans).await;
 }
 
+/// A fresh primary with a migrated `libraryd` holding `n` October loans: the server, the database's URL, a pool.
+async fn primary_with_october(n: i64) -> (Cluster, String, PgPool) {
+    let primary = Cluster::primary_with_libraryd().await;
+    let url = primary.url("libraryd");
+    migrate(&url);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .expect("connect to the primary");
+    october(&pool, n).await;
+    (primary, url, pool)
+}
+
+/// The seconds `metrics` counted batches waiting for `reason` (0 before any wait).
+fn throttled_seconds(metrics: &Metrics, reason: &str) -> f64 {
+    metrics
+        .render()
+        .lines()
+        .find(|l| {
+            l.starts_with("fine_settler_throttled_seconds_total{")
+                && l.contains(&format!("reason=\"{reason}\""))
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
 fn throttle(settings: ThrottleSettings) -> Arc<Throttle> {
     Throttle::new(settings)
 }
@@ -63,16 +90,7 @@ async fn a_run_under_a_rows_per_second_cap_takes_at_least_rows_over_cap(pool: Pg
         took >= floor,
         "2000 rows under {cap}/s took {took:?}, less than {floor:?}"
     );
-    let text = metrics.render();
-    let waited = text
-        .lines()
-        .find(|l| {
-            l.starts_with(
-                "fine_settler_throttled_seconds_total{job=\"fine-settlement\",shard=\"0/1\",reason=\"rate\"}",
-            )
-        })
-        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("no rate series in\n{text}"));
+    let waited = throttled_seconds(&metrics, "rate");
     assert!(
         waited > 1.0,
         "the run waited {waited} s for the rate, by the metric"
@@ -147,21 +165,7 @@ async fn batches_shrink_to_the_target_duration_under_a_slow_trigger(pool: PgPool
 /// paused; a short lease (6 s) so that the wait outlasts it.
 #[tokio::test]
 async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
-    let primary = Cluster::primary().await;
-    primary
-        .connect()
-        .await
-        .execute("create database libraryd")
-        .await
-        .expect("create database");
-    let url = primary.url("libraryd");
-    migrate(&url);
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&url)
-        .await
-        .expect("connect to the primary");
-    october(&pool, 6_000).await;
+    let (primary, url, pool) = primary_with_october(6_000).await;
     sqlx::raw_sql(
         r#"create table batch_rows (loan_id bigint primary key, at timestamptz not null);
            create function note_batch() returns trigger language plpgsql as $$
@@ -284,21 +288,7 @@ async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
 /// paused replay holds nothing, and a name that does not stream is warned about once.
 #[tokio::test]
 async fn a_standby_left_out_of_throttle_standbys_holds_nothing() {
-    let primary = Cluster::primary().await;
-    primary
-        .connect()
-        .await
-        .execute("create database libraryd")
-        .await
-        .expect("create database");
-    let url = primary.url("libraryd");
-    migrate(&url);
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&url)
-        .await
-        .expect("connect to the primary");
-    october(&pool, 6_000).await;
+    let (primary, url, pool) = primary_with_october(6_000).await;
     slow_down(&pool, "update on loans", 0.0005).await;
     let standby = primary.standby().await;
     standby.wait_replayed(&primary).await;
@@ -334,21 +324,7 @@ async fn a_standby_left_out_of_throttle_standbys_holds_nothing() {
 /// paused, never hold a batch again.
 #[tokio::test]
 async fn a_standby_reporting_every_ten_seconds_holds_batches_once_and_not_after_it_caught_up() {
-    let primary = Cluster::primary().await;
-    primary
-        .connect()
-        .await
-        .execute("create database libraryd")
-        .await
-        .expect("create database");
-    let url = primary.url("libraryd");
-    migrate(&url);
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&url)
-        .await
-        .expect("connect to the primary");
-    october(&pool, 8_000).await;
+    let (primary, url, pool) = primary_with_october(8_000).await;
     slow_down(&pool, "update on loans", 0.0005).await;
     let standby = primary.standby().await;
     let mut s = standby.connect().await;
@@ -473,21 +449,7 @@ async fn a_lag_limit_the_role_cannot_read_warns_once_and_the_script_can_grant_it
 /// fence, sees it, and the run hands its key back without waiting for the standby.
 #[tokio::test]
 async fn an_operator_pause_reaches_a_run_waiting_for_a_lagging_standby() {
-    let primary = Cluster::primary().await;
-    primary
-        .connect()
-        .await
-        .execute("create database libraryd")
-        .await
-        .expect("create database");
-    let url = primary.url("libraryd");
-    migrate(&url);
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&url)
-        .await
-        .expect("connect to the primary");
-    october(&pool, 3_000).await;
+    let (primary, _, pool) = primary_with_october(3_000).await;
     slow_down(&pool, "update on loans", 0.0005).await;
     let standby = primary.standby().await;
     standby.wait_replayed(&primary).await;
@@ -513,18 +475,11 @@ async fn an_operator_pause_reaches_a_run_waiting_for_a_lagging_standby() {
         ..ThrottleSettings::default()
     }));
     let task = tokio::spawn(async move { run.run(&POLICY, k, false).await });
-    let waited = |m: &Metrics| {
-        m.render()
-            .lines()
-            .find(|l| l.contains("reason=\"replica_lag\""))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
     // Past a renewal: the wait has outlasted a third of the lease.
     wait_until(
         "the run waits for the standby",
         Duration::from_secs(30),
-        || async { waited(&metrics) > 1.5 },
+        || async { throttled_seconds(&metrics, "replica_lag") > 1.5 },
     )
     .await;
     sqlx::query(
@@ -616,17 +571,13 @@ async fn the_accrue_command_is_paced_too(pool: PgPool) {
 /// default, and holds them once named.
 #[tokio::test]
 async fn a_logical_consumer_holds_batches_only_when_named() {
-    let primary = Cluster::primary().await;
-    let mut admin = primary.connect().await;
-    admin
+    let primary = Cluster::primary_with_libraryd().await;
+    primary
+        .connect()
+        .await
         .execute("alter system set wal_level = 'logical'")
         .await
         .expect("wal_level");
-    admin
-        .execute("create database libraryd")
-        .await
-        .expect("create database");
-    drop(admin);
     primary.stop_fast().await;
     primary.start().await;
     let url = primary.url("libraryd");

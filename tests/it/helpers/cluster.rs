@@ -285,6 +285,15 @@ impl Cluster {
         format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
     }
 
+    /// A fresh primary with an empty database `libraryd` (not migrated).
+    pub async fn primary_with_libraryd() -> Cluster {
+        let primary = Cluster::primary().await;
+        sqlx::Executor::execute(&mut primary.connect().await, "create database libraryd")
+            .await
+            .expect("create database");
+        primary
+    }
+
     /// A new connection to the `postgres` database.
     pub async fn connect(&self) -> PgConnection {
         PgConnection::connect(&self.url("postgres"))
