@@ -223,17 +223,22 @@ struct Episodes {
 }
 
 impl Episodes {
-    fn rate_wait(&mut self, rate: u32, waited: Duration) {
-        match &mut self.rate {
-            Some((_, total)) => *total += waited,
-            None => {
-                tracing::info!(
-                    reason = Reason::Rate.as_str(),
-                    max_rows_per_second = rate,
-                    "throttled: batches paced to throttle.max_rows_per_second"
-                );
-                self.rate = Some((Instant::now(), waited));
-            }
+    /// A wait for the pace begins (the episode's first is logged).
+    fn rate_wait(&mut self, rate: u32) {
+        if self.rate.is_none() {
+            tracing::info!(
+                reason = Reason::Rate.as_str(),
+                max_rows_per_second = rate,
+                "throttled: batches paced to throttle.max_rows_per_second"
+            );
+            self.rate = Some((Instant::now(), Duration::ZERO));
+        }
+    }
+
+    /// Time actually slept for the pace.
+    fn rate_waited(&mut self, slept: Duration) {
+        if let Some((_, total)) = &mut self.rate {
+            *total += slept;
         }
     }
 
@@ -780,7 +785,7 @@ impl Runner {
                 None => match self.throttle.admit(limit) {
                     None => return Ok(None),
                     Some(wait) => {
-                        episodes.rate_wait(settings.max_rows_per_second.unwrap_or(0), wait);
+                        episodes.rate_wait(settings.max_rows_per_second.unwrap_or(0));
                         Some((Reason::Rate, wait))
                     }
                 },
@@ -792,13 +797,16 @@ impl Runner {
                     _ = self.cancel.cancelled() => return Ok(Some(Stop::Shutdown)),
                     _ = tokio::time::sleep(slice) => {}
                 }
+                let slept = slept.elapsed();
+                if reason == Reason::Rate {
+                    episodes.rate_waited(slept);
+                }
                 if let Some(m) = &self.metrics {
-                    let waited = slept.elapsed().as_secs_f64();
                     m.add_reason(
                         "fine_settler_throttled_seconds_total",
                         Some(key.job.as_str()),
                         reason.as_str(),
-                        waited,
+                        slept.as_secs_f64(),
                     );
                     m.alive();
                 }
