@@ -8,7 +8,8 @@ cd "$root"
 
 base=${DATABASE_URL:-$(scripts/pg.sh start test)}
 server=${base%/*}
-db=fine_settler_sqlx_prepare
+# One scratch database per checkout, so that two checkouts sharing a server can regenerate at once.
+db=fine_settler_sqlx_prepare_$(printf '%s' "$root" | md5sum | cut -c1-8)
 psql "$base" -qX -v ON_ERROR_STOP=1 -c "drop database if exists $db" -c "create database $db" >/dev/null
 for f in migrations/*.sql; do
   psql "$server/$db" -qX -v ON_ERROR_STOP=1 -f "$f" >/dev/null 2>&1 || { psql "$server/$db" -X -v ON_ERROR_STOP=1 -f "$f"; exit 1; }
