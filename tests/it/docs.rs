@@ -253,7 +253,9 @@ fn check_link(page: &Path, target: &str) -> Option<String> {
         ));
     }
     let known = anchors(&read(&path));
-    (!known.contains(anchor)).then(|| format!("{target}: no heading with the anchor #{anchor} in {file:?}"))
+    let page_name = if file.is_empty() { "this page" } else { file };
+    (!known.contains(anchor))
+        .then(|| format!("{target}: no heading with the anchor #{anchor} in {page_name}"))
 }
 
 #[test]
