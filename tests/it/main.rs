@@ -9,6 +9,7 @@ mod claim;
 mod cli;
 mod daemon;
 mod deploy;
+mod docs;
 mod failover;
 mod fencing;
 mod helpers;
