@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The model check of the claim protocol (model/; README, "The protocol, model-checked"): every scenario
+# The model check of the claim protocol (model/; docs/design.md, "The protocol, model-checked"): every scenario
 # exhaustively, breadth-first, then every mutation until it is caught. Prints what it found and ends with one line
 #   model: states=N depth=D properties=K violations=V mutations=C/M caught
 # and exits non-zero on any violation or uncaught mutation. Arguments go to the model binary, e.g.

@@ -170,7 +170,7 @@ async fn a_wrong_password_is_named_once_and_never_printed() {
     assert_eq!(runs, 0, "nothing written");
 }
 
-/// Odd but possible libraryd data. Documented outcomes (README, "Odd data"):
+/// Odd but possible libraryd data. Documented outcomes (docs/how-it-works.md, "Odd data"):
 /// - returned before it was borrowed, or before it was due: settled, fine 0 (the policy only counts late days);
 /// - due centuries ago (down to 4713 BC, PostgreSQL's first date) at the highest daily rate: the exact fine, no
 ///   overflow (the rate cap keeps any date difference times the rate inside bigint);

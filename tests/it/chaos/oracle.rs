@@ -8,7 +8,7 @@ use sqlx::PgPool;
 
 use super::{faults::Zombie, scalar, CAP, RATE};
 
-/// The oracle's SQL, from the loans alone and the rule as the README states it (not the daemon's code): the due
+/// The oracle's SQL, from the loans alone and the rule as docs/how-it-works.md states it (not the daemon's code): the due
 /// months settle, each overdue day of the accrual window `first..=last` is charged, the cap bounds both.
 pub struct Oracle {
     /// The due months' last days, as an SQL list.
