@@ -6,9 +6,9 @@
 # benchmark also settles through PgBouncer in transaction and in session mode, starting and stopping each bouncer
 # with scripts/pgbouncer.sh (FINE_SETTLER_PGBOUNCER_PORT chooses one port for both: they run one after the other);
 # on another server that leg is left out, and the report says so.
-# The impact section drives a load with pgbench, the client binary found the way pg.sh finds the server's:
-# FINE_SETTLER_PG_BIN (or PG_BIN), otherwise the newest of /usr/lib/postgresql/*/bin, otherwise pg_config's
-# bindir; without one that leg is left out too, and the report says so.
+# The impact section drives a load with pgbench, from the folder scripts/pg-bin.sh names (as for the server's
+# programs: FINE_SETTLER_PG_BIN, otherwise the newest of /usr/lib/postgresql/*/bin, otherwise pg_config's
+# bindir); without one that leg is left out too, and the report says so.
 #   scripts/bench.sh           the full run: 1M loans, impact on a load, batch-size sweep, scaling (100k, 4M, 10M;
 #                              4 shards), drift
 #   scripts/bench.sh --quick   a smoke run (20k loans, a short impact section) that writes target/bench-smoke.md
@@ -27,18 +27,12 @@ if [ "${DATABASE_URL%/*}" = "$(scripts/pg.sh url bench | sed 's|/[^/]*$||')" ]; 
 else
   echo "bench.sh: $DATABASE_URL is not the bench cluster of scripts/pg.sh; leaving out the PgBouncer leg" >&2
 fi
-pgbin=${FINE_SETTLER_PG_BIN:-${PG_BIN:-}}
-if [ -z "$pgbin" ]; then
-  pgbin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
-  if [ -z "$pgbin" ] || [ ! -x "$pgbin/pgbench" ]; then
-    pgbin=$(pg_config --bindir 2>/dev/null || true)
-  fi
-fi
+pgbin=$(scripts/pg-bin.sh 2>/dev/null || true)
 load=()
 if [ -n "$pgbin" ] && [ -x "$pgbin/pgbench" ]; then
   load=(--pgbench "$pgbin/pgbench")
 else
-  echo "bench.sh: no pgbench (looked in FINE_SETTLER_PG_BIN, /usr/lib/postgresql/*/bin, pg_config --bindir); leaving out the impact section" >&2
+  echo "bench.sh: no pgbench beside the PostgreSQL programs of scripts/pg-bin.sh (${pgbin:-none found}); leaving out the impact section" >&2
 fi
 if [ "${1:-}" = "--quick" ]; then
   exec target/release/fine-settler-bench --loans 20000 --sweep 1000,5000 "${pooler[@]}" "${load[@]}" \

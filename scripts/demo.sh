@@ -13,7 +13,10 @@ bin=$root/target/release/fine-settler
 
 server_url=${DATABASE_URL:-$(scripts/pg.sh start demo)}
 server=${server_url%/*}
-psql "$server_url" -qX -v ON_ERROR_STOP=1 -c "drop database if exists fine_settler_demo" \
+# psql of the PostgreSQL programs scripts/pg-bin.sh names (those of the demo cluster), else any on PATH.
+psql=$(scripts/pg-bin.sh 2>/dev/null || true)/psql
+[ -x "$psql" ] || psql=$(command -v psql) || { echo "demo.sh: no psql (scripts/pg-bin.sh names none, none on PATH)" >&2; exit 1; }
+"$psql" "$server_url" -qX -v ON_ERROR_STOP=1 -c "drop database if exists fine_settler_demo" \
   -c "create database fine_settler_demo" 2>/dev/null
 export DATABASE_URL=$server/fine_settler_demo
 export FINE_SETTLER__LOG__LEVEL=${FINE_SETTLER__LOG__LEVEL:-warn}
@@ -98,7 +101,7 @@ fi
 
 echo
 echo "== the daemon: three replicas (deploy/shard.example.toml, shards 0..2) catch up the last three months"
-psql "$server_url" -qX -v ON_ERROR_STOP=1 -c "drop database if exists fine_settler_demo_daemon" \
+"$psql" "$server_url" -qX -v ON_ERROR_STOP=1 -c "drop database if exists fine_settler_demo_daemon" \
   -c "create database fine_settler_demo_daemon" 2>/dev/null
 export DATABASE_URL=$server/fine_settler_demo_daemon
 config=$root/deploy/shard.example.toml

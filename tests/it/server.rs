@@ -1,5 +1,6 @@
 //! A private PostgreSQL server for the tests that must restart the server or load a preload library: initdb in a
-//! fresh folder, a free loopback port, stopped and removed on drop.
+//! fresh folder, a free loopback port, stopped and removed on drop. Its programs are those of
+//! [`crate::helpers::pg_bin`].
 
 use std::{
     path::PathBuf,
@@ -11,25 +12,6 @@ pub struct PrivateServer {
     port: u16,
     bin: PathBuf,
     as_postgres: bool,
-}
-
-/// The server binaries scripts/pg.sh uses: `FINE_SETTLER_PG_BIN` (`PG_BIN`, its older name), else the newest
-/// Debian one, so that a run on another major version (`scripts/test.sh --pg 18`) runs these servers on it too.
-pub fn pg_bin() -> PathBuf {
-    for var in ["FINE_SETTLER_PG_BIN", "PG_BIN"] {
-        if let Some(bin) = std::env::var_os(var).filter(|v| !v.is_empty()) {
-            return PathBuf::from(bin);
-        }
-    }
-    let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .expect("PostgreSQL server binaries under /usr/lib/postgresql (or set FINE_SETTLER_PG_BIN)")
-        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
-        .filter(|p| p.join("initdb").exists())
-        .collect();
-    candidates.sort();
-    candidates
-        .pop()
-        .expect("an initdb under /usr/lib/postgresql/*/bin")
 }
 
 impl PrivateServer {
@@ -58,7 +40,7 @@ impl PrivateServer {
         let server = PrivateServer {
             dir,
             port: crate::helpers::free_port(),
-            bin: pg_bin(),
+            bin: crate::helpers::pg_bin(),
             as_postgres,
         };
         let mut initdb = server.tool("initdb");

@@ -41,35 +41,6 @@ wal_receiver_status_interval = '1s'
 /// Every connection, replication included, from loopback only and without a password.
 const PG_HBA: &str = "host all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n";
 
-/// PostgreSQL's server programs: `FINE_SETTLER_PG_BIN` when set (and not empty), else as `scripts/pg.sh` finds
-/// them, `PG_BIN` or the newest `/usr/lib/postgresql/*/bin`.
-fn pg_bin() -> PathBuf {
-    if let Some(bin) = ["FINE_SETTLER_PG_BIN", "PG_BIN"]
-        .iter()
-        .filter_map(std::env::var_os)
-        .find(|bin| !bin.is_empty())
-    {
-        return PathBuf::from(bin);
-    }
-    let newest = std::fs::read_dir("/usr/lib/postgresql")
-        .expect("PostgreSQL server binaries under /usr/lib/postgresql (or set PG_BIN)")
-        .filter_map(|entry| {
-            let entry = entry.ok()?;
-            let version: u32 = entry.file_name().to_str()?.parse().ok()?;
-            let bin = entry.path().join("bin");
-            bin.join("initdb").exists().then_some((version, bin))
-        })
-        .max();
-    newest
-        .expect("an initdb under /usr/lib/postgresql/*/bin (or set PG_BIN)")
-        .1
-}
-
-/// A PostgreSQL program beside the server's (`pg_recvlogical`, …).
-pub fn program(name: &str) -> PathBuf {
-    pg_bin().join(name)
-}
-
 fn running_as_root() -> bool {
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
@@ -195,7 +166,7 @@ impl Cluster {
 
     /// The server program `name`, run as `postgres` when we are root, in the server's folder (blocking, for drop).
     fn blocking_program(&self, name: &str) -> std::process::Command {
-        let path = pg_bin().join(name);
+        let path = super::postgres::program(name);
         let mut cmd = if running_as_root() {
             let mut runuser = std::process::Command::new("runuser");
             runuser.args(["-u", "postgres", "--"]).arg(path);

@@ -1,9 +1,11 @@
 //! Shared test fixtures: loans, an update audit trigger, the independent SQL oracle, waiting for a condition, the
-//! real binary (in [`process`]), a real PgBouncer in front of the test server (in [`pgbouncer`]), and a primary
-//! with streaming standbys as real PostgreSQL servers (in [`cluster`]).
+//! real binary (in [`process`]), a real PgBouncer in front of the test server (in [`pgbouncer`]), a primary
+//! with streaming standbys as real PostgreSQL servers (in [`cluster`]), and which PostgreSQL programs every
+//! server a test starts runs (in [`postgres`]).
 
 mod cluster;
 mod pgbouncer;
+mod postgres;
 mod process;
 
 use std::time::Duration;
@@ -22,8 +24,9 @@ use fine_settler::{
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-pub use cluster::{program, Cluster};
+pub use cluster::Cluster;
 pub use pgbouncer::{PgBouncer, PoolMode};
+pub use postgres::{pg_bin, program};
 pub use process::{
     assert_success, daemon, exit_of, fine_settler, migrate, output, report, send_signal, sigkill, signal,
     spawn, stop, Running, StderrLog,
