@@ -3,7 +3,8 @@
 //!
 //! Module map (each holds one job):
 //! - [`config`]: layered settings ([`config::raw`]) validated, one function per section ([`config::validate`]),
-//!   into the types the code uses ([`config::settings`]; the database URL in [`config::database_url`]); [`redact`] keeps the password out of everything printed.
+//!   into the types the code uses ([`config::settings`]; the database URL in [`config::database_url`]);
+//!   [`redact`] keeps the password out of everything printed.
 //! - [`calendar`], [`fine`], [`shard`]: the pure domain (business months, the fine policy, shard membership);
 //!   [`backoff`]: the one retry policy.
 //! - [`store`]: every SQL statement and the migrations — [`store::job_runs`] the claim protocol, the fence and the
