@@ -1,6 +1,8 @@
 //! The schema: the embedded migrations ([`MIGRATOR`]) and [`migrate`], which applies them; the indexes a
 //! migration builds `CONCURRENTLY`, the leftovers of an interrupted build, and where a running build stands
-//! ([`index_build`]).
+//! ([`index_build`], reported to an [`IndexBuildObserver`] while the migrations run).
+
+use std::time::Duration;
 
 use sqlx::{postgres::PgPoolOptions, Connection, PgConnection, PgPool};
 
@@ -19,10 +21,17 @@ const CONCURRENT_INDEXES: &[(&str, &str)] = &[
     ("loans_returned_late_idx", "loans returned late index"),
 ];
 
+/// Told, a few times a second while the migrations run, which index build their backend is running (`None`
+/// while it runs none). The command line draws it as progress bars; the store knows nothing of them.
+pub type IndexBuildObserver = Box<dyn FnMut(Option<&IndexBuild>) + Send>;
+
+/// How often a running migration's index build is looked at.
+const INDEX_BUILD_POLL: Duration = Duration::from_millis(200);
+
 /// Applies the migrations; applying them twice is a no-op. Uses one connection without a statement timeout,
-/// because building an index concurrently on millions of loans takes longer than any batch. With `bars`, a
-/// second connection watches the index builds and draws their progress.
-pub async fn migrate(db: &DatabaseSettings, bars: bool) -> Result<(), StoreError> {
+/// because building an index concurrently on millions of loans takes longer than any batch. With an `observer`,
+/// a second connection watches the index builds and tells it where they stand.
+pub async fn migrate(db: &DatabaseSettings, observer: Option<IndexBuildObserver>) -> Result<(), StoreError> {
     // The first qualifying host of the URL (with one host, that host), without a statement timeout.
     let route = Route::new(db, "fine-settler migrate", &Gucs::none());
     let chosen = match route.hosts.len() {
@@ -36,17 +45,19 @@ pub async fn migrate(db: &DatabaseSettings, bars: bool) -> Result<(), StoreError
         .connect_with(options.clone())
         .await?;
     drop_invalid_indexes(&pool).await?;
-    let watcher = if bars {
-        // The pool's one connection runs the migrations: its backend is the one to watch.
-        let pid = sqlx::query_scalar!(r#"select pg_backend_pid() as "pid!""#)
-            .fetch_one(&pool)
-            .await?;
-        let watcher =
-            PgConnection::connect_with(&options.clone().application_name("fine-settler migrate progress"))
+    let watcher = match observer {
+        Some(observer) => {
+            // The pool's one connection runs the migrations: its backend is the one to watch.
+            let pid = sqlx::query_scalar!(r#"select pg_backend_pid() as "pid!""#)
+                .fetch_one(&pool)
                 .await?;
-        Some(tokio::spawn(crate::progress::watch_index_builds(watcher, pid)))
-    } else {
-        None
+            let conn = PgConnection::connect_with(
+                &options.clone().application_name("fine-settler migrate progress"),
+            )
+            .await?;
+            Some(tokio::spawn(watch_index_builds(conn, pid, observer)))
+        }
+        None => None,
     };
     let result = MIGRATOR.run(&pool).await;
     if let Some(watcher) = watcher {
@@ -56,6 +67,19 @@ pub async fn migrate(db: &DatabaseSettings, bars: bool) -> Result<(), StoreError
     result?;
     pool.close().await;
     Ok(())
+}
+
+/// Tells `observer` where the index builds of backend `pid` stand, polling on `conn` until aborted (or until the
+/// connection fails: the progress shown is not worth failing the migration for).
+async fn watch_index_builds(mut conn: PgConnection, pid: i32, mut observer: IndexBuildObserver) {
+    let mut tick = tokio::time::interval(INDEX_BUILD_POLL);
+    loop {
+        tick.tick().await;
+        let Ok(build) = index_build(&mut conn, pid).await else {
+            return;
+        };
+        observer(build.as_ref());
+    }
 }
 
 /// Where an index build of backend `pid` stands (`pg_stat_progress_create_index`), if one is running.

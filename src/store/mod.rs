@@ -17,6 +17,9 @@
 //! tick's status statement; [`loans`] settlement; [`ledger`] accrual and the compensation queue; [`pauses`]
 //! `pause` / `resume`; [`audit`] `verify`; [`status`] the status page's reads; [`replication`] the standbys'
 //! lag.
+//!
+//! The store depends on no layer above it (jobs, progress bars, the command line): what they need to know while
+//! a statement runs, they are told through a callback ([`IndexBuildObserver`]).
 
 pub mod audit;
 pub mod connect;
@@ -36,6 +39,6 @@ pub mod status;
 pub use connect::{connect, connect_lazy, connect_status};
 pub use db::{Db, Unit};
 pub use error::{lock_not_available, read_only, ReadOnlyServer, StoreError};
-pub use migrations::{index_build, migrate, IndexBuild, MIGRATOR};
+pub use migrations::{index_build, migrate, IndexBuild, IndexBuildObserver, MIGRATOR};
 pub use readiness::readiness;
 pub use session::{database_now, set_local_lock_timeout, Session};
