@@ -9,7 +9,8 @@
 //! - [`connect`]: the pools the product opens (the jobs', the daemon's lazy one, the status page's);
 //! - [`session`]: the settings connections run under, a transaction's `lock_timeout`, the database clock, and
 //!   the tick's dedicated [`Session`];
-//! - [`error`]: [`StoreError`], [`ReadOnlyServer`], and what a failed statement says;
+//! - [`error`]: [`StoreError`], [`ReadOnlyServer`], and [`classify`], the one reader of SQLSTATE codes: what a
+//!   failure means ([`DbFailure`]) decides every retry, skip and queueing;
 //! - [`migrations`]: the schema's migrations, [`migrate`], and the concurrent index builds;
 //! - [`readiness`]: whether the schema is ready for this binary.
 //!
@@ -38,7 +39,7 @@ pub mod status;
 
 pub use connect::{connect, connect_lazy, connect_status};
 pub use db::{Db, Unit};
-pub use error::{lock_not_available, read_only, ReadOnlyServer, StoreError};
+pub use error::{classify, lock_not_available, read_only, DbFailure, ReadOnlyServer, StoreError};
 pub use migrations::{index_build, migrate, IndexBuild, IndexBuildObserver, MIGRATOR};
 pub use readiness::readiness;
 pub use session::{database_now, set_local_lock_timeout, Session};

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::{migrations::MIGRATOR, Db, ReadOnlyServer};
+use super::{classify, migrations::MIGRATOR, Db, DbFailure, ReadOnlyServer};
 use crate::redact::secrets_in as redact_secrets_in;
 
 /// Whether the replica can work: the database answers within 2 s and every migration this binary knows is
@@ -21,7 +21,8 @@ pub async fn readiness(pool: &Db) -> Result<(), String> {
     .await;
     match applied {
         Err(_) => Err("database did not answer within 2 s".into()),
-        Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("42P01") => Err(format!(
+        // No `_sqlx_migrations` table: nothing was ever migrated.
+        Ok(Err(e)) if classify(&e) == DbFailure::UndefinedTable => Err(format!(
             "migrations missing: none applied, binary needs {latest}; run `fine-settler migrate`"
         )),
         Ok(Err(e)) => Err(format!(

@@ -168,7 +168,7 @@ impl Route {
         let _ = conn.close().await;
         match fit? {
             None => Ok(()),
-            Some(r) => Err(sqlx::Error::Io(std::io::Error::other(r))),
+            Some(r) => Err(r.into()),
         }
     }
 }
