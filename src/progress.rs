@@ -14,6 +14,8 @@ use std::{
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::store::{IndexBuild, IndexBuildObserver};
+
 /// The bars being drawn, if any (at most one at a time in practice).
 static ACTIVE: Mutex<Option<MultiProgress>> = Mutex::new(None);
 
@@ -97,20 +99,15 @@ impl Drop for Bar {
     }
 }
 
-/// Draws the index builds of backend `pid` (the migration's), polling `pg_stat_progress_create_index` on `conn`
-/// a few times a second until aborted: blocks done / total while the table is scanned, tuples while they are
-/// sorted, loaded and validated. One bar per index and unit, replaced when either changes.
-pub async fn watch_index_builds(mut conn: sqlx::PgConnection, pid: i32) {
+/// Draws the index builds of a migration as [`crate::store::migrate`] reports them a few times a second: blocks
+/// done / total while the table is scanned, tuples while they are sorted, loaded and validated. One bar per index
+/// and unit, replaced when either changes.
+pub fn index_build_bars() -> IndexBuildObserver {
     let mut shown: Option<(String, &'static str, Bar)> = None;
-    let mut tick = tokio::time::interval(Duration::from_millis(200));
-    loop {
-        tick.tick().await;
-        let Ok(build) = crate::store::index_build(&mut conn, pid).await else {
-            return;
-        };
+    Box::new(move |build: Option<&IndexBuild>| {
         let Some(b) = build else {
             shown = None;
-            continue;
+            return;
         };
         let (unit, done, total) = if b.blocks_total > 0 {
             ("blocks", b.blocks_done, b.blocks_total)
@@ -133,7 +130,7 @@ pub async fn watch_index_builds(mut conn: sqlx::PgConnection, pid: i32) {
                 u64::try_from(total).unwrap_or(0),
             );
         }
-    }
+    })
 }
 
 /// The log writer: stderr, through the bars while any is drawn.

@@ -198,7 +198,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
                 ));
             }
             telemetry::init(settings.log_format, &settings.log_level);
-            store::migrate(&settings.database, progress::wanted()).await?;
+            let bars = progress::wanted().then(progress::index_build_bars);
+            store::migrate(&settings.database, bars).await?;
             println!(
                 "{}",
                 serde_json::json!({"migrate": "ok", "migrations": store::MIGRATOR.iter().count()})

@@ -102,17 +102,7 @@ impl Accrual {
 /// Whether the database rejected the statement (so the row can be isolated and queued), as opposed to the
 /// connection failing (which fails the batch).
 fn rejected(e: &sqlx::Error) -> bool {
-    let server_trouble = |code: &str| {
-        // Insufficient resources (a full disk, out of memory) and internal errors are about the server, not
-        // the charge: queueing them would burn the charges' attempts during an incident.
-        code.starts_with("53") || code.starts_with("58") || code.starts_with("XX")
-    };
-    match e {
-        sqlx::Error::Database(db) => {
-            !super::runner::transient(e) && !db.code().is_some_and(|c| server_trouble(&c))
-        }
-        _ => false,
-    }
+    crate::store::classify(e).refused()
 }
 
 impl BatchJob for Accrual {

@@ -116,15 +116,7 @@ const END_RETRIES: u32 = 5;
 /// Whether `e` is about the connection rather than the statement — the server restarting or shutting down, a
 /// broken socket, no connection to be had — so the same statement may succeed on a new connection.
 pub fn transient(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolTimedOut => {
-            true
-        }
-        sqlx::Error::Database(db) => db
-            .code()
-            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
-        _ => false,
-    }
+    crate::store::classify(e).transient()
 }
 
 /// Runs `statement` (one idempotent, fenced statement that ends a run), retrying it for a few seconds while the
