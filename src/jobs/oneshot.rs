@@ -1,7 +1,11 @@
 //! The one-shot commands' runs (`settle`, `accrue`, `pending retry`): connect, run one key (or one
-//! compensation pass) under a fresh owner that hands its key back cleanly on SIGINT/SIGTERM, close. Each always
-//! produces a report; an error that keeps a run from starting is the report's `detail`. A run of a paused job
-//! (or shard) is refused before anything is written, unless the operator says to ignore the pause.
+//! compensation pass) under a fresh owner that hands its key back cleanly when its shutdown token is
+//! cancelled, close. Each always produces a report; an error that keeps a run from starting is the report's
+//! `detail`. A run of a paused job (or shard) is refused before anything is written, unless the operator says
+//! to ignore the pause.
+//!
+//! Shutdown is an input: the command line cancels the token on SIGINT/SIGTERM (it installs the handlers;
+//! nothing here touches signals), and a test can cancel it itself.
 
 use crate::store::Db;
 use chrono::Utc;
@@ -18,7 +22,6 @@ use crate::{
     calendar,
     config::{Settings, TimeSource},
     progress::Bar,
-    signals::Signals,
     store::{self, pauses::Pause, StoreError},
 };
 
@@ -56,8 +59,26 @@ fn not_started(key: RunKey, started: tokio::time::Instant, error: String) -> Run
     }
 }
 
-/// A runner for a one-shot command, handing its key back cleanly on SIGINT/SIGTERM.
-async fn one_shot_runner(settings: &Settings, key: RunKey, batch_size: u32) -> Result<Runner, String> {
+/// How a one-shot run of one key goes: the operator's flags, whether it shows progress bars, and what stops it.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Re-run a key that already succeeded, from the beginning (`--force`).
+    pub force: bool,
+    /// Run even though a pause covers the key, and go on through a pause set while it runs (`--ignore-pause`).
+    pub ignore_pause: bool,
+    /// Show a progress bar over the rows (stderr is a terminal).
+    pub bars: bool,
+    /// Cancelled to stop: the run finishes its current batch and hands its key back (FAILED, lease ended).
+    pub shutdown: CancellationToken,
+}
+
+/// A runner for a one-shot command, handing its key back cleanly once `shutdown` is cancelled.
+async fn one_shot_runner(
+    settings: &Settings,
+    key: RunKey,
+    batch_size: u32,
+    shutdown: CancellationToken,
+) -> Result<Runner, String> {
     let app = format!("fine-settler {} {}", key.job, key.shard);
     let pool = store::connect(&settings.database, &app, settings.claim.lease.batch_timeout())
         .await
@@ -65,15 +86,8 @@ async fn one_shot_runner(settings: &Settings, key: RunKey, batch_size: u32) -> R
             tracing::error!(error = %e, "cannot connect to the database");
             e.to_string()
         })?;
-    let cancel = match Signals::install() {
-        Ok(signals) => signals.shutdown,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot install signal handlers; SIGTERM will not release the key");
-            CancellationToken::new()
-        }
-    };
     Ok(
-        Runner::new(pool, process_owner(), &settings.claim, batch_size, cancel)
+        Runner::new(pool, process_owner(), &settings.claim, batch_size, shutdown)
             .with_throttle(super::throttle::Throttle::new(settings.throttle.clone())),
     )
 }
@@ -116,21 +130,16 @@ async fn admitted(runner: Runner, key: RunKey, ignore_pause: bool) -> Result<Run
     Err(refused)
 }
 
-/// Settles one key (`settle`); refused while a pause covers it, unless `ignore_pause` (then the run also goes on
-/// through a pause set while it runs).
-pub async fn settle(
-    settings: &Settings,
-    key: RunKey,
-    force: bool,
-    ignore_pause: bool,
-    bars: bool,
-) -> Result<RunReport, Refused> {
+/// Settles one key (`settle`); refused while a pause covers it, unless `options.ignore_pause` (then the run also
+/// goes on through a pause set while it runs).
+pub async fn settle(settings: &Settings, key: RunKey, options: Options) -> Result<RunReport, Refused> {
     let started = tokio::time::Instant::now();
-    let runner = match one_shot_runner(settings, key, settings.settlement.batch_size).await {
+    let batch_size = settings.settlement.batch_size;
+    let runner = match one_shot_runner(settings, key, batch_size, options.shutdown).await {
         Ok(runner) => runner,
         Err(e) => return Ok(not_started(key, started, e)),
     };
-    let runner = match admitted(runner, key, ignore_pause).await {
+    let runner = match admitted(runner, key, options.ignore_pause).await {
         Ok(runner) => runner,
         Err(NotAdmitted::Paused(pause)) => return Err(Refused::Paused(pause)),
         Err(NotAdmitted::Error(e)) => return Ok(not_started(key, started, e)),
@@ -138,12 +147,12 @@ pub async fn settle(
     let settlement = Settlement {
         policy: settings.fine,
     };
-    let bar = bar_for(settings, &runner, key, bars).await;
+    let bar = bar_for(settings, &runner, key, options.bars).await;
     let runner = match &bar {
         Some(bar) => runner.with_progress(bar.rows_hook()),
         None => runner,
     };
-    let report = runner.run(&settlement, key, force).await;
+    let report = runner.run(&settlement, key, options.force).await;
     drop(bar);
     runner.pool.close().await;
     Ok(report)
@@ -176,14 +185,8 @@ pub struct NotOver {
 
 /// Accrues one day for one shard (`accrue`), after retrying the shard's due pending charges. Refuses a day that
 /// is not over yet by the configured clock (the database's by default, as for the daemon), and, unless
-/// `ignore_pause`, a paused key (before the compensation pass: nothing is written).
-pub async fn accrue(
-    settings: &Settings,
-    key: RunKey,
-    force: bool,
-    ignore_pause: bool,
-    bars: bool,
-) -> Result<AccrualReport, Refused> {
+/// `options.ignore_pause`, a paused key (before the compensation pass: nothing is written).
+pub async fn accrue(settings: &Settings, key: RunKey, options: Options) -> Result<AccrualReport, Refused> {
     let started = tokio::time::Instant::now();
     let not_started = |e: String| AccrualReport {
         run: not_started(key, started, e),
@@ -192,7 +195,8 @@ pub async fn accrue(
         pending: None,
         dead: None,
     };
-    let runner = match one_shot_runner(settings, key, settings.accrual.batch_size).await {
+    let batch_size = settings.accrual.batch_size;
+    let runner = match one_shot_runner(settings, key, batch_size, options.shutdown).await {
         Ok(runner) => runner,
         Err(e) => return Ok(not_started(e)),
     };
@@ -217,7 +221,7 @@ pub async fn accrue(
             zone: settings.zone.name(),
         }));
     }
-    let runner = match admitted(runner, key, ignore_pause).await {
+    let runner = match admitted(runner, key, options.ignore_pause).await {
         Ok(runner) => runner,
         Err(NotAdmitted::Paused(pause)) => return Err(Refused::Paused(pause)),
         Err(NotAdmitted::Error(e)) => return Ok(not_started(e)),
@@ -232,12 +236,12 @@ pub async fn accrue(
             tracing::error!(error = %e, "compensation pass failed; accruing the day anyway");
             e.to_string()
         });
-    let bar = bar_for(settings, &runner, key, bars).await;
+    let bar = bar_for(settings, &runner, key, options.bars).await;
     let runner = match &bar {
         Some(bar) => runner.with_progress(bar.rows_hook()),
         None => runner,
     };
-    let run = runner.run(&job, key, force).await;
+    let run = runner.run(&job, key, options.force).await;
     drop(bar);
     let counts = store::ledger::counts(&runner.pool, Some(key.shard)).await.ok();
     runner.pool.close().await;
@@ -263,15 +267,28 @@ pub struct RetryReport {
     /// The queue afterwards, every shard.
     pub pending: i64,
     pub dead: i64,
+    /// A shutdown was asked for before the pass was through: it stopped between two charges (each charge is its
+    /// own transaction, so none is left half done). Printed only when true.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub interrupted: bool,
+}
+
+impl RetryReport {
+    /// The process's exit code: 1 if the pass was interrupted (the rest waits for the next pass), else 0.
+    pub fn exit_code(&self) -> u8 {
+        u8::from(self.interrupted)
+    }
 }
 
 /// Retries every PENDING charge of every shard now, whatever its next attempt time (`pending retry`); with
-/// `dead`, DEAD charges get a fresh set of attempts first. With `bars`, a bar over the pending charges.
+/// `dead`, DEAD charges get a fresh set of attempts first. With `bars`, a bar over the pending charges. Once
+/// `shutdown` is cancelled the pass stops before its next charge.
 pub async fn retry_pending(
     settings: &Settings,
     pool: &Db,
     dead: bool,
     bars: bool,
+    shutdown: CancellationToken,
 ) -> Result<RetryReport, StoreError> {
     let resurrected = if dead {
         store::ledger::resurrect(pool).await?
@@ -290,6 +307,7 @@ pub async fn retry_pending(
         None
     };
     let limits = PassLimits {
+        cancel: Some(shutdown.clone()),
         progress: bar.as_ref().map(Bar::rows_hook),
         ..PassLimits::default()
     };
@@ -299,6 +317,7 @@ pub async fn retry_pending(
         retried,
         dead: dead_now,
     } = compensate_within(pool, &job, None, false, settings.accrual.max_attempts, &limits).await?;
+    let interrupted = shutdown.is_cancelled();
     drop(bar);
     let (pending, dead) = store::ledger::counts(pool, None).await?;
     Ok(RetryReport {
@@ -309,5 +328,6 @@ pub async fn retry_pending(
         dead_now,
         pending,
         dead,
+        interrupted,
     })
 }

@@ -549,3 +549,53 @@ async fn a_month_of_accrual_reconciles_with_its_settlement(pool: PgPool) {
     assert_eq!(bad.status.code(), Some(3));
     assert_eq!(report(&bad)["audit"]["ledger_mismatches"].as_i64(), Some(1));
 }
+
+/// `pending retry` stops before its next charge once its shutdown token is cancelled (the command line cancels it
+/// on SIGINT/SIGTERM), says so and exits 1; run to its end, it charges the queue and says nothing of it.
+#[sqlx::test]
+async fn a_cancelled_pending_retry_stops_before_its_next_charge(pool: PgPool) {
+    use fine_settler::jobs::oneshot::retry_pending;
+    use tokio_util::sync::CancellationToken;
+
+    let day = past_day();
+    insert(
+        &pool,
+        &[loan(1, &(day - chrono::Duration::days(3)).to_string(), None)],
+    )
+    .await;
+    // Not due for hours: only a retry-now pass takes it.
+    sqlx::query(
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, next_attempt_at) \
+         values (1, $1, 100, now() + interval '1 hour')",
+    )
+    .bind(day)
+    .execute(&pool)
+    .await
+    .expect("queue a charge");
+    let env: std::collections::HashMap<String, String> =
+        [("DATABASE_URL".to_string(), database_url(&pool))].into();
+    let settings = fine_settler::config::load(None, &env)
+        .and_then(|raw| raw.validate(&env))
+        .expect("valid settings");
+    let cancelled = CancellationToken::new();
+    cancelled.cancel();
+    let stopped = retry_pending(&settings, &db(&pool), false, false, cancelled)
+        .await
+        .expect("pass");
+    assert!(stopped.interrupted, "{stopped:?}");
+    assert_eq!((stopped.charged, stopped.pending, stopped.exit_code()), (0, 1, 1));
+    assert_eq!(serde_json::to_value(stopped).expect("json")["interrupted"], true);
+    assert!(ledger(&pool).await.is_empty(), "nothing charged");
+    let done = retry_pending(&settings, &db(&pool), false, false, CancellationToken::new())
+        .await
+        .expect("pass");
+    assert_eq!(
+        (done.interrupted, done.charged, done.pending, done.exit_code()),
+        (false, 1, 0, 0)
+    );
+    assert!(serde_json::to_value(done)
+        .expect("json")
+        .get("interrupted")
+        .is_none());
+    assert_eq!(ledger(&pool).await, vec![(1, day, 100)]);
+}

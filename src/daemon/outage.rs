@@ -1,0 +1,144 @@
+//! Waiting for the database: before the replica is ready (connected, every migration applied) and through an
+//! outage during a tick. Both retry with [`TICK_BACKOFF`], nap in steps of a second so that the watchdog sees the
+//! loop alive, and log an episode once when it starts and once when it ends.
+
+use std::time::Duration;
+
+use super::{Daemon, TickError, TICK_BACKOFF};
+use crate::{
+    jobs::RunReport,
+    schedule::scheduler::Tick,
+    store::{self, StoreError},
+};
+
+/// An outage in progress: when it started, and whether the server is read-only (rather than unreachable).
+#[derive(Debug, Clone, Copy)]
+struct Outage {
+    started: tokio::time::Instant,
+    read_only: bool,
+}
+
+impl Daemon {
+    /// Sleeps `wait` in naps of at most a second, telling the watchdog the loop is alive (an outage is handled
+    /// here; restarting the process would not help). Returns early on shutdown or run-now.
+    async fn nap(&self, wait: Duration) {
+        let until = tokio::time::Instant::now() + wait;
+        loop {
+            self.metrics.alive();
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            tokio::select! {
+                _ = self.shutdown.cancelled() => return,
+                _ = self.run_now.notified() => return,
+                _ = tokio::time::sleep(left.min(Duration::from_secs(1))) => {}
+            }
+        }
+    }
+
+    /// Waits until the pool connects and every migration is applied (retrying with backoff, logged once), so
+    /// that READY=1 means the replica can work. `false` if shut down first.
+    pub async fn await_ready(&self) -> bool {
+        let mut failures = 0u32;
+        loop {
+            let ready = store::readiness(&self.pool).await;
+            // Waiting for the database is not a stall: each attempt counts as progress for /healthz.
+            self.metrics.progress_now();
+            match ready {
+                Ok(()) => {
+                    if failures > 0 {
+                        tracing::info!(attempts = failures, "database ready");
+                    }
+                    return true;
+                }
+                Err(reason) => {
+                    failures += 1;
+                    // A connection that found the server read-only (or broken) is not asked again: the next
+                    // attempt opens new ones, on the next qualifying host if the URL lists several.
+                    if let Err(e) = self.pool.reconnect().await {
+                        tracing::debug!(error = %StoreError::from(e), "no qualifying host yet");
+                    }
+                    if failures == 1 {
+                        tracing::error!(reason = %reason, "not ready: waiting for the database and migrations");
+                        self.status(&format!("STATUS=not ready: {reason}"));
+                    }
+                    self.nap(TICK_BACKOFF.delay(failures)).await;
+                    if self.shutdown.is_cancelled() {
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One tick, retried with capped exponential backoff while the database is unreachable. Returns the runs'
+    /// reports (empty if shut down before the database came back).
+    pub async fn tick_through_outages(&mut self, tick: Tick) -> Vec<RunReport> {
+        let mut failures = 0u32;
+        let mut outage: Option<Outage> = None;
+        loop {
+            let result = self.tick().await;
+            self.metrics.progress_now();
+            match result {
+                Ok(reports) => {
+                    self.metrics.add("fine_settler_ticks_total", None, None, 1.0);
+                    if let Some(outage) = outage {
+                        self.outage_ended(outage, failures);
+                    }
+                    return reports;
+                }
+                Err(e) => {
+                    self.metrics
+                        .add("fine_settler_tick_errors_total", None, None, 1.0);
+                    failures += 1;
+                    if outage.is_none() {
+                        outage = Some(self.outage_began(&e, &tick));
+                    }
+                    // Drop every connection and look for a server again (the next qualifying host, if the URL
+                    // lists several).
+                    if let Err(e) = self.pool.reconnect().await {
+                        tracing::debug!(error = %StoreError::from(e), "no qualifying host yet");
+                    }
+                    let wait = TICK_BACKOFF.delay(failures);
+                    tracing::debug!(error = %e, attempt = failures, backoff_ms = wait.as_millis() as u64, "tick failed");
+                    self.nap(wait).await;
+                    if self.shutdown.is_cancelled() {
+                        return Vec::new();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Logs (and tells the service manager) that a tick failed with `e`: the start of an outage.
+    fn outage_began(&self, e: &TickError, tick: &Tick) -> Outage {
+        let started = tokio::time::Instant::now();
+        let read_only = matches!(e, TickError::ReadOnly(_));
+        if read_only {
+            tracing::error!(error = %e, slot = tick.slot,
+                "read-only server: claiming nothing; looking for a writable one with backoff");
+            self.status("STATUS=connected to a read-only server; retrying with backoff");
+        } else {
+            tracing::error!(error = %e, slot = tick.slot, "database unreachable; retrying with backoff");
+            self.status("STATUS=database unreachable; retrying with backoff");
+        }
+        Outage { started, read_only }
+    }
+
+    /// Logs (and tells the service manager) that a tick worked again after `failures` failed attempts.
+    fn outage_ended(&self, outage: Outage, failures: u32) {
+        let down_ms = outage.started.elapsed().as_millis() as u64;
+        if outage.read_only {
+            self.status("STATUS=writable server found again");
+            tracing::info!(
+                down_ms,
+                attempts = failures,
+                "writable server found again; resuming"
+            );
+        } else {
+            self.status("STATUS=database reachable again");
+            tracing::info!(down_ms, attempts = failures, "database reachable again; resuming");
+        }
+    }
+}

@@ -1,0 +1,42 @@
+//! `plan`'s view of a tick: what a tick at a given time would do, from the same status statement and the same
+//! plan as the tick itself; writes nothing.
+
+use chrono::{DateTime, Utc};
+
+use super::TickError;
+use crate::{
+    config::{Settings, TimeSource},
+    schedule::due::{self, Due},
+    store::{self, Session},
+};
+
+/// What a tick at `at` would do (default: now, by the configured clock), one line per due key, as `plan`
+/// prints it. Reads the tick status; writes nothing.
+pub async fn plan(settings: &Settings, at: Option<DateTime<Utc>>) -> Result<Vec<Due>, TickError> {
+    let pool = store::connect_lazy(
+        &settings.database,
+        "fine-settler plan",
+        settings.claim.lease.batch_timeout(),
+    );
+    pool.reconnect().await?;
+    let mut session = Session::new(
+        &pool,
+        "fine-settler plan",
+        settings.database.connect_timeout,
+        settings.claim.lease.batch_timeout() + settings.database.connect_timeout,
+    );
+    let around = at.unwrap_or_else(Utc::now);
+    let status = session
+        .tick_status(
+            settings.instance,
+            due::window_start(settings, around),
+            due::late_probe(settings, around, true),
+        )
+        .await?;
+    let now = match (at, settings.time_source) {
+        (Some(at), _) => at,
+        (None, TimeSource::Database) => status.now,
+        (None, TimeSource::System) => Utc::now(),
+    };
+    Ok(due::plan(settings, now, &status.keys, &status.pauses))
+}
