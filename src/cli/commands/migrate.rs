@@ -20,7 +20,8 @@ pub async fn migrate(ctx: &Context) -> Result<ExitCode, CliError> {
                 .into(),
         ));
     }
-    store::migrate(&ctx.settings.database, progress::wanted()).await?;
+    let bars = progress::wanted().then(progress::index_build_bars);
+    store::migrate(&ctx.settings.database, bars).await?;
     println!(
         "{}",
         serde_json::json!({"migrate": "ok", "migrations": store::MIGRATOR.iter().count()})
