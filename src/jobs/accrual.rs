@@ -29,7 +29,7 @@ use crate::{
     backoff::Backoff,
     fine::FinePolicy,
     shard::ShardSpec,
-    store::ledger::{self, Overdue},
+    store::ledger::{self, Overdue, Pending},
 };
 
 /// The accrual job under one fine policy.
@@ -267,56 +267,11 @@ pub async fn compensate_within(
             if let Some(m) = &limits.metrics {
                 m.progress_now();
             }
-            let mut tx = pool.begin().await?;
-            crate::store::set_local_lock_timeout(&mut tx, accrual.lock_timeout).await?;
-            let Some(attempts) = ledger::lock_pending(&mut tx, p, due_only).await? else {
+            let Some(retried) = retry_pending(pool, accrual, p, due_only, max_attempts).await? else {
                 continue;
             };
             progressed = true;
-            match accrual
-                .try_charge(&mut tx, p.accrual_date, &[p.loan_id], p.amount_cents)
-                .await?
-            {
-                Ok(written) => {
-                    ledger::resolve(&mut tx, p.loan_id, p.accrual_date).await?;
-                    tx.commit().await?;
-                    if written > 0 {
-                        result.charged += 1;
-                        tracing::info!(loan_id = p.loan_id, accrual_date = %p.accrual_date, attempts = attempts + 1, "pending charge compensated");
-                    } else {
-                        result.not_owed += 1;
-                        tracing::info!(loan_id = p.loan_id, accrual_date = %p.accrual_date,
-                            "pending charge resolved without a charge: nothing is owed for that day any more");
-                    }
-                }
-                Err(e) => {
-                    let attempts = attempts.saturating_add(1);
-                    let dead = u32::try_from(attempts).unwrap_or(u32::MAX) >= max_attempts;
-                    let delay = accrual.backoff.delay(u32::try_from(attempts).unwrap_or(0));
-                    ledger::retry_failed(
-                        &mut tx,
-                        p.loan_id,
-                        p.accrual_date,
-                        &e.to_string(),
-                        millis(delay),
-                        dead,
-                    )
-                    .await?;
-                    tx.commit().await?;
-                    if dead {
-                        result.dead += 1;
-                        tracing::error!(
-                            loan_id = p.loan_id,
-                            accrual_date = %p.accrual_date,
-                            attempts,
-                            error = %e,
-                            "pending charge is DEAD after its last attempt; an operator must look at it"
-                        );
-                    } else {
-                        result.retried += 1;
-                    }
-                }
-            }
+            result.count(retried);
             if let Some(progress) = &limits.progress {
                 progress.call(1, 0);
             }
@@ -327,4 +282,99 @@ pub async fn compensate_within(
         }
     }
     Ok(result)
+}
+
+/// What became of one pending charge a compensation pass retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Retried {
+    /// Written to the ledger.
+    Charged,
+    /// Resolved without a charge: nothing is owed for that day any more.
+    NotOwed,
+    /// Rejected again; it waits for its next attempt.
+    Again,
+    /// Rejected for the last time: DEAD.
+    Dead,
+}
+
+impl Compensation {
+    fn count(&mut self, retried: Retried) {
+        match retried {
+            Retried::Charged => self.charged += 1,
+            Retried::NotOwed => self.not_owed += 1,
+            Retried::Again => self.retried += 1,
+            Retried::Dead => self.dead += 1,
+        }
+    }
+}
+
+/// Retries one pending charge in a transaction of its own; `None` if its row is not to be had (another replica
+/// holds it, or it changed since the list was read).
+async fn retry_pending(
+    pool: &Db,
+    accrual: &Accrual,
+    p: &Pending,
+    due_only: bool,
+    max_attempts: u32,
+) -> Result<Option<Retried>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    crate::store::set_local_lock_timeout(&mut tx, accrual.lock_timeout).await?;
+    let Some(attempts) = ledger::lock_pending(&mut tx, p, due_only).await? else {
+        return Ok(None);
+    };
+    let charge = accrual
+        .try_charge(&mut tx, p.accrual_date, &[p.loan_id], p.amount_cents)
+        .await?;
+    let retried = match charge {
+        Ok(written) => {
+            ledger::resolve(&mut tx, p.loan_id, p.accrual_date).await?;
+            tx.commit().await?;
+            if written > 0 {
+                tracing::info!(loan_id = p.loan_id, accrual_date = %p.accrual_date, attempts = attempts + 1, "pending charge compensated");
+                Retried::Charged
+            } else {
+                tracing::info!(loan_id = p.loan_id, accrual_date = %p.accrual_date,
+                    "pending charge resolved without a charge: nothing is owed for that day any more");
+                Retried::NotOwed
+            }
+        }
+        Err(e) => reschedule(tx, accrual, p, attempts, &e, max_attempts).await?,
+    };
+    Ok(Some(retried))
+}
+
+/// A retried charge was rejected again: counts the attempt and schedules the next, or makes it DEAD after
+/// `max_attempts`; commits `tx`.
+async fn reschedule(
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    accrual: &Accrual,
+    p: &Pending,
+    attempts: i32,
+    error: &sqlx::Error,
+    max_attempts: u32,
+) -> Result<Retried, sqlx::Error> {
+    let attempts = attempts.saturating_add(1);
+    let dead = u32::try_from(attempts).unwrap_or(u32::MAX) >= max_attempts;
+    let delay = accrual.backoff.delay(u32::try_from(attempts).unwrap_or(0));
+    ledger::retry_failed(
+        &mut tx,
+        p.loan_id,
+        p.accrual_date,
+        &error.to_string(),
+        millis(delay),
+        dead,
+    )
+    .await?;
+    tx.commit().await?;
+    if !dead {
+        return Ok(Retried::Again);
+    }
+    tracing::error!(
+        loan_id = p.loan_id,
+        accrual_date = %p.accrual_date,
+        attempts,
+        error = %error,
+        "pending charge is DEAD after its last attempt; an operator must look at it"
+    );
+    Ok(Retried::Dead)
 }

@@ -9,7 +9,8 @@
 //! [`ClaimMode::Force`], as `settle --force` does (rows already settled or charged are never changed). A key a
 //! live owner holds is skipped in every mode: a claim never displaces a live owner.
 
-use crate::store::Db;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use chrono::{Datelike, Months, NaiveDate, Utc};
 use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
@@ -30,7 +31,7 @@ use crate::{
         job_runs::{self, ClaimMode, RangeKey, RunStatus},
         ledger, loans,
         pauses::Pause,
-        StoreError,
+        Db, StoreError,
     },
 };
 
@@ -467,18 +468,19 @@ pub async fn dry_run(
         let action = match (request.reprocess.mode(status), state) {
             (None, _) => DryAction::Skip,
             (Some(_), None) => DryAction::Claim,
-            // A forced claim (`--reprocess all`) takes anything but a live owner and walks the whole key.
-            (Some(_), Some(s)) => match s.status {
-                RunStatus::Running if !s.expired => DryAction::Skip,
-                _ if request.reprocess == Reprocess::All => DryAction::Force,
-                RunStatus::Failed => DryAction::Takeover,
-                RunStatus::Running if s.expired => DryAction::Takeover,
-                RunStatus::Running => DryAction::Skip,
-                RunStatus::Success => match job.late(pool, key).await {
-                    Ok(true) => DryAction::Reopen,
-                    Ok(false) => DryAction::Skip,
-                    Err(e) => return Err(e.into()),
-                },
+            (Some(mode), Some(s)) => match s.status {
+                // A free claim skips a SUCCESS key; the runner re-opens it if the job finds late rows.
+                RunStatus::Success if mode == ClaimMode::Free => {
+                    if job.late(pool, key).await? {
+                        DryAction::Reopen
+                    } else {
+                        DryAction::Skip
+                    }
+                }
+                // What the claim would take (a live owner is never displaced): a forced claim walks the whole key.
+                _ if !s.taken_by(mode) => DryAction::Skip,
+                _ if mode == ClaimMode::Force => DryAction::Force,
+                _ => DryAction::Takeover,
             },
         };
         // A takeover resumes after the key's cursor, as the runner does; the other claims walk the whole key.
@@ -529,7 +531,7 @@ pub async fn run(
     pool: Db,
     cancel: CancellationToken,
     bars: bool,
-    mut emit: impl FnMut(&RunReport),
+    emit: impl FnMut(&RunReport),
 ) -> Result<Summary, BackfillError> {
     let started = tokio::time::Instant::now();
     let request = backfill.request;
@@ -550,62 +552,123 @@ pub async fn run(
                 .map(|mode| (*key, mode))
         })
         .collect();
-    let mut summary = Summary {
-        summary: true,
-        dry_run: false,
-        job: request.job.as_str(),
-        from: request.from,
-        to: request.to,
-        shards: backfill.shards,
-        reprocess: request.reprocess,
-        concurrency: backfill.concurrency,
-        keys: keys.len(),
-        not_selected: keys.len() - selected.len(),
-        settled: 0,
-        skipped: 0,
-        failed: 0,
-        lease_lost: 0,
-        not_started: 0,
-        updated: 0,
-        compensated: 0,
-        compensation_errors: 0,
-        interrupted: false,
-        paused: false,
-        elapsed_ms: 0,
-    };
-
+    let mut summary = Summary::new(backfill, keys.len(), selected.len());
     if let Job::Accrual(accrual) = &job {
-        // Once per shard before its days, as `accrue` does: a charge that failed on an earlier day is retried
-        // before the days after it are charged (the cap counts it). A failing pass does not keep the days back.
-        let mut shards: Vec<ShardSpec> = selected.iter().map(|(k, _)| k.shard).collect();
-        shards.sort_by_key(|s| s.shard());
-        shards.dedup();
-        let limits = PassLimits {
-            cancel: Some(cancel.clone()),
-            ..PassLimits::default()
-        };
-        for shard in shards {
-            match compensate_within(
-                &pool,
-                accrual,
-                Some(shard),
-                true,
-                settings.accrual.max_attempts,
-                &limits,
-            )
-            .await
-            {
-                Ok(c) => summary.compensated += c.charged,
-                Err(e) => {
-                    let e = StoreError::from(e);
-                    tracing::error!(error = %e, shard = shard.shard(),
-                        "compensation pass failed; accruing the days anyway");
-                    summary.compensation_errors += 1;
-                }
-            }
+        compensate_shards(settings, accrual, &pool, &selected, &cancel, &mut summary).await;
+    }
+    let bar = if bars {
+        Some(bar(&job, &pool, request.job, &selected).await)
+    } else {
+        None
+    };
+    let runner = runner(settings, request, &pool, &cancel, bar.as_ref());
+    summary.paused = run_keys(&runner, &job, selected, backfill.concurrency, &mut summary, emit).await;
+    summary.interrupted = cancel.is_cancelled();
+    summary.elapsed_ms = started.elapsed().as_millis() as u64;
+    pool.close().await;
+    Ok(summary)
+}
+
+impl Summary {
+    /// The summary of `backfill` before anything ran: `keys` in its range, `selected` of them to run.
+    fn new(backfill: &Backfill, keys: usize, selected: usize) -> Self {
+        let request = backfill.request;
+        Summary {
+            summary: true,
+            dry_run: false,
+            job: request.job.as_str(),
+            from: request.from,
+            to: request.to,
+            shards: backfill.shards,
+            reprocess: request.reprocess,
+            concurrency: backfill.concurrency,
+            keys,
+            not_selected: keys - selected,
+            settled: 0,
+            skipped: 0,
+            failed: 0,
+            lease_lost: 0,
+            not_started: 0,
+            updated: 0,
+            compensated: 0,
+            compensation_errors: 0,
+            interrupted: false,
+            paused: false,
+            elapsed_ms: 0,
         }
     }
 
+    /// Counts a key's run.
+    fn count(&mut self, report: &RunReport) {
+        match report.outcome {
+            Outcome::Settled => self.settled += 1,
+            Outcome::Skipped => self.skipped += 1,
+            Outcome::Failed => self.failed += 1,
+            Outcome::LeaseLost => self.lease_lost += 1,
+        }
+        self.updated += report.updated;
+    }
+}
+
+/// The compensation pass of each shard of the selected keys, before its days, as `accrue` does: a charge that
+/// failed on an earlier day is retried before the days after it are charged (the cap counts it). A failing pass
+/// does not keep the days back.
+async fn compensate_shards(
+    settings: &Settings,
+    accrual: &Accrual,
+    pool: &Db,
+    selected: &[(RunKey, ClaimMode)],
+    cancel: &CancellationToken,
+    summary: &mut Summary,
+) {
+    let mut shards: Vec<ShardSpec> = selected.iter().map(|(k, _)| k.shard).collect();
+    shards.sort_by_key(|s| s.shard());
+    shards.dedup();
+    let limits = PassLimits {
+        cancel: Some(cancel.clone()),
+        ..PassLimits::default()
+    };
+    for shard in shards {
+        match compensate_within(
+            pool,
+            accrual,
+            Some(shard),
+            true,
+            settings.accrual.max_attempts,
+            &limits,
+        )
+        .await
+        {
+            Ok(c) => summary.compensated += c.charged,
+            Err(e) => {
+                let e = StoreError::from(e);
+                tracing::error!(error = %e, shard = shard.shard(),
+                    "compensation pass failed; accruing the days anyway");
+                summary.compensation_errors += 1;
+            }
+        }
+    }
+}
+
+/// One bar over every selected key's rows, counted once before the runs start.
+async fn bar(job: &Job, pool: &Db, name: JobName, selected: &[(RunKey, ClaimMode)]) -> Bar {
+    let mut total = 0;
+    for (key, _) in selected {
+        total += job.rows(pool, key, Some(i64::MIN)).await.unwrap_or(0);
+    }
+    let what = format!("backfill {name} ({} keys)", selected.len());
+    Bar::new(&what, u64::try_from(total).unwrap_or(0), "rows")
+}
+
+/// The runner of a backfill's keys: a fresh owner, the job's batch size, the process's throttle, going on through
+/// pauses if asked to, and telling `bar` its rows.
+fn runner(
+    settings: &Settings,
+    request: Request,
+    pool: &Db,
+    cancel: &CancellationToken,
+    bar: Option<&Bar>,
+) -> Runner {
     let batch_size = match request.job {
         JobName::FineSettlement => settings.settlement.batch_size,
         JobName::OverdueAccrual => settings.accrual.batch_size,
@@ -623,59 +686,52 @@ pub async fn run(
     } else {
         runner
     };
-    // One bar over every selected key's rows, counted once before the runs start.
-    let bar = if bars {
-        let mut total = 0;
-        for (key, _) in &selected {
-            total += job.rows(&pool, key, Some(i64::MIN)).await.unwrap_or(0);
-        }
-        let what = format!("backfill {} ({} keys)", request.job, selected.len());
-        Some(Bar::new(&what, u64::try_from(total).unwrap_or(0), "rows"))
-    } else {
-        None
-    };
-    let runner = match &bar {
+    match bar {
         Some(bar) => runner.with_progress(bar.rows_hook()),
         None => runner,
-    };
-    // `buffered` polls at most `concurrency` runs at once, started in key order (oldest date first), and yields
-    // their reports in that order. A run not yet started when the shutdown comes does not claim its key.
-    // Once a run finds the job paused (at its fence: the pause came while the backfill ran), no further key starts
-    // either, as after a shutdown request.
-    let paused = std::sync::atomic::AtomicBool::new(false);
-    let (runner, job, paused) = (&runner, &job, &paused);
+    }
+}
+
+/// Runs the selected keys, `concurrency` at a time, each report counted in `summary` and passed to `emit`;
+/// whether a run found the job paused.
+///
+/// `buffered` polls at most `concurrency` runs at once, started in key order (oldest date first), and yields
+/// their reports in that order. A run not yet started when the shutdown comes does not claim its key. Once a run
+/// finds the job paused (at its fence: the pause came while the backfill ran), no further key starts either, as
+/// after a shutdown request.
+async fn run_keys(
+    runner: &Runner,
+    job: &Job,
+    selected: Vec<(RunKey, ClaimMode)>,
+    concurrency: usize,
+    summary: &mut Summary,
+    mut emit: impl FnMut(&RunReport),
+) -> bool {
+    let paused = AtomicBool::new(false);
+    let paused_ref = &paused;
     let mut reports = futures_util::stream::iter(selected)
         .map(|(key, mode)| async move {
-            if runner.cancel.is_cancelled() || paused.load(std::sync::atomic::Ordering::SeqCst) {
+            if runner.cancel.is_cancelled() || paused_ref.load(Ordering::SeqCst) {
                 return None;
             }
             let report = job.run(runner, key, mode).await;
             if report.paused {
-                paused.store(true, std::sync::atomic::Ordering::SeqCst);
+                paused_ref.store(true, Ordering::SeqCst);
             }
             Some(report)
         })
-        .buffered(backfill.concurrency);
+        .buffered(concurrency);
     while let Some(report) = reports.next().await {
-        let Some(report) = report else {
-            summary.not_started += 1;
-            continue;
-        };
-        match report.outcome {
-            Outcome::Settled => summary.settled += 1,
-            Outcome::Skipped => summary.skipped += 1,
-            Outcome::Failed => summary.failed += 1,
-            Outcome::LeaseLost => summary.lease_lost += 1,
+        match report {
+            None => summary.not_started += 1,
+            Some(report) => {
+                summary.count(&report);
+                emit(&report);
+            }
         }
-        summary.updated += report.updated;
-        emit(&report);
     }
     drop(reports);
-    summary.interrupted = cancel.is_cancelled();
-    summary.paused = paused.load(std::sync::atomic::Ordering::SeqCst);
-    summary.elapsed_ms = started.elapsed().as_millis() as u64;
-    pool.close().await;
-    Ok(summary)
+    paused.load(Ordering::SeqCst)
 }
 
 #[cfg(test)]

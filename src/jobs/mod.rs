@@ -124,3 +124,81 @@ pub struct RunReport {
     #[serde(skip)]
     pub connection_lost: bool,
 }
+
+impl RunReport {
+    /// The report of a run of `key` that ended `outcome`: no epoch, no rows, no detail, no flags — the setters
+    /// below add what the run knows. `elapsed_ms` is set by whoever timed the run.
+    pub fn new(key: RunKey, outcome: Outcome) -> Self {
+        RunReport {
+            job: key.job.as_str(),
+            business_date: key.business_date,
+            shard: key.shard.shard(),
+            shards: key.shard.shards(),
+            outcome,
+            epoch: None,
+            scanned: 0,
+            updated: 0,
+            elapsed_ms: 0,
+            detail: None,
+            reopened: false,
+            held_until: None,
+            paused: false,
+            read_only: false,
+            connection_lost: false,
+        }
+    }
+
+    /// The epoch the run held (for a skip: the holder's).
+    pub fn with_epoch(self, epoch: i64) -> Self {
+        RunReport {
+            epoch: Some(epoch),
+            ..self
+        }
+    }
+
+    /// The rows the run read and wrote.
+    pub fn with_counts(self, scanned: i64, updated: i64) -> Self {
+        RunReport {
+            scanned,
+            updated,
+            ..self
+        }
+    }
+
+    /// Why the run failed, or who holds a skipped key.
+    pub fn with_detail(self, detail: impl Into<String>) -> Self {
+        RunReport {
+            detail: Some(detail.into()),
+            ..self
+        }
+    }
+
+    /// Whether the run re-opened a SUCCESS key.
+    pub fn with_reopened(self, reopened: bool) -> Self {
+        RunReport { reopened, ..self }
+    }
+
+    /// For a skip: until when the live owner's lease runs.
+    pub fn with_held_until(self, until: chrono::DateTime<chrono::Utc>) -> Self {
+        RunReport {
+            held_until: Some(until),
+            ..self
+        }
+    }
+
+    /// The run handed its key back because of a pause.
+    pub fn with_paused(self) -> Self {
+        RunReport { paused: true, ..self }
+    }
+
+    /// Notes a failure: its text becomes the detail (the last one noted wins) and what it says of the server
+    /// (read-only, the connection lost) is added to the flags.
+    pub fn failed_by(self, error: &runner::JobError) -> Self {
+        RunReport {
+            detail: Some(error.to_string()),
+            read_only: self.read_only || error.read_only(),
+            connection_lost: self.connection_lost || error.connection_lost(),
+            ..self
+        }
+    }
+}

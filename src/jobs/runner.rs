@@ -1,36 +1,41 @@
-//! The one mechanism every job runs on: claim a key, walk its rows in fenced keyset batches, finish.
+//! The one mechanism every job runs on: claim a key, walk its rows in fenced keyset batches, end the run.
 //!
 //! A job supplies how to find the next batch after a cursor and how to write it (conditionally:
 //! a row already done is never changed again). The runner supplies everything that makes a run safe to repeat:
 //! the claim, one transaction per batch whose last statement is the epoch fence, the cursor checkpoint, the
 //! lease renewal by progress, the finish, and the history. A batch whose fence matches no row rolls back, so a
 //! replica that lost its claim commits nothing more.
+//!
+//! A claimed run is one handle ([`ClaimedRun`](crate::store::job_runs::ClaimedRun): key, epoch, owner,
+//! cursor); [`Runner::run_as`] takes it through named steps, each in a file of its own under `runner/`: `claim`
+//! (with the re-open decision), `walk` (the batches), `wait` (the throttle's waits, which renew the lease), `end`
+//! (finish, hand back or lease lost) and `retry` (the statements that end a run, retried through a lost
+//! connection). The steps are submodules of this one so that their logs keep its target
+//! (`RUST_LOG=fine_settler::jobs::runner=debug` shows them all).
+
+mod claim;
+mod end;
+mod retry;
+mod wait;
+mod walk;
 
 use std::{future::Future, hash::BuildHasher, sync::Arc, time::Duration};
 
 use sqlx::PgConnection;
-
-use crate::store::Db;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{
-    throttle::{BatchSizer, Lagging, Reason, Throttle},
-    Outcome, RunKey, RunReport,
-};
+use self::claim::Start;
+pub use self::retry::transient;
+use super::{throttle::Throttle, Outcome, RunKey, RunReport};
 use crate::{
-    backoff::Backoff,
     calendar::CalendarError,
     config::{ClaimSettings, Lease},
     metrics::Metrics,
     progress::RowsHook,
     redact::secrets_in as redact_secrets_in,
-    store::{
-        self,
-        job_runs::{self, Claim, ClaimKind, ClaimMode, Claimant, Ending, Fence, Progress, RunStatus},
-        pauses::Pause,
-    },
+    store::{job_runs::ClaimMode, Db},
 };
 
 /// A job the runner can drive. Its work items are identified by unique, ascending `i64` ids (the keyset
@@ -108,53 +113,6 @@ impl JobError {
     }
 }
 
-/// Waits before each retry of a statement that ends a run, when the connection (not the statement) failed:
-/// [`END_RETRIES`] retries, 125 ms doubled up to 2 s (3.9 s in all).
-const END_BACKOFF: Backoff = Backoff::new(Duration::from_millis(125), Duration::from_secs(2));
-const END_RETRIES: u32 = 5;
-
-/// Whether `e` is about the connection rather than the statement — the server restarting or shutting down, a
-/// broken socket, no connection to be had — so the same statement may succeed on a new connection.
-pub fn transient(e: &sqlx::Error) -> bool {
-    crate::store::classify(e).transient()
-}
-
-/// Runs `statement` (one idempotent, fenced statement that ends a run), retrying it for a few seconds while the
-/// failure is [`transient`]. Without this, a run cut off by a server restart would leave its key RUNNING until
-/// the lease expires (delaying the takeover), and a replica thawed after a takeover could not record that it
-/// lost its lease.
-///
-/// With several hosts in `database.url`, each retry first looks for a qualifying host again (a failover): a retry
-/// finding none is not sent (it would only wait for the dead server), and one that finds the promoted standby
-/// records the end of the run there, as far as the standby had replayed it.
-async fn retrying<T, F, Fut>(what: &str, pool: &Db, mut statement: F) -> Result<T, sqlx::Error>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, sqlx::Error>>,
-{
-    let mut waits = END_BACKOFF.delays(END_RETRIES);
-    let mut result = statement().await;
-    loop {
-        match result {
-            Err(e) if transient(&e) => match waits.next() {
-                Some(wait) => {
-                    tracing::debug!(error = %JobError::from(e), what, wait_ms = wait.as_millis() as u64, "retrying");
-                    tokio::time::sleep(wait).await;
-                    result = match pool.follows_hosts() {
-                        true => match pool.reconnect().await {
-                            Ok(()) => statement().await,
-                            Err(e) => Err(e),
-                        },
-                        false => statement().await,
-                    };
-                }
-                None => return Err(e),
-            },
-            result => return result,
-        }
-    }
-}
-
 /// This host's name: the kernel's, else `$HOSTNAME` (systemd's ProcSubset=pid hides /proc/sys), else
 /// `unknown-host`.
 pub fn host_name() -> String {
@@ -197,108 +155,9 @@ pub struct Runner {
     pub throttle: Arc<Throttle>,
 }
 
-/// How often a run waiting for a lagging standby looks again.
-const LAG_POLL: Duration = Duration::from_millis(250);
-
 /// The shortest interval between lease renewals of a waiting run (a lease barely longer than the batch timeout
 /// would otherwise renew in a busy loop).
 const MIN_RENEW_EVERY: Duration = Duration::from_millis(100);
-
-/// The throttle waits of one run, so that each episode is logged once: its start with the reason, its end with
-/// how long it lasted. Waits for the pace follow every batch, so the pace's episode is the whole run.
-#[derive(Default)]
-struct Episodes {
-    rate: Option<(Instant, Duration)>,
-    lag: Option<Instant>,
-    /// The lag check failed in this run (said once).
-    lag_unreadable: bool,
-}
-
-impl Episodes {
-    /// A wait for the pace begins (the episode's first is logged).
-    fn rate_wait(&mut self, rate: u32) {
-        if self.rate.is_none() {
-            tracing::info!(
-                reason = Reason::Rate.as_str(),
-                max_rows_per_second = rate,
-                "throttled: batches paced to throttle.max_rows_per_second"
-            );
-            self.rate = Some((Instant::now(), Duration::ZERO));
-        }
-    }
-
-    /// Time actually slept for the pace.
-    fn rate_waited(&mut self, slept: Duration) {
-        if let Some((_, total)) = &mut self.rate {
-            *total += slept;
-        }
-    }
-
-    fn lag_start(&mut self, lagging: &Lagging, limit: Duration) {
-        if self.lag.is_none() {
-            tracing::warn!(reason = Reason::ReplicaLag.as_str(), standby = %lagging.standby,
-                unreplayed_bytes = lagging.unreplayed_bytes,
-                replay_lag_ms = lagging.replay_lag.map(|l| l.as_millis() as u64),
-                behind_ms = lagging.behind.as_millis() as u64,
-                max_replica_lag = %humantime::format_duration(limit),
-                "throttled: a standby lags more than throttle.max_replica_lag; batches wait ({lagging})");
-            self.lag = Some(Instant::now());
-        }
-    }
-
-    fn lag_unreadable(&mut self, error: &JobError) {
-        if !self.lag_unreadable {
-            tracing::warn!(error = %error, "cannot read pg_stat_replication; this batch goes on without the replica lag limit");
-            self.lag_unreadable = true;
-        }
-    }
-
-    fn lag_end(&mut self, why: &str) {
-        if let Some(started) = self.lag.take() {
-            tracing::info!(
-                reason = Reason::ReplicaLag.as_str(),
-                waited_ms = started.elapsed().as_millis() as u64,
-                "throttle released: {why}"
-            );
-        }
-    }
-
-    fn end(&mut self) {
-        self.lag_end("the run ended");
-        if let Some((started, waited)) = self.rate.take() {
-            tracing::info!(
-                reason = Reason::Rate.as_str(),
-                waited_ms = waited.as_millis() as u64,
-                over_ms = started.elapsed().as_millis() as u64,
-                "throttle released: the run ended"
-            );
-        }
-    }
-}
-
-enum BatchResult {
-    /// Nothing left to do.
-    Empty,
-    /// Committed a batch ending at this id; `paused`: the fence saw a pause of the key (who, why); `took`: how
-    /// long its transaction was open.
-    Committed {
-        last_id: i64,
-        scanned: i64,
-        updated: i64,
-        paused: Option<(String, String)>,
-        took: Duration,
-    },
-    /// The fence matched nothing: another replica owns the key now. Rolled back.
-    Fenced,
-}
-
-enum Stop {
-    Done,
-    Shutdown,
-    LeaseLost,
-    /// A pause covers the key: handed back after the batch that saw it, with this `last_error`.
-    Paused(String),
-}
 
 /// The message a run records when it hands its key back on shutdown.
 pub const SHUTDOWN_ERROR: &str = "shutdown requested: stopped between batches and released for a peer";
@@ -377,6 +236,28 @@ impl Runner {
             elapsed_ms: started.elapsed().as_millis() as u64,
             ..report
         };
+        self.record(key, &span, &report);
+        report
+    }
+
+    /// The run's steps: claim the key (or report why not), walk its batches, end the run.
+    async fn claim_and_run<J: BatchJob>(
+        &self,
+        job: &J,
+        key: RunKey,
+        mode: ClaimMode,
+        span: &tracing::Span,
+    ) -> RunReport {
+        let mut run = match self.claim(job, key, mode, span).await {
+            Start::Run(run) => run,
+            Start::Ended(report) => return report,
+        };
+        let stop = self.walk(job, &mut run).await;
+        self.end(run, stop).await
+    }
+
+    /// What a finished run leaves besides its report: the metrics of its outcome and its last log lines.
+    fn record(&self, key: RunKey, span: &tracing::Span, report: &RunReport) {
         if let Some(m) = &self.metrics {
             let job = Some(report.job);
             m.add("fine_settler_runs_total", job, Some(report.outcome.as_str()), 1.0);
@@ -424,422 +305,6 @@ impl Runner {
                 "run finished"
             ),
         });
-        report
-    }
-
-    async fn claim_and_run<J: BatchJob>(
-        &self,
-        job: &J,
-        key: RunKey,
-        mode: ClaimMode,
-        span: &tracing::Span,
-    ) -> RunReport {
-        let report = |outcome, epoch, scanned, updated, detail| RunReport {
-            job: key.job.as_str(),
-            business_date: key.business_date,
-            shard: key.shard.shard(),
-            shards: key.shard.shards(),
-            outcome,
-            epoch,
-            scanned,
-            updated,
-            elapsed_ms: 0,
-            detail,
-            held_until: None,
-            reopened: false,
-            paused: false,
-            read_only: false,
-            connection_lost: false,
-        };
-
-        let mut claimed = job_runs::claim(&self.pool, &key, &self.owner, self.lease.duration(), mode).await;
-        // A SUCCESS key with rows still to do is re-opened (--force and Reopen take SUCCESS anyway).
-        if let Ok(Claim::Skipped(holder)) = &claimed {
-            if holder.status == RunStatus::Success && mode == ClaimMode::Free {
-                match job.late(&self.pool, &key).await {
-                    Ok(true) => {
-                        claimed = job_runs::claim(
-                            &self.pool,
-                            &key,
-                            &self.owner,
-                            self.lease.duration(),
-                            ClaimMode::Reopen,
-                        )
-                        .await
-                    }
-                    Ok(false) => {}
-                    Err(e) => {
-                        tracing::error!(error = %e, "cannot tell whether the key has rows left; not re-opened");
-                        return report(Outcome::Failed, None, 0, 0, Some(e.to_string()));
-                    }
-                }
-            }
-        }
-        let (epoch, cursor, reopened) = match claimed {
-            Ok(Claim::Won { epoch, cursor, kind }) => {
-                let result = match kind {
-                    ClaimKind::Inserted => "won",
-                    ClaimKind::Reopened => "reopened",
-                    ClaimKind::TakenOver | ClaimKind::Forced => "takeover",
-                };
-                self.count_claim(key, result);
-                span.record("epoch", epoch);
-                tracing::info!(claim = ?kind, cursor, "claimed");
-                (epoch, cursor, kind == ClaimKind::Reopened)
-            }
-            Ok(Claim::Skipped(holder)) => {
-                self.count_claim(key, "skipped");
-                let detail = if holder.status == RunStatus::Running {
-                    format!(
-                        "held by {} until {}",
-                        holder.owner,
-                        holder.lease_until.to_rfc3339()
-                    )
-                } else {
-                    format!("already {}", holder.status)
-                };
-                return RunReport {
-                    held_until: (holder.status == RunStatus::Running).then_some(holder.lease_until),
-                    ..report(Outcome::Skipped, Some(holder.epoch), 0, 0, Some(detail))
-                };
-            }
-            Err(e) => {
-                let e = JobError::from(e);
-                tracing::error!(error = %e, "claim failed");
-                return RunReport {
-                    read_only: e.read_only(),
-                    connection_lost: e.connection_lost(),
-                    ..report(Outcome::Failed, None, 0, 0, Some(e.to_string()))
-                };
-            }
-        };
-
-        let report = |outcome, epoch, scanned, updated, detail| RunReport {
-            reopened,
-            ..report(outcome, epoch, scanned, updated, detail)
-        };
-        let failed = |epoch, scanned, updated, detail, read_only, connection_lost| RunReport {
-            read_only,
-            connection_lost,
-            ..report(Outcome::Failed, epoch, scanned, updated, detail)
-        };
-        let (mut scanned, mut updated) = (0i64, 0i64);
-        // The key's cursor as this run last committed it: each fence (and the SUCCESS) expects it on the server.
-        let mut committed = cursor;
-        // The cursor is the last id a committed batch covered; i64::MAX means there is nothing after it.
-        let mut next = match cursor {
-            None => Some(i64::MIN),
-            Some(c) => c.checked_add(1),
-        };
-        let mut asked_first_id = false;
-        let mut sizer = BatchSizer::new(self.batch_size, self.throttle.settings().batch_duration);
-        // When the lease was last renewed (by the claim, a batch or a renewal while throttled).
-        let mut renewed = Instant::now();
-        let mut episodes = Episodes::default();
-        let stop = loop {
-            if self.cancel.is_cancelled() {
-                break Ok(Stop::Shutdown);
-            }
-            if !asked_first_id {
-                asked_first_id = true;
-                // Skip straight to the first id with work; nothing at all means the run is done.
-                match job.first_id(&self.pool, &key).await {
-                    Ok(first) => next = next.zip(first).map(|(n, f)| n.max(f)),
-                    Err(e) => break Err(e),
-                }
-            }
-            let Some(from_id) = next else { break Ok(Stop::Done) };
-            match self
-                .throttled(
-                    &key,
-                    epoch,
-                    committed,
-                    self.throttle.cap_batch(sizer.next()),
-                    &mut renewed,
-                    &mut episodes,
-                )
-                .await
-            {
-                Ok(None) => {}
-                Ok(Some(stop)) => break Ok(stop),
-                Err(e) => break Err(e),
-            }
-            let limit = self.throttle.cap_batch(sizer.next());
-            let batch = tokio::time::timeout(
-                self.lease.batch_timeout(),
-                self.batch(job, &key, epoch, committed, from_id, limit),
-            )
-            .await;
-            // The pace admitted `limit` rows (in `throttled`); it gets back what the batch did not work.
-            let done = match &batch {
-                Ok(Ok(BatchResult::Committed { scanned, .. })) => *scanned,
-                _ => 0,
-            };
-            self.throttle.settle(limit, done);
-            match batch {
-                Err(_) => break Err(JobError::BatchTimeout(self.lease.batch_timeout())),
-                Ok(Err(e)) => break Err(e),
-                Ok(Ok(BatchResult::Empty)) => break Ok(Stop::Done),
-                Ok(Ok(BatchResult::Fenced)) => break Ok(Stop::LeaseLost),
-                Ok(Ok(BatchResult::Committed {
-                    last_id,
-                    scanned: s,
-                    updated: u,
-                    paused,
-                    took,
-                })) => {
-                    renewed = Instant::now();
-                    let size = sizer.next();
-                    sizer.observe(s, took);
-                    if sizer.next() != size {
-                        tracing::debug!(
-                            took_ms = took.as_millis() as u64,
-                            from = size,
-                            to = sizer.next(),
-                            "batch resized to throttle.batch_duration"
-                        );
-                    }
-                    scanned += s;
-                    updated += u;
-                    committed = Some(last_id);
-                    next = last_id.checked_add(1);
-                    if let Some(p) = &self.progress {
-                        p.call(s, u);
-                    }
-                    if let Some(m) = &self.metrics {
-                        m.add(
-                            "fine_settler_rows_scanned_total",
-                            Some(key.job.as_str()),
-                            None,
-                            s as f64,
-                        );
-                        m.add(
-                            "fine_settler_rows_updated_total",
-                            Some(key.job.as_str()),
-                            None,
-                            u as f64,
-                        );
-                        m.progress_now();
-                    }
-                    tracing::debug!(
-                        cursor = last_id,
-                        batch_scanned = s,
-                        batch_updated = u,
-                        "batch committed"
-                    );
-                    if let Some((by, reason)) = paused {
-                        tracing::warn!(cursor = last_id, paused_by = %by, reason = %reason,
-                            "job paused: handing the key back after this batch");
-                        break Ok(Stop::Paused(Pause::run_error(&by, &reason)));
-                    }
-                }
-            }
-        };
-
-        episodes.end();
-        let ending = match &stop {
-            Ok(Stop::Done) => Some(Ending::Success),
-            Ok(Stop::Shutdown) => Some(Ending::Failed(SHUTDOWN_ERROR)),
-            // As a graceful stop: FAILED with the lease ended, so that the first tick after a resume takes the
-            // key over and goes on after its cursor.
-            Ok(Stop::Paused(error)) => Some(Ending::Failed(error)),
-            Ok(Stop::LeaseLost) => None,
-            Err(e) => {
-                tracing::error!(error = %e, scanned, updated, "run failed");
-                None
-            }
-        };
-        let error_text = stop.as_ref().err().map(ToString::to_string);
-        let read_only = stop.as_ref().err().is_some_and(JobError::read_only);
-        let lost = stop.as_ref().err().is_some_and(JobError::connection_lost);
-        let ending = ending.or(error_text.as_deref().map(Ending::Failed));
-
-        let finished = match ending {
-            Some(ending) => {
-                retrying("finish", &self.pool, || {
-                    job_runs::finish(
-                        &self.pool,
-                        &key,
-                        self.claimant(epoch),
-                        committed,
-                        ending,
-                        scanned,
-                        updated,
-                    )
-                })
-                .await
-            }
-            None => Ok(false),
-        };
-        let lease_lost = match (&stop, &finished) {
-            (Ok(Stop::LeaseLost), _) => true,
-            // Finishing found another epoch: the key was taken over after our last batch.
-            (_, Ok(false)) => true,
-            _ => false,
-        };
-        if lease_lost {
-            tracing::warn!(
-                scanned,
-                updated,
-                "lease lost: another replica took the key over (or the server lacks this run's last batches)"
-            );
-            let recorded = retrying("record the lost lease", &self.pool, || {
-                job_runs::record_lease_lost(&self.pool, &key, epoch, &self.owner, scanned, updated)
-            })
-            .await;
-            if let Err(e) = recorded {
-                tracing::warn!(error = %JobError::from(e), "could not record the lost lease in the history");
-            }
-            return report(Outcome::LeaseLost, Some(epoch), scanned, updated, None);
-        }
-        if let Err(e) = finished {
-            // The key stays RUNNING; its lease expires and a peer takes over and resumes from the cursor.
-            let e = JobError::from(e);
-            tracing::error!(error = %e, "could not record the end of the run; the lease will expire");
-            let read_only = read_only || e.read_only();
-            let lost = lost || e.connection_lost();
-            return failed(
-                Some(epoch),
-                scanned,
-                updated,
-                Some(error_text.unwrap_or(e.to_string())),
-                read_only,
-                lost,
-            );
-        }
-        match stop {
-            Ok(Stop::Done) => report(Outcome::Settled, Some(epoch), scanned, updated, None),
-            Ok(Stop::Shutdown) => report(
-                Outcome::Failed,
-                Some(epoch),
-                scanned,
-                updated,
-                Some(SHUTDOWN_ERROR.into()),
-            ),
-            Ok(Stop::Paused(error)) => RunReport {
-                paused: true,
-                ..report(Outcome::Failed, Some(epoch), scanned, updated, Some(error))
-            },
-            _ => failed(Some(epoch), scanned, updated, error_text, read_only, lost),
-        }
-    }
-
-    fn count_claim(&self, key: RunKey, result: &str) {
-        if let Some(m) = &self.metrics {
-            m.add(
-                "fine_settler_claims_total",
-                Some(key.job.as_str()),
-                Some(result),
-                1.0,
-            );
-        }
-    }
-
-    /// Waits before a batch for as long as the throttle asks — while a standby lags past the limit, then for
-    /// the pace, which admits the batch's `limit` rows — and returns how the run must stop instead, if it must.
-    ///
-    /// A wait keeps the lease rules: the run renews its lease through the batch fence (the key RUNNING under its
-    /// epoch and owner at its last committed cursor) every [`Runner::renew_every`], so a live, waiting run never
-    /// lets its lease run out, and a run that lost its key learns so while it waits. The renewal also sees a
-    /// pause of the job (the run hands its key back, as after a batch), and a shutdown ends the wait at once.
-    /// The lag check is advisory: if it cannot be read (the statement fails), the batch goes on, and a broken
-    /// connection fails that batch as it would have anyway.
-    async fn throttled(
-        &self,
-        key: &RunKey,
-        epoch: i64,
-        committed: Option<i64>,
-        limit: u32,
-        renewed: &mut Instant,
-        episodes: &mut Episodes,
-    ) -> Result<Option<Stop>, JobError> {
-        let settings = self.throttle.settings();
-        loop {
-            let lagging = match self.throttle.lagging(&self.pool).await {
-                Ok(Some(lagging)) => {
-                    episodes.lag_start(&lagging, settings.max_replica_lag.unwrap_or_default());
-                    Some(lagging)
-                }
-                Ok(None) => {
-                    episodes.lag_end("no standby lags more than throttle.max_replica_lag");
-                    None
-                }
-                Err(e) => {
-                    episodes.lag_unreadable(&JobError::from(e));
-                    None
-                }
-            };
-            let renew_at = *renewed + self.renew_every();
-            let wait = match lagging {
-                Some(_) => Some((Reason::ReplicaLag, LAG_POLL)),
-                // A batch about to start renews first if a renewal is due: it may take the whole batch timeout.
-                None if Instant::now() >= renew_at => None,
-                None => match self.throttle.admit(limit) {
-                    None => return Ok(None),
-                    Some(wait) => {
-                        episodes.rate_wait(settings.max_rows_per_second.unwrap_or(0));
-                        Some((Reason::Rate, wait))
-                    }
-                },
-            };
-            if let Some((reason, wait)) = wait {
-                let slice = wait.min(renew_at.saturating_duration_since(Instant::now()));
-                let slept = Instant::now();
-                tokio::select! {
-                    _ = self.cancel.cancelled() => return Ok(Some(Stop::Shutdown)),
-                    _ = tokio::time::sleep(slice) => {}
-                }
-                let slept = slept.elapsed();
-                if reason == Reason::Rate {
-                    episodes.rate_waited(slept);
-                }
-                if let Some(m) = &self.metrics {
-                    m.add_reason(
-                        "fine_settler_throttled_seconds_total",
-                        Some(key.job.as_str()),
-                        reason.as_str(),
-                        slept.as_secs_f64(),
-                    );
-                    m.alive();
-                }
-            }
-            if Instant::now() >= renew_at {
-                // Retried like the finish: a connection cut during a long wait need not fail the run.
-                let renewal = retrying("renew the lease", &self.pool, || {
-                    job_runs::renew(
-                        &self.pool,
-                        key,
-                        self.claimant(epoch),
-                        committed,
-                        self.lease.duration(),
-                    )
-                })
-                .await?;
-                match renewal {
-                    Fence::Lost => return Ok(Some(Stop::LeaseLost)),
-                    Fence::Passed {
-                        paused: Some((by, reason)),
-                    } if !self.ignore_pause => {
-                        tracing::warn!(cursor = committed, paused_by = %by, reason = %reason,
-                            "job paused while throttled: handing the key back");
-                        return Ok(Some(Stop::Paused(Pause::run_error(&by, &reason))));
-                    }
-                    Fence::Passed { .. } => {}
-                }
-                *renewed = Instant::now();
-                tracing::debug!(cursor = committed, "lease renewed while throttled");
-                if let Some(m) = &self.metrics {
-                    m.progress_now();
-                }
-            }
-        }
-    }
-
-    fn claimant(&self, epoch: i64) -> Claimant<'_> {
-        Claimant {
-            epoch,
-            owner: &self.owner,
-        }
     }
 
     /// How often a waiting run renews its lease: a third of the lease, or less when a long batch timeout needs
@@ -850,56 +315,6 @@ impl Runner {
         (lease / 3)
             .min(lease.saturating_sub(self.lease.batch_timeout()) / 2)
             .max(MIN_RENEW_EVERY)
-    }
-
-    /// One batch: read the next rows, then one transaction that writes them and, last, passes the fence.
-    async fn batch<J: BatchJob>(
-        &self,
-        job: &J,
-        key: &RunKey,
-        epoch: i64,
-        after: Option<i64>,
-        from_id: i64,
-        limit: u32,
-    ) -> Result<BatchResult, JobError> {
-        let batch = job.fetch(&self.pool, key, from_id, i64::from(limit)).await?;
-        let Some(batch) = batch else {
-            return Ok(BatchResult::Empty);
-        };
-        let (last_id, scanned) = J::extent(&batch);
-        let began = Instant::now();
-        let mut tx = self.pool.begin().await?;
-        store::set_local_lock_timeout(&mut tx, self.lease.lock_timeout()).await?;
-        let updated = i64::try_from(job.write(&mut tx, key, &batch).await?).unwrap_or(i64::MAX);
-        let progress = Progress {
-            after,
-            cursor: last_id,
-            scanned,
-            updated,
-        };
-        let paused = match job_runs::advance(
-            &mut tx,
-            key,
-            self.claimant(epoch),
-            progress,
-            self.lease.duration(),
-        )
-        .await?
-        {
-            Fence::Lost => {
-                tx.rollback().await?;
-                return Ok(BatchResult::Fenced);
-            }
-            Fence::Passed { paused } => paused.filter(|_| !self.ignore_pause),
-        };
-        tx.commit().await?;
-        Ok(BatchResult::Committed {
-            last_id,
-            scanned,
-            updated,
-            paused,
-            took: began.elapsed(),
-        })
     }
 }
 

@@ -6,6 +6,7 @@ mod backfill;
 mod bad_input;
 mod chaos;
 mod claim;
+mod claimed;
 mod cli;
 mod daemon;
 mod deploy;

@@ -1,0 +1,101 @@
+//! The run's first step: claim the key, and decide whether a SUCCESS key is re-opened. Its end is the run's
+//! handle, or the report of a run that does not start (skipped, or the claim failed).
+
+use super::{BatchJob, JobError, Runner};
+use crate::{
+    jobs::{Outcome, RunKey, RunReport},
+    store::job_runs::{ClaimKind, ClaimMode, Claimed, ClaimedRun, Holder, RunStatus},
+};
+
+/// How the claim step ended.
+pub(super) enum Start {
+    /// This process holds the run.
+    Run(ClaimedRun),
+    /// The run does not start; its report.
+    Ended(RunReport),
+}
+
+impl Runner {
+    /// Claims `key` in `mode` (see [`Runner::run_as`]), re-opening a SUCCESS key with rows still to do, and
+    /// records the won claim's epoch in the run's `span`.
+    pub(super) async fn claim<J: BatchJob>(
+        &self,
+        job: &J,
+        key: RunKey,
+        mode: ClaimMode,
+        span: &tracing::Span,
+    ) -> Start {
+        let claimed = match self.claim_as(key, mode).await {
+            // The re-open decision: a SUCCESS key a free claim skipped is claimed again as a re-open if the job
+            // finds rows still to do in it (`Reopen` and `Force` take SUCCESS keys anyway).
+            Ok(Claimed::Skipped(holder))
+                if holder.status == RunStatus::Success && mode == ClaimMode::Free =>
+            {
+                match job.late(&self.pool, &key).await {
+                    Ok(true) => self.claim_as(key, ClaimMode::Reopen).await,
+                    Ok(false) => Ok(Claimed::Skipped(holder)),
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot tell whether the key has rows left; not re-opened");
+                        return Start::Ended(RunReport::new(key, Outcome::Failed).with_detail(e.to_string()));
+                    }
+                }
+            }
+            claimed => claimed,
+        };
+        match claimed {
+            Ok(Claimed::Won(run)) => {
+                self.won(&run, span);
+                Start::Run(run)
+            }
+            Ok(Claimed::Skipped(holder)) => Start::Ended(self.skipped(key, holder)),
+            Err(e) => {
+                let e = JobError::from(e);
+                tracing::error!(error = %e, "claim failed");
+                Start::Ended(RunReport::new(key, Outcome::Failed).failed_by(&e))
+            }
+        }
+    }
+
+    async fn claim_as(&self, key: RunKey, mode: ClaimMode) -> Result<Claimed, sqlx::Error> {
+        ClaimedRun::claim(&self.pool, key, &self.owner, self.lease.duration(), mode).await
+    }
+
+    /// A won claim: counted, its epoch recorded in the run's span (before the line that says so).
+    fn won(&self, run: &ClaimedRun, span: &tracing::Span) {
+        let result = match run.kind() {
+            ClaimKind::Inserted => "won",
+            ClaimKind::Reopened => "reopened",
+            ClaimKind::TakenOver | ClaimKind::Forced => "takeover",
+        };
+        self.count_claim(*run.key(), result);
+        span.record("epoch", run.epoch());
+        tracing::info!(claim = ?run.kind(), cursor = run.cursor(), "claimed");
+    }
+
+    /// The report of a skipped claim: who holds the key, and until when if it is running.
+    fn skipped(&self, key: RunKey, holder: Holder) -> RunReport {
+        self.count_claim(key, "skipped");
+        let report = RunReport::new(key, Outcome::Skipped).with_epoch(holder.epoch);
+        match holder.status {
+            RunStatus::Running => report
+                .with_detail(format!(
+                    "held by {} until {}",
+                    holder.owner,
+                    holder.lease_until.to_rfc3339()
+                ))
+                .with_held_until(holder.lease_until),
+            status => report.with_detail(format!("already {status}")),
+        }
+    }
+
+    fn count_claim(&self, key: RunKey, result: &str) {
+        if let Some(m) = &self.metrics {
+            m.add(
+                "fine_settler_claims_total",
+                Some(key.job.as_str()),
+                Some(result),
+                1.0,
+            );
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! The throttle's waits before a batch: while a standby lags past the limit, then for the pace. A wait keeps the
+//! lease rules — the waiting run renews its lease through the batch fence — and each episode of waiting is
+//! logged once, at its start and at its end.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{
+    retry::retrying,
+    walk::{Stop, Walk},
+    JobError, Runner,
+};
+use crate::{
+    jobs::{
+        throttle::{Lagging, Reason},
+        RunKey,
+    },
+    store::{
+        job_runs::{ClaimedRun, Fence},
+        pauses::Pause,
+    },
+};
+
+impl Runner {
+    /// Waits before a batch for as long as the throttle asks — while a standby lags past the limit, then for
+    /// the pace, which admits the batch's `limit` rows — and returns how the run must stop instead, if it must.
+    ///
+    /// A wait keeps the lease rules: the run renews its lease through the batch fence (the key RUNNING under its
+    /// epoch and owner at its last committed cursor) every [`Runner::renew_every`], so a live, waiting run never
+    /// lets its lease run out, and a run that lost its key learns so while it waits. The renewal also sees a
+    /// pause of the job (the run hands its key back, as after a batch), and a shutdown ends the wait at once.
+    pub(super) async fn throttled(
+        &self,
+        run: &ClaimedRun,
+        limit: u32,
+        walk: &mut Walk,
+    ) -> Result<Option<Stop>, JobError> {
+        let rate = self.throttle.settings().max_rows_per_second.unwrap_or(0);
+        loop {
+            let lagging = self.lagging(&mut walk.episodes).await;
+            let renew_at = walk.renewed + self.renew_every();
+            let wait = if lagging {
+                Some((Reason::ReplicaLag, LAG_POLL))
+            } else if Instant::now() >= renew_at {
+                // A batch about to start renews first if a renewal is due: it may take the whole batch timeout.
+                None
+            } else {
+                match self.throttle.admit(limit) {
+                    None => return Ok(None),
+                    Some(wait) => {
+                        walk.episodes.rate_wait(rate);
+                        Some((Reason::Rate, wait))
+                    }
+                }
+            };
+            if let Some((reason, wait)) = wait {
+                let slice = wait.min(renew_at.saturating_duration_since(Instant::now()));
+                if let Some(stop) = self.sleep(run.key(), reason, slice, &mut walk.episodes).await {
+                    return Ok(Some(stop));
+                }
+            }
+            if Instant::now() >= renew_at {
+                if let Some(stop) = self.renew(run).await? {
+                    return Ok(Some(stop));
+                }
+                walk.renewed = Instant::now();
+            }
+        }
+    }
+
+    /// Whether a standby lags more than `throttle.max_replica_lag` now. The check is advisory: if it cannot be
+    /// read (the statement fails), the batch goes on, and a broken connection fails that batch as it would have
+    /// anyway.
+    async fn lagging(&self, episodes: &mut Episodes) -> bool {
+        match self.throttle.lagging(&self.pool).await {
+            Ok(Some(lagging)) => {
+                let limit = self.throttle.settings().max_replica_lag.unwrap_or_default();
+                episodes.lag_start(&lagging, limit);
+                true
+            }
+            Ok(None) => {
+                episodes.lag_end("no standby lags more than throttle.max_replica_lag");
+                false
+            }
+            Err(e) => {
+                episodes.lag_unreadable(&JobError::from(e));
+                false
+            }
+        }
+    }
+
+    /// Sleeps one `slice` of a wait for `reason`, counting the time actually slept; a shutdown ends the sleep at
+    /// once and the run with it.
+    async fn sleep(
+        &self,
+        key: &RunKey,
+        reason: Reason,
+        slice: Duration,
+        episodes: &mut Episodes,
+    ) -> Option<Stop> {
+        let slept = Instant::now();
+        tokio::select! {
+            _ = self.cancel.cancelled() => return Some(Stop::Shutdown),
+            _ = tokio::time::sleep(slice) => {}
+        }
+        let slept = slept.elapsed();
+        if reason == Reason::Rate {
+            episodes.rate_waited(slept);
+        }
+        if let Some(m) = &self.metrics {
+            m.add_reason(
+                "fine_settler_throttled_seconds_total",
+                Some(key.job.as_str()),
+                reason.as_str(),
+                slept.as_secs_f64(),
+            );
+            m.alive();
+        }
+        None
+    }
+
+    /// Renews the lease of the waiting run; how it must stop instead, if the renewal found the key lost or
+    /// paused. Retried like the finish: a connection cut during a long wait need not fail the run.
+    async fn renew(&self, run: &ClaimedRun) -> Result<Option<Stop>, JobError> {
+        match retrying("renew the lease", &self.pool, || run.renew()).await? {
+            Fence::Lost => return Ok(Some(Stop::LeaseLost)),
+            Fence::Passed {
+                paused: Some((by, reason)),
+            } if !self.ignore_pause => {
+                tracing::warn!(cursor = run.cursor(), paused_by = %by, reason = %reason,
+                    "job paused while throttled: handing the key back");
+                return Ok(Some(Stop::Paused(Pause::run_error(&by, &reason))));
+            }
+            Fence::Passed { .. } => {}
+        }
+        tracing::debug!(cursor = run.cursor(), "lease renewed while throttled");
+        if let Some(m) = &self.metrics {
+            m.progress_now();
+        }
+        Ok(None)
+    }
+}
+
+/// How often a run waiting for a lagging standby looks again.
+const LAG_POLL: Duration = Duration::from_millis(250);
+
+/// The throttle waits of one run, so that each episode is logged once: its start with the reason, its end with
+/// how long it lasted. Waits for the pace follow every batch, so the pace's episode is the whole run.
+#[derive(Debug, Default)]
+pub(super) struct Episodes {
+    rate: Option<(Instant, Duration)>,
+    lag: Option<Instant>,
+    /// The lag check failed in this run (said once).
+    lag_unreadable: bool,
+}
+
+impl Episodes {
+    /// A wait for the pace begins (the episode's first is logged).
+    fn rate_wait(&mut self, rate: u32) {
+        if self.rate.is_none() {
+            tracing::info!(
+                reason = Reason::Rate.as_str(),
+                max_rows_per_second = rate,
+                "throttled: batches paced to throttle.max_rows_per_second"
+            );
+            self.rate = Some((Instant::now(), Duration::ZERO));
+        }
+    }
+
+    /// Time actually slept for the pace.
+    fn rate_waited(&mut self, slept: Duration) {
+        if let Some((_, total)) = &mut self.rate {
+            *total += slept;
+        }
+    }
+
+    fn lag_start(&mut self, lagging: &Lagging, limit: Duration) {
+        if self.lag.is_none() {
+            tracing::warn!(reason = Reason::ReplicaLag.as_str(), standby = %lagging.standby,
+                unreplayed_bytes = lagging.unreplayed_bytes,
+                replay_lag_ms = lagging.replay_lag.map(|l| l.as_millis() as u64),
+                behind_ms = lagging.behind.as_millis() as u64,
+                max_replica_lag = %humantime::format_duration(limit),
+                "throttled: a standby lags more than throttle.max_replica_lag; batches wait ({lagging})");
+            self.lag = Some(Instant::now());
+        }
+    }
+
+    fn lag_unreadable(&mut self, error: &JobError) {
+        if !self.lag_unreadable {
+            tracing::warn!(error = %error, "cannot read pg_stat_replication; this batch goes on without the replica lag limit");
+            self.lag_unreadable = true;
+        }
+    }
+
+    fn lag_end(&mut self, why: &str) {
+        if let Some(started) = self.lag.take() {
+            tracing::info!(
+                reason = Reason::ReplicaLag.as_str(),
+                waited_ms = started.elapsed().as_millis() as u64,
+                "throttle released: {why}"
+            );
+        }
+    }
+
+    /// The run ended: any episode in progress ends with it.
+    pub(super) fn end(&mut self) {
+        self.lag_end("the run ended");
+        if let Some((started, waited)) = self.rate.take() {
+            tracing::info!(
+                reason = Reason::Rate.as_str(),
+                waited_ms = waited.as_millis() as u64,
+                over_ms = started.elapsed().as_millis() as u64,
+                "throttle released: the run ended"
+            );
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! Walking a claimed run's rows: from the first id with work, one fenced batch after another — each after the
+//! throttle's wait, each under `claim.batch_timeout` — until nothing is left, the lease is lost, the job is
+//! paused or the process shuts down.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{wait::Episodes, BatchJob, JobError, Runner};
+use crate::{
+    jobs::{throttle::BatchSizer, RunKey},
+    store::{
+        self,
+        job_runs::{ClaimedRun, Covered, Fence},
+        pauses::Pause,
+    },
+};
+
+/// Why a walk stopped (other than on an error).
+#[derive(Debug)]
+pub(super) enum Stop {
+    /// Nothing left to do.
+    Done,
+    /// A shutdown request: stopped between batches.
+    Shutdown,
+    /// The fence (or a renewal) found another owner.
+    LeaseLost,
+    /// A pause covers the key: handed back after the batch that saw it, with this `last_error`.
+    Paused(String),
+}
+
+/// What a walk keeps between batches besides the run's handle.
+pub(super) struct Walk {
+    /// Sizes the batches to `throttle.batch_duration`.
+    sizer: BatchSizer,
+    /// When the lease was last renewed (by the claim, a batch or a renewal while throttled).
+    pub(super) renewed: Instant,
+    pub(super) episodes: Episodes,
+}
+
+enum BatchResult {
+    /// Nothing left to do.
+    Empty,
+    /// Committed a batch; `paused`: the fence saw a pause of the key (who, why); `took`: how long its
+    /// transaction was open.
+    Committed {
+        covered: Covered,
+        paused: Option<(String, String)>,
+        took: Duration,
+    },
+    /// The fence matched nothing: another replica owns the key now. Rolled back.
+    Fenced,
+}
+
+impl Runner {
+    /// Walks `run`'s rows batch by batch and says why it stopped.
+    pub(super) async fn walk<J: BatchJob>(&self, job: &J, run: &mut ClaimedRun) -> Result<Stop, JobError> {
+        let mut walk = Walk {
+            sizer: BatchSizer::new(self.batch_size, self.throttle.settings().batch_duration),
+            renewed: Instant::now(),
+            episodes: Episodes::default(),
+        };
+        let stop = self.batches(job, run, &mut walk).await;
+        walk.episodes.end();
+        stop
+    }
+
+    async fn batches<J: BatchJob>(
+        &self,
+        job: &J,
+        run: &mut ClaimedRun,
+        walk: &mut Walk,
+    ) -> Result<Stop, JobError> {
+        if self.cancel.is_cancelled() {
+            return Ok(Stop::Shutdown);
+        }
+        // Skip straight to the first id with work; nothing at all means the run is done.
+        let first = job.first_id(&self.pool, run.key()).await?;
+        let mut next = run.next_id().zip(first).map(|(n, f)| n.max(f));
+        loop {
+            let Some(from_id) = next else {
+                return Ok(Stop::Done);
+            };
+            let limit = self.throttle.cap_batch(walk.sizer.next());
+            if let Some(stop) = self.throttled(run, limit, walk).await? {
+                return Ok(stop);
+            }
+            let limit = self.throttle.cap_batch(walk.sizer.next());
+            match self.timed_batch(job, run, from_id, limit).await? {
+                BatchResult::Empty => return Ok(Stop::Done),
+                BatchResult::Fenced => return Ok(Stop::LeaseLost),
+                BatchResult::Committed {
+                    covered,
+                    paused,
+                    took,
+                } => {
+                    walk.renewed = Instant::now();
+                    self.committed(run.key(), walk, covered, took);
+                    if let Some((by, reason)) = paused {
+                        tracing::warn!(cursor = covered.last_id, paused_by = %by, reason = %reason,
+                            "job paused: handing the key back after this batch");
+                        return Ok(Stop::Paused(Pause::run_error(&by, &reason)));
+                    }
+                }
+            }
+            next = run.next_id();
+            if self.cancel.is_cancelled() {
+                return Ok(Stop::Shutdown);
+            }
+        }
+    }
+
+    /// One batch under `claim.batch_timeout`.
+    async fn timed_batch<J: BatchJob>(
+        &self,
+        job: &J,
+        run: &mut ClaimedRun,
+        from_id: i64,
+        limit: u32,
+    ) -> Result<BatchResult, JobError> {
+        let timeout = self.lease.batch_timeout();
+        let batch = tokio::time::timeout(timeout, self.batch(job, run, from_id, limit)).await;
+        // The pace admitted `limit` rows (in `throttled`); it gets back what the batch did not work.
+        let done = match &batch {
+            Ok(Ok(BatchResult::Committed { covered, .. })) => covered.scanned,
+            _ => 0,
+        };
+        self.throttle.settle(limit, done);
+        batch.unwrap_or(Err(JobError::BatchTimeout(timeout)))
+    }
+
+    /// One batch: read the next rows, then one transaction that writes them and, last, passes the fence.
+    async fn batch<J: BatchJob>(
+        &self,
+        job: &J,
+        run: &mut ClaimedRun,
+        from_id: i64,
+        limit: u32,
+    ) -> Result<BatchResult, JobError> {
+        let key = *run.key();
+        let Some(batch) = job.fetch(&self.pool, &key, from_id, i64::from(limit)).await? else {
+            return Ok(BatchResult::Empty);
+        };
+        let (last_id, scanned) = J::extent(&batch);
+        let began = Instant::now();
+        let mut tx = self.pool.begin().await?;
+        store::set_local_lock_timeout(&mut tx, self.lease.lock_timeout()).await?;
+        let updated = i64::try_from(job.write(&mut tx, &key, &batch).await?).unwrap_or(i64::MAX);
+        let covered = Covered {
+            last_id,
+            scanned,
+            updated,
+        };
+        Ok(match run.advance(tx, covered).await? {
+            Fence::Lost => BatchResult::Fenced,
+            Fence::Passed { paused } => BatchResult::Committed {
+                covered,
+                paused: paused.filter(|_| !self.ignore_pause),
+                took: began.elapsed(),
+            },
+        })
+    }
+
+    /// What follows a committed batch: the next batch's size adapts to this one's duration, and the progress
+    /// hook, the metrics and the log hear of its rows.
+    fn committed(&self, key: &RunKey, walk: &mut Walk, covered: Covered, took: Duration) {
+        let (s, u) = (covered.scanned, covered.updated);
+        let size = walk.sizer.next();
+        walk.sizer.observe(s, took);
+        if walk.sizer.next() != size {
+            tracing::debug!(
+                took_ms = took.as_millis() as u64,
+                from = size,
+                to = walk.sizer.next(),
+                "batch resized to throttle.batch_duration"
+            );
+        }
+        if let Some(p) = &self.progress {
+            p.call(s, u);
+        }
+        if let Some(m) = &self.metrics {
+            m.add(
+                "fine_settler_rows_scanned_total",
+                Some(key.job.as_str()),
+                None,
+                s as f64,
+            );
+            m.add(
+                "fine_settler_rows_updated_total",
+                Some(key.job.as_str()),
+                None,
+                u as f64,
+            );
+            m.progress_now();
+        }
+        tracing::debug!(
+            cursor = covered.last_id,
+            batch_scanned = s,
+            batch_updated = u,
+            "batch committed"
+        );
+    }
+}

@@ -1,0 +1,281 @@
+//! The tick's view of its shard: one status statement (the database clock, this shard's keys in the window and
+//! which of them have late rows, the pending charges, the pauses) and what the tick does with each key
+//! ([`Action`]).
+
+use chrono::{DateTime, NaiveDate, Utc};
+use sqlx::PgConnection;
+
+use super::{ClaimMode, RunStatus};
+use crate::{
+    shard::ShardSpec,
+    store::pauses::{Pause, PauseScope},
+};
+
+/// What a tick does with a due key, by what it saw of the key's row and whether a pause covers the key.
+/// [`KeyState::action`] is the only place that decides it, and it decides as [`super::claim`] does: `claim` (in
+/// [`ClaimMode::Free`]) wins exactly the keys whose action is `Claim` or `Takeover`, and [`ClaimMode::Reopen`]
+/// the `Reopen` ones. A paused key is never tried (`claim` does not look at pauses: the tick does not call it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    /// No row yet: insert it under epoch 1.
+    Claim,
+    /// FAILED, or RUNNING with an expired lease: take it over under a new epoch.
+    Takeover,
+    /// SUCCESS, but rows of its business date are still to do: re-open it.
+    Reopen,
+    /// SUCCESS with nothing left, or a live owner holds it.
+    Skip,
+    /// An operator paused the job (or this shard of it): not claimed until it is resumed. A SUCCESS key with
+    /// nothing left stays `Skip`.
+    Paused,
+}
+
+impl Action {
+    /// The action for a key whose row is `state` (`None`: no row), `paused` or not.
+    pub fn of(state: Option<&KeyState>, paused: bool) -> Self {
+        match state {
+            Some(s) => s.action(paused),
+            None if paused => Action::Paused,
+            None => Action::Claim,
+        }
+    }
+
+    /// Whether a tick runs the key: anything but a SUCCESS key with nothing left, or a paused key. (A key a
+    /// live owner holds is tried too: its claim is skipped, and the tick learns when the lease ends.)
+    pub fn runs(state: Option<&KeyState>, paused: bool) -> bool {
+        !state.is_some_and(KeyState::done) && !paused
+    }
+}
+
+/// A `job_runs` row of this shard, as a tick sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyState {
+    pub job_name: String,
+    pub business_date: NaiveDate,
+    pub status: RunStatus,
+    pub owner: String,
+    /// The lease has run out (by the database clock).
+    pub expired: bool,
+    /// A SUCCESS key whose business date has rows still to do (see [`LateProbe`]): it is re-opened.
+    pub late: bool,
+}
+
+impl KeyState {
+    /// What a tick does with the key: what [`super::claim`] would do with it ([`RunStatus::taken_by`]: FAILED,
+    /// or RUNNING with an expired lease, is taken over; a live owner is never displaced), plus re-opening late
+    /// SUCCESS keys; while `paused`, nothing but a finished key's skip.
+    pub fn action(&self, paused: bool) -> Action {
+        if self.done() {
+            Action::Skip
+        } else if paused {
+            Action::Paused
+        } else if self.status == RunStatus::Success {
+            // Not done: it has rows left, and a re-open takes it.
+            Action::Reopen
+        } else if self.status.taken_by(self.expired, ClaimMode::Free) {
+            Action::Takeover
+        } else {
+            Action::Skip
+        }
+    }
+
+    /// SUCCESS with nothing left to do.
+    pub fn done(&self) -> bool {
+        self.status == RunStatus::Success && !self.late
+    }
+}
+
+/// Which SUCCESS keys the tick status also checks for rows still to do, and the policy that says what is still
+/// to do. A date of `None` turns the job's probe off (the job is disabled).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LateProbe {
+    /// Settlement keys from this business date on: any unsettled loan of the shard returned in the month.
+    pub settlement_since: Option<NaiveDate>,
+    /// Accrual keys from this day on: any loan of the shard overdue on the day and neither charged nor queued
+    /// for it, and under the cap.
+    pub accrual_since: Option<NaiveDate>,
+    pub grace_days: i32,
+    /// 0 = no cap.
+    pub cap_cents: i64,
+}
+
+/// What a tick sees before it claims anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TickStatus {
+    /// The database clock.
+    pub now: DateTime<Utc>,
+    /// This shard's `job_runs` rows in the window.
+    pub keys: Vec<KeyState>,
+    /// This shard's pending charges due for a retry.
+    pub due_pending: i64,
+    /// This shard's PENDING and DEAD charges.
+    pub pending: i64,
+    pub dead: i64,
+    /// The pauses covering this shard, at most one per job (the whole job's before the shard's own).
+    pub pauses: Vec<Pause>,
+}
+
+/// Everything a tick needs to know before it claims anything, in one statement: the database clock, this
+/// shard's `job_runs` rows for business dates from `since` on — each SUCCESS key in `late`'s window with
+/// whether rows of it are still to do — how many of its pending charges are due, and the pauses that cover the
+/// shard (`job_pauses`, a table of a few rows, aggregated into arrays on the one first row). An idle tick costs
+/// exactly this one round trip.
+///
+/// The settlement probe is the predicate [`crate::store::loans::month_has_unsettled`] asks for one key (and the
+/// one the batches select); it reads the partial index of unsettled loans by return date: a settled month has no
+/// entry in it, so the probe costs one index descent per key. The accrual probe is the SQL function
+/// `fine_settler_uncharged_days` (a migration), asked once for the whole window (and by
+/// [`crate::store::ledger::day_has_uncharged`] for one day): it walks the overdue loans still out and counts each
+/// one's ledger rows in the window, which is why the daemon asks it only every `accrual.recheck_every`.
+pub async fn tick_status(
+    conn: &mut PgConnection,
+    shard: ShardSpec,
+    since: NaiveDate,
+    late: LateProbe,
+) -> Result<TickStatus, sqlx::Error> {
+    let rows = status_rows(conn, shard, since, late).await?;
+    let first = rows.first().ok_or(sqlx::Error::RowNotFound)?;
+    crate::store::ReadOnlyServer::check(first.in_recovery, first.read_only)?;
+    let (now, due_pending, pending, dead) = (first.now, first.due_pending, first.pending, first.dead);
+    let pauses = first.pauses(shard);
+    Ok(TickStatus {
+        now,
+        keys: rows.into_iter().filter_map(StatusRow::key_state).collect(),
+        due_pending,
+        pending,
+        dead,
+        pauses,
+    })
+}
+
+/// One row of the tick's status statement: the shard's figures and pauses (the same on every row) and one key's
+/// row (`None` columns when the shard has no key in the window: the one row then carries only the figures).
+#[derive(Debug)]
+struct StatusRow {
+    now: DateTime<Utc>,
+    due_pending: i64,
+    pending: i64,
+    dead: i64,
+    in_recovery: bool,
+    read_only: bool,
+    paused_jobs: Vec<String>,
+    paused_shards: Vec<i32>,
+    paused_by: Vec<String>,
+    paused_reasons: Vec<String>,
+    paused_since: Vec<DateTime<Utc>>,
+    job_name: Option<String>,
+    business_date: Option<NaiveDate>,
+    status: Option<RunStatus>,
+    owner: Option<String>,
+    expired: Option<bool>,
+    late: Option<bool>,
+}
+
+impl StatusRow {
+    /// The pauses covering `shard`, at most one per job: ordered by job, the whole job's pause (shards = 0)
+    /// first, the first of each job is kept.
+    fn pauses(&self, shard: ShardSpec) -> Vec<Pause> {
+        let mut pauses: Vec<Pause> = Vec::new();
+        let each = self
+            .paused_jobs
+            .iter()
+            .zip(&self.paused_shards)
+            .zip(&self.paused_by);
+        for (((job, shards), by), (reason, since)) in
+            each.zip(self.paused_reasons.iter().zip(&self.paused_since))
+        {
+            if pauses.iter().any(|p| &p.job_name == job) {
+                continue;
+            }
+            pauses.push(Pause {
+                job_name: job.clone(),
+                scope: match *shards {
+                    0 => PauseScope::Job,
+                    _ => PauseScope::Shard(shard),
+                },
+                by: by.clone(),
+                reason: reason.clone(),
+                since: *since,
+            });
+        }
+        pauses
+    }
+
+    /// The row's key, if it has one.
+    fn key_state(self) -> Option<KeyState> {
+        Some(KeyState {
+            job_name: self.job_name?,
+            business_date: self.business_date?,
+            status: self.status?,
+            owner: self.owner?,
+            expired: self.expired?,
+            late: self.late.unwrap_or(false),
+        })
+    }
+}
+
+/// The status statement (see [`tick_status`]).
+async fn status_rows(
+    conn: &mut PgConnection,
+    shard: ShardSpec,
+    since: NaiveDate,
+    late: LateProbe,
+) -> Result<Vec<StatusRow>, sqlx::Error> {
+    sqlx::query_as!(
+        StatusRow,
+        r#"with late_days as (
+               -- Up to the latest accrual day that succeeded: the days after it have not been accrued at all.
+               select fine_settler_uncharged_days(
+                          $5::date,
+                          (select max(business_date) from job_runs
+                           where job_name = 'overdue-accrual' and shards = $1::int and shard = $2::int
+                             and status = 'SUCCESS' and business_date >= $5::date),
+                          $1::int, $2::int, $6::int, $7::bigint) as d
+           )
+           select t.now as "now!", t.due_pending as "due_pending!", t.pending as "pending!", t.dead as "dead!",
+                  t.in_recovery as "in_recovery!", t.read_only as "read_only!",
+                  pz.jobs as "paused_jobs!", pz.shards as "paused_shards!", pz.bys as "paused_by!",
+                  pz.reasons as "paused_reasons!", pz.since as "paused_since!",
+                  r.job_name as "job_name?", r.business_date as "business_date?",
+                  r.status as "status?: RunStatus", r.owner as "owner?", (r.lease_until < t.now) as "expired?",
+                  (r.status = 'SUCCESS' and (
+                       (r.job_name = 'fine-settlement' and r.business_date >= $4::date and exists (
+                            select 1 from loans l
+                            where l.fine_settled_at is null and l.returned_on is not null
+                              and l.returned_on between date_trunc('month', r.business_date)::date
+                                                    and r.business_date
+                              and l.id % $1::int = $2::int))
+                    or (r.job_name = 'overdue-accrual' and r.business_date in (select d from late_days)))
+                  ) as "late?"
+           from (select now() as now, pg_is_in_recovery() as in_recovery,
+                        current_setting('transaction_read_only') = 'on' as read_only,
+                        (select count(*) from fine_pending p
+                         where p.status = 'PENDING' and p.next_attempt_at <= now()
+                           and p.loan_id % $1::int = $2::int) as due_pending,
+                        (select count(*) filter (where p.status = 'PENDING') from fine_pending p
+                         where p.loan_id % $1::int = $2::int) as pending,
+                        (select count(*) filter (where p.status = 'DEAD') from fine_pending p
+                         where p.loan_id % $1::int = $2::int) as dead) t
+           cross join (select coalesce(array_agg(p.job_name order by p.job_name, p.shards), '{}') as jobs,
+                              coalesce(array_agg(p.shards order by p.job_name, p.shards), '{}') as shards,
+                              coalesce(array_agg(p.paused_by order by p.job_name, p.shards), '{}') as bys,
+                              coalesce(array_agg(p.reason order by p.job_name, p.shards), '{}') as reasons,
+                              coalesce(array_agg(p.paused_at order by p.job_name, p.shards), '{}') as since
+                       from job_pauses p
+                       where (p.shards = 0 and p.shard = 0) or (p.shards = $1::int and p.shard = $2::int)) pz
+           left join job_runs r
+             on r.shards = $1::int and r.shard = $2::int
+            and r.business_date >= $3"#,
+        shard.shards(),
+        shard.shard(),
+        since,
+        // A disabled probe asks from a date no key has, so that its subqueries are never evaluated.
+        late.settlement_since.unwrap_or(NaiveDate::MAX),
+        late.accrual_since.unwrap_or(NaiveDate::MAX),
+        late.grace_days,
+        late.cap_cents,
+    )
+    .fetch_all(&mut *conn)
+    .await
+}
