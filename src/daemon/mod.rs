@@ -19,11 +19,12 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     backoff::Backoff,
     config::{Settings, TimeSource},
+    health::Heartbeat,
     jobs::{
         accrual::{self, Accrual},
         runner::{process_owner, Runner},
         settlement::Settlement,
-        throttle::{Reason, Throttle},
+        throttle::Throttle,
         JobName, Outcome, RunKey, RunReport,
     },
     metrics::Metrics,
@@ -131,6 +132,8 @@ pub struct Daemon {
     run_now: Arc<Notify>,
     skew_warned: bool,
     metrics: Arc<Metrics>,
+    /// The replica's liveness: `/healthz`, the status page and the systemd watchdog read it.
+    heartbeat: Arc<Heartbeat>,
     /// The service manager (systemd), told READY=1 and STATUS=… when `NOTIFY_SOCKET` is set.
     notifier: Option<Arc<Notifier>>,
     /// The compensation pass is failing (logged once per episode, like an outage).
@@ -162,30 +165,8 @@ impl Daemon {
             settings.database.connect_timeout,
             settings.claim.lease.batch_timeout() + settings.database.connect_timeout,
         );
-        let metrics = Arc::new(Metrics::new(settings.instance.to_string()));
-        // Counters an alert watches start at 0, so that their first increase is seen.
-        for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
-            for name in [
-                "fine_settler_keys_abandoned_total",
-                "fine_settler_late_rows_total",
-            ] {
-                metrics.add(name, Some(job.as_str()), None, 0.0);
-            }
-        }
-        metrics.add("fine_settler_compensation_errors_total", None, None, 0.0);
-        for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
-            for reason in [Reason::Rate, Reason::ReplicaLag] {
-                metrics.add_reason(
-                    "fine_settler_throttled_seconds_total",
-                    Some(job.as_str()),
-                    reason.as_str(),
-                    0.0,
-                );
-            }
-        }
-        for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
-            metrics.set("fine_settler_paused", Some(job.as_str()), 0.0);
-        }
+        let metrics = Arc::new(Metrics::new(settings.instance.to_string()).with_watched_series_at_zero());
+        let heartbeat = Arc::new(Heartbeat::exporting(metrics.last_progress()));
         let throttle = Throttle::new(settings.throttle.clone());
         Daemon {
             settings,
@@ -197,6 +178,7 @@ impl Daemon {
             run_now,
             skew_warned: false,
             metrics,
+            heartbeat,
             notifier: None,
             compensation_failing: false,
             abandoned: HashSet::new(),
@@ -223,7 +205,7 @@ impl Daemon {
     async fn nap(&self, wait: Duration) {
         let until = tokio::time::Instant::now() + wait;
         loop {
-            self.metrics.alive();
+            self.heartbeat.alive();
             let left = until.saturating_duration_since(tokio::time::Instant::now());
             if left.is_zero() {
                 return;
@@ -243,7 +225,7 @@ impl Daemon {
         loop {
             let ready = store::readiness(&self.pool).await;
             // Waiting for the database is not a stall: each attempt counts as progress for /healthz.
-            self.metrics.progress_now();
+            self.heartbeat.progress_now();
             match ready {
                 Ok(()) => {
                     if failures > 0 {
@@ -276,6 +258,11 @@ impl Daemon {
         self.metrics.clone()
     }
 
+    /// The replica's liveness (for the HTTP listener and the watchdog).
+    pub fn heartbeat(&self) -> Arc<Heartbeat> {
+        self.heartbeat.clone()
+    }
+
     /// The owner name this replica claims keys under (for the status page).
     pub fn owner(&self) -> &str {
         &self.owner
@@ -295,6 +282,7 @@ impl Daemon {
             self.shutdown.clone(),
         )
         .with_metrics(self.metrics.clone())
+        .with_heartbeat(self.heartbeat.clone())
         .with_throttle(self.throttle.clone())
     }
 
@@ -328,18 +316,14 @@ impl Daemon {
             self.wall.clone(),
             true,
         )
-        .with_heartbeat(self.metrics.clone());
+        .with_heartbeat(self.heartbeat.clone());
         let run_now = self.run_now.clone();
         let shutdown = self.shutdown.clone();
         let mut next_prune = tokio::time::Instant::now() + FIRST_PRUNE_AFTER;
         while let Some(tick) = scheduler.next(&run_now, &shutdown).await {
             let stats = scheduler.stats();
             self.metrics
-                .set("fine_settler_slots_dropped_total", None, stats.dropped as f64);
-            self.metrics
-                .set("fine_settler_slots_merged_total", None, stats.merged as f64);
-            self.metrics
-                .set("fine_settler_slot_rebases_total", None, stats.rebased as f64);
+                .set_slot_totals(stats.dropped, stats.merged, stats.rebased);
             self.tick_through_outages(tick).await;
             if tokio::time::Instant::now() >= next_prune && !shutdown.is_cancelled() {
                 self.prune_history().await;
@@ -359,10 +343,10 @@ impl Daemon {
         let mut outage_started: Option<(tokio::time::Instant, bool)> = None;
         loop {
             let result = self.tick().await;
-            self.metrics.progress_now();
+            self.heartbeat.progress_now();
             match result {
                 Ok(reports) => {
-                    self.metrics.add("fine_settler_ticks_total", None, None, 1.0);
+                    self.metrics.count_tick();
                     if let Some((started, read_only)) = outage_started {
                         let down_ms = started.elapsed().as_millis() as u64;
                         if read_only {
@@ -384,8 +368,7 @@ impl Daemon {
                     return reports;
                 }
                 Err(e) => {
-                    self.metrics
-                        .add("fine_settler_tick_errors_total", None, None, 1.0);
+                    self.metrics.count_tick_error();
                     failures += 1;
                     if outage_started.is_none() {
                         let read_only = matches!(e, TickError::ReadOnly(_));
@@ -424,7 +407,7 @@ impl Daemon {
             .accrual_rechecked
             .is_none_or(|at| at.elapsed() >= self.settings.accrual.recheck_every);
         let status = self.read_status(before, recheck_accrual).await?;
-        self.metrics.ticked_now();
+        self.heartbeat.ticked_now();
         if recheck_accrual {
             self.accrual_rechecked = Some(tokio::time::Instant::now());
         }
@@ -434,10 +417,7 @@ impl Daemon {
             TimeSource::Database => status.now,
             TimeSource::System => after,
         };
-        self.metrics
-            .set("fine_settler_pending", None, status.pending as f64);
-        self.metrics
-            .set("fine_settler_pending_dead", None, status.dead as f64);
+        self.metrics.set_pending(status.pending, status.dead);
         // A paused accrual charges nothing, its queue included (as `accrue` refuses before its pass).
         let accrual_paused = status
             .pauses
@@ -454,8 +434,7 @@ impl Daemon {
             .collect();
         if todo.is_empty() {
             for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
-                self.metrics
-                    .set("fine_settler_due_unsettled", Some(job.as_str()), 0.0);
+                self.metrics.set_due_unsettled(job, 0);
             }
             tracing::debug!(%now, "tick: nothing due");
             return Ok(Vec::new());
@@ -510,11 +489,7 @@ impl Daemon {
                 .filter(|r| r.job == job.as_str() && r.outcome == Outcome::Settled)
                 .count();
             let due = todo.iter().filter(|d| d.job == job).count();
-            self.metrics.set(
-                "fine_settler_due_unsettled",
-                Some(job.as_str()),
-                due.saturating_sub(settled) as f64,
-            );
+            self.metrics.set_due_unsettled(job, due.saturating_sub(settled));
         }
         Ok(reports)
     }
@@ -539,7 +514,7 @@ impl Daemon {
         let limits = accrual::PassLimits {
             cancel: Some(self.shutdown.clone()),
             budget: Some(self.settings.claim.lease.batch_timeout()),
-            metrics: Some(self.metrics.clone()),
+            heartbeat: Some(self.heartbeat.clone()),
             progress: None,
         };
         match accrual::compensate_within(&self.pool, &accrual, Some(shard), true, max_attempts, &limits).await
@@ -557,8 +532,7 @@ impl Daemon {
                 );
             }
             Err(e) => {
-                self.metrics
-                    .add("fine_settler_compensation_errors_total", None, None, 1.0);
+                self.metrics.count_compensation_error();
                 let e = StoreError::from(e);
                 if !std::mem::replace(&mut self.compensation_failing, true) {
                     tracing::error!(error = %e, "compensation pass failed; settlement and accrual go on, retrying at the next tick");
@@ -574,8 +548,10 @@ impl Daemon {
     fn report_abandoned(&mut self, now: DateTime<Utc>, states: &[KeyState]) {
         for s in due::abandoned(&self.settings, now, states) {
             if self.abandoned.insert((s.job_name.clone(), s.business_date)) {
-                self.metrics
-                    .add("fine_settler_keys_abandoned_total", Some(&s.job_name), None, 1.0);
+                let mut jobs = [JobName::FineSettlement, JobName::OverdueAccrual].into_iter();
+                if let Some(job) = jobs.find(|j| j.as_str() == s.job_name) {
+                    self.metrics.count_key_abandoned(job);
+                }
                 tracing::error!(
                     job = %s.job_name,
                     business_date = %s.business_date,
@@ -594,11 +570,7 @@ impl Daemon {
         for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
             let now = pauses.iter().find(|p| p.job_name == job.as_str());
             let before = self.paused.iter().find(|p| p.job_name == job.as_str());
-            self.metrics.set(
-                "fine_settler_paused",
-                Some(job.as_str()),
-                f64::from(u8::from(now.is_some())),
-            );
+            self.metrics.set_paused(job, now.is_some());
             // A pause replaced by another (the job's after the shard's, or a new one after a resume between two
             // ticks) is a new episode.
             let same = |a: &Pause, b: &Pause| a.scope == b.scope && a.since == b.since;
@@ -679,8 +651,7 @@ impl Daemon {
     /// and an info line when it is back within bounds.
     fn observe_skew(&mut self, host: DateTime<Utc>, db: DateTime<Utc>) {
         let skew_ms = (host - db).num_milliseconds();
-        self.metrics
-            .set("fine_settler_clock_skew_seconds", None, skew_ms as f64 / 1000.0);
+        self.metrics.set_clock_skew(skew_ms as f64 / 1000.0);
         let limit = self.settings.max_skew.as_millis() as i64;
         tracing::debug!(clock_skew_ms = skew_ms, "host clock minus database clock");
         if skew_ms.abs() > limit && !self.skew_warned {

@@ -219,7 +219,8 @@ pub struct Compensation {
 pub struct PassLimits {
     pub cancel: Option<tokio_util::sync::CancellationToken>,
     pub budget: Option<Duration>,
-    pub metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
+    /// Told of every charge as progress (the daemon's heartbeat), if anything is.
+    pub heartbeat: Option<std::sync::Arc<crate::health::Heartbeat>>,
     /// Told of every charge the pass handles (one row scanned; one updated if charged), if anything is.
     pub progress: Option<crate::progress::RowsHook>,
 }
@@ -274,8 +275,8 @@ pub async fn compensate_within(
             if over() {
                 return Ok(result);
             }
-            if let Some(m) = &limits.metrics {
-                m.progress_now();
+            if let Some(h) = &limits.heartbeat {
+                h.progress_now();
             }
             let mut tx = pool.begin().await?;
             crate::store::set_local_lock_timeout(&mut tx, accrual.lock_timeout).await?;

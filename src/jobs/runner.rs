@@ -23,7 +23,8 @@ use crate::{
     backoff::Backoff,
     calendar::CalendarError,
     config::{ClaimSettings, Lease},
-    metrics::Metrics,
+    health::Heartbeat,
+    metrics::{ClaimResult, Metrics},
     progress::RowsHook,
     redact::secrets_in as redact_secrets_in,
     store::{
@@ -196,6 +197,9 @@ pub struct Runner {
     pub cancel: CancellationToken,
     /// Where the replica's metrics go (the daemon's), if anywhere.
     pub metrics: Option<Arc<Metrics>>,
+    /// Told of the run's progress (every committed batch and lease renewal) and of its throttled waits (the
+    /// daemon's heartbeat), if anything is.
+    pub heartbeat: Option<Arc<Heartbeat>>,
     /// Told the rows of every committed batch (an operator's progress bar), if anything is.
     pub progress: Option<RowsHook>,
     /// Go on through a pause of the job (`--ignore-pause`); by default a run hands its key back after the
@@ -327,6 +331,7 @@ impl Runner {
             batch_size,
             cancel,
             metrics: None,
+            heartbeat: None,
             progress: None,
             ignore_pause: false,
             throttle: Throttle::off(),
@@ -348,6 +353,12 @@ impl Runner {
     /// The same runner, reporting to `metrics`.
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = Some(metrics);
+        self
+    }
+
+    /// The same runner, reporting its progress to `heartbeat`.
+    pub fn with_heartbeat(mut self, heartbeat: Arc<Heartbeat>) -> Self {
+        self.heartbeat = Some(heartbeat);
         self
     }
 
@@ -386,24 +397,17 @@ impl Runner {
             ..report
         };
         if let Some(m) = &self.metrics {
-            let job = Some(report.job);
-            m.add("fine_settler_runs_total", job, Some(report.outcome.as_str()), 1.0);
-            if report.outcome == Outcome::LeaseLost {
-                m.add("fine_settler_lease_lost_total", job, None, 1.0);
-            }
+            let job = key.job;
+            m.count_run(job, report.outcome);
             if report.outcome != Outcome::Skipped && report.epoch.is_some() {
-                m.observe(
-                    "fine_settler_run_duration_seconds",
-                    job,
-                    report.elapsed_ms as f64 / 1000.0,
-                );
+                m.observe_run_duration(job, report.elapsed_ms as f64 / 1000.0);
             }
             if report.outcome == Outcome::Settled {
                 let now = crate::metrics::unix_now_ms() as f64 / 1000.0;
-                m.set("fine_settler_last_success_timestamp_seconds", job, now);
+                m.set_last_success(job, now);
             }
             if report.reopened {
-                m.add("fine_settler_late_rows_total", job, None, report.updated as f64);
+                m.count_late_rows(job, report.updated);
             }
         }
         if report.reopened && report.updated > 0 {
@@ -485,18 +489,13 @@ impl Runner {
         }
         let (epoch, cursor, reopened) = match claimed {
             Ok(Claim::Won { epoch, cursor, kind }) => {
-                let result = match kind {
-                    ClaimKind::Inserted => "won",
-                    ClaimKind::Reopened => "reopened",
-                    ClaimKind::TakenOver | ClaimKind::Forced => "takeover",
-                };
-                self.count_claim(key, result);
+                self.count_claim(key, ClaimResult::from(kind));
                 span.record("epoch", epoch);
                 tracing::info!(claim = ?kind, cursor, "claimed");
                 (epoch, cursor, kind == ClaimKind::Reopened)
             }
             Ok(Claim::Skipped(holder)) => {
-                self.count_claim(key, "skipped");
+                self.count_claim(key, ClaimResult::Skipped);
                 let detail = if holder.status == RunStatus::Running {
                     format!(
                         "held by {} until {}",
@@ -615,19 +614,10 @@ impl Runner {
                         p.call(s, u);
                     }
                     if let Some(m) = &self.metrics {
-                        m.add(
-                            "fine_settler_rows_scanned_total",
-                            Some(key.job.as_str()),
-                            None,
-                            s as f64,
-                        );
-                        m.add(
-                            "fine_settler_rows_updated_total",
-                            Some(key.job.as_str()),
-                            None,
-                            u as f64,
-                        );
-                        m.progress_now();
+                        m.count_rows(key.job, s, u);
+                    }
+                    if let Some(h) = &self.heartbeat {
+                        h.progress_now();
                     }
                     tracing::debug!(
                         cursor = last_id,
@@ -732,14 +722,9 @@ impl Runner {
         }
     }
 
-    fn count_claim(&self, key: RunKey, result: &str) {
+    fn count_claim(&self, key: RunKey, result: ClaimResult) {
         if let Some(m) = &self.metrics {
-            m.add(
-                "fine_settler_claims_total",
-                Some(key.job.as_str()),
-                Some(result),
-                1.0,
-            );
+            m.count_claim(key.job, result);
         }
     }
 
@@ -802,13 +787,10 @@ impl Runner {
                     episodes.rate_waited(slept);
                 }
                 if let Some(m) = &self.metrics {
-                    m.add_reason(
-                        "fine_settler_throttled_seconds_total",
-                        Some(key.job.as_str()),
-                        reason.as_str(),
-                        slept.as_secs_f64(),
-                    );
-                    m.alive();
+                    m.add_throttled(key.job, reason, slept.as_secs_f64());
+                }
+                if let Some(h) = &self.heartbeat {
+                    h.alive();
                 }
             }
             if Instant::now() >= renew_at {
@@ -836,8 +818,8 @@ impl Runner {
                 }
                 *renewed = Instant::now();
                 tracing::debug!(cursor = committed, "lease renewed while throttled");
-                if let Some(m) = &self.metrics {
-                    m.progress_now();
+                if let Some(h) = &self.heartbeat {
+                    h.progress_now();
                 }
             }
         }
