@@ -17,8 +17,9 @@
 //!   what is due at a given time ([`schedule::due`]).
 //! - [`daemon`]: the long-running replica (ticks, outages, abandoned keys) and its lifecycle from start to exit
 //!   ([`daemon::run`]); [`signals`]: signal handling; [`sdnotify`]: systemd's notify protocol and watchdog;
-//!   [`http`]: `/healthz`, `/readyz`, `/metrics`, `/status`; [`metrics`]: the replica's counters and gauges;
-//!   [`status`]: the status page and its data.
+//!   [`health`]: the replica's liveness (last progress, the watchdog's feed); [`http`]: `/healthz`, `/readyz`,
+//!   `/metrics`, `/status`; [`metrics`]: the replica's typed metric families; [`status`]: the status page and
+//!   its data.
 //! - [`demo`]: deterministic demo loans.
 //! - [`cli`]: the command line (arguments, dispatch, output); `main.rs` only calls [`cli::main`].
 //! - [`telemetry`]: structured logs; [`progress`]: the one-shot commands' progress bars on a terminal.
@@ -30,6 +31,7 @@ pub mod config;
 pub mod daemon;
 pub mod demo;
 pub mod fine;
+pub mod health;
 pub mod http;
 pub mod jobs;
 pub mod metrics;

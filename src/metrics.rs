@@ -1,275 +1,600 @@
-//! Prometheus metrics of one replica, rendered in the text exposition format by `/metrics`. Labels are only
-//! `job`, `shard`, `result` and `reason` — never dates or ids, so the number of series stays fixed.
+//! Prometheus metrics of one replica: typed families (`prometheus-client`) registered once in [`Metrics`], and
+//! rendered in the text exposition format (0.0.4) by `/metrics`. Labels are only `job`, `shard`, `result` and
+//! `reason` — never dates or ids, so the number of series stays fixed — and every label value but the shard
+//! comes from a closed set (an enum), so neither a metric nor a label value can be misspelt at a call site.
+//!
+//! Decisions:
+//! - The names in this file are the exported ones (`fine_settler_claims_total`). prometheus-client appends
+//!   `_total` to a counter's name itself, so [`Builder::add`] registers a counter without it; and it appends a
+//!   full stop to every help text, so the help texts here are registered without theirs.
+//! - The run duration was a summary (`_sum` and `_count` only); prometheus-client has no summary, so it is a
+//!   histogram with fixed buckets ([`RUN_DURATION_BUCKETS`]): `_sum` and `_count` are still there, and
+//!   `histogram_quantile` works on its `_bucket` series.
+//! - `shard` is a label of every series (as `"S/N"`), written after `job` and before `result` / `reason`, as it
+//!   always was; the label sets below keep that order.
+//! - A replica's series that an alert watches with `increase()` exist with 0 from its start
+//!   ([`Metrics::with_watched_series_at_zero`]), so that their first increase is seen. Other families appear with
+//!   their first series (an empty family exports nothing, not even its `# HELP`).
+//! - Liveness (the last progress, the systemd watchdog) is not kept here but in [`crate::health::Heartbeat`]; its
+//!   last progress is exported as `fine_settler_last_progress_timestamp_seconds` through a shared [`UnixTime`].
 
 use std::{
-    collections::BTreeMap,
-    fmt::Write as _,
+    collections::BTreeSet,
+    fmt,
     sync::{
-        atomic::{AtomicI64, Ordering},
-        Arc, Mutex, OnceLock,
+        atomic::{AtomicI64, AtomicU64, Ordering},
+        Arc,
     },
 };
 
-use crate::sdnotify::Watchdog;
+use prometheus_client::{
+    encoding::{
+        prometheus_text, EncodeLabelSet, EncodeLabelValue, EncodeMetric, LabelValueEncoder, MetricEncoder,
+    },
+    metrics::{
+        counter::Counter, family::Family, gauge::Gauge, histogram::Histogram, MetricType, TypedMetric,
+    },
+    registry::{Metric, Registry},
+};
 
-/// Every metric the binary exports: name, type, help. Alert rules and dashboards are checked against this list.
-pub const DEFINITIONS: &[(&str, &str, &str)] = &[
-    (
-        "fine_settler_claims_total",
-        "counter",
-        "Claim attempts by result: won (new key), takeover (also forced), reopened, skipped.",
-    ),
-    (
-        "fine_settler_lease_lost_total",
-        "counter",
-        "Runs that found their key taken over by another replica.",
-    ),
-    (
-        "fine_settler_runs_total",
-        "counter",
-        "Runs by result: settled, skipped, failed, lease_lost.",
-    ),
-    (
-        "fine_settler_run_duration_seconds",
-        "summary",
-        "Time from claim to finish of runs that claimed their key.",
-    ),
-    (
-        "fine_settler_rows_scanned_total",
-        "counter",
-        "Rows read by committed batches.",
-    ),
-    (
-        "fine_settler_rows_updated_total",
-        "counter",
-        "Rows written by committed batches.",
-    ),
-    ("fine_settler_ticks_total", "counter", "Scheduler ticks run."),
-    (
-        "fine_settler_tick_errors_total",
-        "counter",
-        "Tick attempts that could not read their status (database unreachable).",
-    ),
-    (
-        "fine_settler_slots_dropped_total",
-        "counter",
-        "Triggers dropped because their slot was already processed.",
-    ),
-    (
-        "fine_settler_slots_merged_total",
-        "counter",
-        "Missed slots covered by a later tick.",
-    ),
-    (
-        "fine_settler_slot_rebases_total",
-        "counter",
-        "Ticks that fell more than max_catch_up slots behind and re-based.",
-    ),
-    (
-        "fine_settler_due_unsettled",
-        "gauge",
-        "Due business dates not SUCCESS for this shard after the last tick.",
-    ),
-    (
-        "fine_settler_pending",
-        "gauge",
-        "Charges waiting in the compensation queue for this shard.",
-    ),
-    (
-        "fine_settler_pending_dead",
-        "gauge",
-        "DEAD charges of this shard, waiting for an operator.",
-    ),
-    (
-        "fine_settler_clock_skew_seconds",
-        "gauge",
-        "This host's clock minus the database's, at the last tick.",
-    ),
-    (
-        "fine_settler_last_success_timestamp_seconds",
-        "gauge",
-        "Unix time of the last run that settled its key.",
-    ),
-    (
-        "fine_settler_late_rows_total",
-        "counter",
-        "Rows settled or charged by re-opened keys: returns back-dated into a settled month, rows left locked.",
-    ),
-    (
-        "fine_settler_keys_abandoned_total",
-        "counter",
-        "Keys that left their catch-up window without succeeding (each counted once per process).",
-    ),
-    (
-        "fine_settler_paused",
-        "gauge",
-        "1 while a pause (fine-settler pause) covers this replica's shard of the job, else 0.",
-    ),
-    (
-        "fine_settler_throttled_seconds_total",
-        "counter",
-        "Time batches waited for the throttle, by reason: rate (max_rows_per_second), replica_lag.",
-    ),
-    (
-        "fine_settler_compensation_errors_total",
-        "counter",
-        "Compensation passes that failed with an error other than a rejected charge.",
-    ),
-    (
-        "fine_settler_last_progress_timestamp_seconds",
-        "gauge",
-        "Unix time of the replica's last progress (tick, batch or retry).",
-    ),
+use crate::{
+    jobs::{throttle::Reason, JobName, Outcome},
+    store::job_runs::ClaimKind,
+};
+
+/// Upper bounds (seconds) of the run duration histogram's buckets: from a run that found little to do to a month
+/// of a large shard, which takes tens of minutes.
+pub const RUN_DURATION_BUCKETS: [f64; 12] = [
+    0.1, 0.5, 1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
 ];
+
+/// How a claim attempt ended: the `result` label of `fine_settler_claims_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ClaimResult {
+    /// A new key (inserted with epoch 1).
+    Won,
+    /// A FAILED or expired key taken over, or an operator's forced re-run.
+    Takeover,
+    /// A SUCCESS key re-opened for rows that arrived after its run.
+    Reopened,
+    /// Someone finished the key, or a live owner holds it.
+    Skipped,
+}
+
+impl From<ClaimKind> for ClaimResult {
+    fn from(kind: ClaimKind) -> Self {
+        match kind {
+            ClaimKind::Inserted => ClaimResult::Won,
+            ClaimKind::Reopened => ClaimResult::Reopened,
+            ClaimKind::TakenOver | ClaimKind::Forced => ClaimResult::Takeover,
+        }
+    }
+}
+
+impl ClaimResult {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClaimResult::Won => "won",
+            ClaimResult::Takeover => "takeover",
+            ClaimResult::Reopened => "reopened",
+            ClaimResult::Skipped => "skipped",
+        }
+    }
+}
+
+/// The label values of the closed sets are the names the product already uses (reports, logs, config).
+macro_rules! label_value_from_as_str {
+    ($($t:ty),*) => {$(
+        impl EncodeLabelValue for $t {
+            fn encode(&self, encoder: &mut LabelValueEncoder) -> fmt::Result {
+                fmt::Write::write_str(encoder, self.as_str())
+            }
+        }
+    )*};
+}
+
+label_value_from_as_str!(JobName, Outcome, Reason, ClaimResult);
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ShardLabels {
+    shard: Arc<str>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct JobLabels {
+    job: JobName,
+    shard: Arc<str>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RunLabels {
+    job: JobName,
+    shard: Arc<str>,
+    result: Outcome,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ClaimLabels {
+    job: JobName,
+    shard: Arc<str>,
+    result: ClaimResult,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ThrottleLabels {
+    job: JobName,
+    shard: Arc<str>,
+    reason: Reason,
+}
+
+/// A Unix time in milliseconds that only moves forward, exported as a gauge of seconds. Clones share the value,
+/// so the one who keeps the time (the heartbeat) and the registry that exports it hold the same clock.
+#[derive(Debug, Clone, Default)]
+pub struct UnixTime(Arc<AtomicI64>);
+
+impl UnixTime {
+    /// Moves the time to `unix_ms`, unless it is already later (two tasks may report out of order).
+    pub fn advance_to(&self, unix_ms: i64) {
+        self.0.fetch_max(unix_ms, Ordering::Relaxed);
+    }
+
+    /// The time in Unix milliseconds (0: never set).
+    pub fn unix_ms(&self) -> i64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl TypedMetric for UnixTime {
+    const TYPE: MetricType = MetricType::Gauge;
+}
+
+impl EncodeMetric for UnixTime {
+    fn encode(&self, mut encoder: MetricEncoder) -> fmt::Result {
+        encoder.encode_gauge(&(self.unix_ms() as f64 / 1000.0))
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
+type Counters<L> = Family<L, Counter>;
+type Gauges<L> = Family<L, Gauge>;
+type FloatGauges<L> = Family<L, Gauge<f64, AtomicU64>>;
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn run_duration_histogram() -> Histogram {
+    Histogram::new(RUN_DURATION_BUCKETS)
+}
+
+/// Registers families, keeping each one's exported name and type.
+#[derive(Debug, Default)]
+struct Builder {
+    registry: Registry,
+    families: Vec<(&'static str, MetricType)>,
+}
+
+impl Builder {
+    /// Registers `metric` as `name` (the exported name: a counter's ends in `_total`) with `help`.
+    fn add<M: Metric + Clone>(&mut self, name: &'static str, help: &str, metric: M) -> M {
+        let kind = metric.metric_type();
+        let registered = match kind {
+            MetricType::Counter => name.strip_suffix("_total").unwrap_or(name),
+            _ => name,
+        };
+        self.registry
+            .register(registered, help.strip_suffix('.').unwrap_or(help), metric.clone());
+        self.families.push((name, kind));
+        metric
+    }
+}
+
+/// The families of a run: claims, outcomes, durations and rows.
+#[derive(Debug)]
+struct RunFamilies {
+    claims: Counters<ClaimLabels>,
+    lease_lost: Counters<JobLabels>,
+    runs: Counters<RunLabels>,
+    run_duration: Histograms<JobLabels>,
+    rows_scanned: Counters<JobLabels>,
+    rows_updated: Counters<JobLabels>,
+    last_success: FloatGauges<JobLabels>,
+    late_rows: Counters<JobLabels>,
+    throttled: Family<ThrottleLabels, Counter<f64, AtomicU64>>,
+}
+
+impl RunFamilies {
+    fn register(b: &mut Builder) -> Self {
+        RunFamilies {
+            claims: b.add(
+                "fine_settler_claims_total",
+                "Claim attempts by result: won (new key), takeover (also forced), reopened, skipped.",
+                Family::default(),
+            ),
+            lease_lost: b.add(
+                "fine_settler_lease_lost_total",
+                "Runs that found their key taken over by another replica.",
+                Family::default(),
+            ),
+            runs: b.add(
+                "fine_settler_runs_total",
+                "Runs by result: settled, skipped, failed, lease_lost.",
+                Family::default(),
+            ),
+            run_duration: b.add(
+                "fine_settler_run_duration_seconds",
+                "Time from claim to finish of runs that claimed their key.",
+                Family::new_with_constructor(run_duration_histogram as fn() -> Histogram),
+            ),
+            rows_scanned: b.add(
+                "fine_settler_rows_scanned_total",
+                "Rows read by committed batches.",
+                Family::default(),
+            ),
+            rows_updated: b.add(
+                "fine_settler_rows_updated_total",
+                "Rows written by committed batches.",
+                Family::default(),
+            ),
+            last_success: b.add(
+                "fine_settler_last_success_timestamp_seconds",
+                "Unix time of the last run that settled its key.",
+                Family::default(),
+            ),
+            late_rows: b.add(
+                "fine_settler_late_rows_total",
+                "Rows settled or charged by re-opened keys: returns back-dated into a settled month, rows left \
+                 locked.",
+                Family::default(),
+            ),
+            throttled: b.add(
+                "fine_settler_throttled_seconds_total",
+                "Time batches waited for the throttle, by reason: rate (max_rows_per_second), replica_lag.",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+/// The families of the replica's loop: ticks, slots, what is due, the queue, pauses and the clock.
+#[derive(Debug)]
+struct TickFamilies {
+    ticks: Counters<ShardLabels>,
+    tick_errors: Counters<ShardLabels>,
+    slots_dropped: Counters<ShardLabels>,
+    slots_merged: Counters<ShardLabels>,
+    slot_rebases: Counters<ShardLabels>,
+    due_unsettled: Gauges<JobLabels>,
+    pending: Gauges<ShardLabels>,
+    pending_dead: Gauges<ShardLabels>,
+    clock_skew: FloatGauges<ShardLabels>,
+    keys_abandoned: Counters<JobLabels>,
+    paused: Gauges<JobLabels>,
+    compensation_errors: Counters<ShardLabels>,
+    last_progress: Family<ShardLabels, UnixTime>,
+}
+
+impl TickFamilies {
+    fn register(b: &mut Builder) -> Self {
+        TickFamilies {
+            ticks: b.add(
+                "fine_settler_ticks_total",
+                "Scheduler ticks run.",
+                Family::default(),
+            ),
+            tick_errors: b.add(
+                "fine_settler_tick_errors_total",
+                "Tick attempts that could not read their status (database unreachable).",
+                Family::default(),
+            ),
+            slots_dropped: b.add(
+                "fine_settler_slots_dropped_total",
+                "Triggers dropped because their slot was already processed.",
+                Family::default(),
+            ),
+            slots_merged: b.add(
+                "fine_settler_slots_merged_total",
+                "Missed slots covered by a later tick.",
+                Family::default(),
+            ),
+            slot_rebases: b.add(
+                "fine_settler_slot_rebases_total",
+                "Ticks that fell more than max_catch_up slots behind and re-based.",
+                Family::default(),
+            ),
+            due_unsettled: b.add(
+                "fine_settler_due_unsettled",
+                "Due business dates not SUCCESS for this shard after the last tick.",
+                Family::default(),
+            ),
+            pending: b.add(
+                "fine_settler_pending",
+                "Charges waiting in the compensation queue for this shard.",
+                Family::default(),
+            ),
+            pending_dead: b.add(
+                "fine_settler_pending_dead",
+                "DEAD charges of this shard, waiting for an operator.",
+                Family::default(),
+            ),
+            clock_skew: b.add(
+                "fine_settler_clock_skew_seconds",
+                "This host's clock minus the database's, at the last tick.",
+                Family::default(),
+            ),
+            keys_abandoned: b.add(
+                "fine_settler_keys_abandoned_total",
+                "Keys that left their catch-up window without succeeding (each counted once per process).",
+                Family::default(),
+            ),
+            paused: b.add(
+                "fine_settler_paused",
+                "1 while a pause (fine-settler pause) covers this replica's shard of the job, else 0.",
+                Family::default(),
+            ),
+            compensation_errors: b.add(
+                "fine_settler_compensation_errors_total",
+                "Compensation passes that failed with an error other than a rejected charge.",
+                Family::default(),
+            ),
+            last_progress: b.add(
+                "fine_settler_last_progress_timestamp_seconds",
+                "Unix time of the replica's last progress (tick, batch or retry).",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+const JOBS: [JobName; 2] = [JobName::FineSettlement, JobName::OverdueAccrual];
 
 /// The replica's metrics; cheap to update from any task.
 #[derive(Debug)]
 pub struct Metrics {
-    shard: String,
-    series: Mutex<BTreeMap<(&'static str, String), f64>>,
-    last_progress_ms: AtomicI64,
-    /// When the last tick read its status (unix ms; 0: none yet), for the status page.
-    last_tick_ms: AtomicI64,
-    /// The systemd watchdog, fed by [`Metrics::progress`] and [`Metrics::alive`].
-    watchdog: OnceLock<Arc<Watchdog>>,
+    registry: Registry,
+    /// Every family's exported name and type, in registration order.
+    families: Vec<(&'static str, MetricType)>,
+    shard: Arc<str>,
+    run: RunFamilies,
+    tick: TickFamilies,
 }
 
 impl Metrics {
-    /// Metrics of the replica owning `shard` (rendered as `shard="S/N"`).
+    /// Metrics of the replica owning `shard` (rendered as `shard="S/N"`); only the last progress has a series.
     pub fn new(shard: String) -> Self {
-        Metrics {
-            shard,
-            series: Mutex::new(BTreeMap::new()),
-            last_progress_ms: AtomicI64::new(0),
-            last_tick_ms: AtomicI64::new(0),
-            watchdog: OnceLock::new(),
+        let mut b = Builder::default();
+        let run = RunFamilies::register(&mut b);
+        let tick = TickFamilies::register(&mut b);
+        let metrics = Metrics {
+            registry: b.registry,
+            families: b.families,
+            shard: shard.into(),
+            run,
+            tick,
+        };
+        // 0 until the first progress, as it always was.
+        metrics.last_progress();
+        metrics
+    }
+
+    /// The same metrics with the series alerts watch at 0 (a replica's, from its start): the counters alerts
+    /// watch with `increase()`, so that their first increase is seen, and the pause gauge.
+    pub fn with_watched_series_at_zero(self) -> Self {
+        // Creating a series is asking for it; the handle returned is not needed.
+        for job in JOBS {
+            let labels = self.job(job);
+            self.tick.keys_abandoned.get_or_create_owned(&labels);
+            self.run.late_rows.get_or_create_owned(&labels);
+            self.tick.paused.get_or_create_owned(&labels);
+            for reason in [Reason::Rate, Reason::ReplicaLag] {
+                self.run
+                    .throttled
+                    .get_or_create_owned(&self.throttle(job, reason));
+            }
+        }
+        self.tick
+            .compensation_errors
+            .get_or_create_owned(&self.only_shard());
+        self
+    }
+
+    fn only_shard(&self) -> ShardLabels {
+        ShardLabels {
+            shard: self.shard.clone(),
         }
     }
 
-    fn labels(&self, job: Option<&str>, result: Option<&str>) -> String {
-        self.labels_with(job, result.map(|r| ("result", r)))
-    }
-
-    fn labels_with(&self, job: Option<&str>, extra: Option<(&str, &str)>) -> String {
-        let mut l = String::new();
-        if let Some(job) = job {
-            let _ = write!(l, "job=\"{job}\",");
-        }
-        let _ = write!(l, "shard=\"{}\"", self.shard);
-        if let Some((name, value)) = extra {
-            let _ = write!(l, ",{name}=\"{value}\"");
-        }
-        l
-    }
-
-    fn apply(&self, name: &'static str, labels: String, f: impl FnOnce(&mut f64)) {
-        if let Ok(mut series) = self.series.lock() {
-            f(series.entry((name, labels)).or_insert(0.0));
+    fn job(&self, job: JobName) -> JobLabels {
+        JobLabels {
+            job,
+            shard: self.shard.clone(),
         }
     }
 
-    /// Adds `by` to a counter.
-    pub fn add(&self, name: &'static str, job: Option<&str>, result: Option<&str>, by: f64) {
-        self.apply(name, self.labels(job, result), |v| *v += by);
-    }
-
-    /// Adds `by` to a counter labelled by `reason`.
-    pub fn add_reason(&self, name: &'static str, job: Option<&str>, reason: &str, by: f64) {
-        self.apply(name, self.labels_with(job, Some(("reason", reason))), |v| {
-            *v += by
-        });
-    }
-
-    /// Sets a gauge.
-    pub fn set(&self, name: &'static str, job: Option<&str>, value: f64) {
-        self.apply(name, self.labels(job, None), |v| *v = value);
-    }
-
-    /// Records one observation of a summary (its `_sum` and `_count`).
-    pub fn observe(&self, name: &'static str, job: Option<&str>, value: f64) {
-        let labels = self.labels(job, None);
-        self.apply(name, format!("sum|{labels}"), |v| *v += value);
-        self.apply(name, format!("count|{labels}"), |v| *v += 1.0);
-    }
-
-    /// Notes that the replica made progress at `unix_ms` (a tick, a batch, a retry).
-    pub fn progress(&self, unix_ms: i64) {
-        self.last_progress_ms.fetch_max(unix_ms, Ordering::Relaxed);
-        self.alive();
-    }
-
-    /// Notes that the replica's loop is alive (a wake of the scheduler loop, or progress): pets the systemd
-    /// watchdog, if one is attached. Not progress for `/healthz`.
-    pub fn alive(&self) {
-        if let Some(dog) = self.watchdog.get() {
-            dog.pet();
+    fn throttle(&self, job: JobName, reason: Reason) -> ThrottleLabels {
+        ThrottleLabels {
+            job,
+            shard: self.shard.clone(),
+            reason,
         }
     }
 
-    /// Routes liveness to the systemd watchdog from now on.
-    pub fn attach_watchdog(&self, dog: Arc<Watchdog>) {
-        let _ = self.watchdog.set(dog);
+    /// Counts a claim attempt of `job`.
+    pub fn count_claim(&self, job: JobName, result: ClaimResult) {
+        let labels = ClaimLabels {
+            job,
+            shard: self.shard.clone(),
+            result,
+        };
+        self.run.claims.get_or_create(&labels).inc();
     }
 
-    /// Notes progress now (by the host clock: this is observability, not business time).
-    pub fn progress_now(&self) {
-        self.progress(unix_now_ms());
+    /// Counts a run of `job` that ended with `outcome` (and a lost lease, if it was).
+    pub fn count_run(&self, job: JobName, outcome: Outcome) {
+        let labels = RunLabels {
+            job,
+            shard: self.shard.clone(),
+            result: outcome,
+        };
+        self.run.runs.get_or_create(&labels).inc();
+        if outcome == Outcome::LeaseLost {
+            self.run.lease_lost.get_or_create(&self.job(job)).inc();
+        }
     }
 
-    /// Unix time in ms of the last progress (0: none yet).
-    pub fn last_progress_ms(&self) -> i64 {
-        self.last_progress_ms.load(Ordering::Relaxed)
+    /// Records the claim-to-finish time of a run of `job` that claimed its key.
+    pub fn observe_run_duration(&self, job: JobName, seconds: f64) {
+        self.run
+            .run_duration
+            .get_or_create(&self.job(job))
+            .observe(seconds);
     }
 
-    /// Notes that a tick read its status now (host clock).
-    pub fn ticked_now(&self) {
-        self.last_tick_ms.fetch_max(unix_now_ms(), Ordering::Relaxed);
+    /// Notes that a run of `job` settled its key at `unix_seconds`.
+    pub fn set_last_success(&self, job: JobName, unix_seconds: f64) {
+        self.run
+            .last_success
+            .get_or_create(&self.job(job))
+            .set(unix_seconds);
     }
 
-    /// Unix time in ms of the last tick that read its status (0: none yet).
-    pub fn last_tick_ms(&self) -> i64 {
-        self.last_tick_ms.load(Ordering::Relaxed)
+    /// Counts the rows a committed batch of `job` read and wrote.
+    pub fn count_rows(&self, job: JobName, scanned: i64, updated: i64) {
+        let labels = self.job(job);
+        self.run
+            .rows_scanned
+            .get_or_create(&labels)
+            .inc_by(count(scanned));
+        self.run
+            .rows_updated
+            .get_or_create(&labels)
+            .inc_by(count(updated));
     }
 
-    /// The current value of a gauge (or counter) without `result` label, if it was ever set.
-    pub fn value(&self, name: &str, job: Option<&str>) -> Option<f64> {
-        let labels = self.labels(job, None);
-        let series = self.series.lock().ok()?;
-        series
-            .iter()
-            .find(|((n, l), _)| *n == name && *l == labels)
-            .map(|(_, v)| *v)
+    /// Counts the rows a re-opened key of `job` settled or charged.
+    pub fn count_late_rows(&self, job: JobName, rows: i64) {
+        self.run
+            .late_rows
+            .get_or_create(&self.job(job))
+            .inc_by(count(rows));
     }
 
-    /// The Prometheus text format.
+    /// Adds the time a batch of `job` waited for the throttle, for `reason`.
+    pub fn add_throttled(&self, job: JobName, reason: Reason, seconds: f64) {
+        self.run
+            .throttled
+            .get_or_create(&self.throttle(job, reason))
+            .inc_by(seconds);
+    }
+
+    /// Counts a tick that read its status.
+    pub fn count_tick(&self) {
+        self.tick.ticks.get_or_create(&self.only_shard()).inc();
+    }
+
+    /// Counts a tick attempt that could not read its status.
+    pub fn count_tick_error(&self) {
+        self.tick.tick_errors.get_or_create(&self.only_shard()).inc();
+    }
+
+    /// Brings the slot counters up to the scheduler's totals since start (dropped triggers, merged slots,
+    /// re-bases): the scheduler keeps totals, a counter only goes up.
+    pub fn set_slot_totals(&self, dropped: u64, merged: u64, rebased: u64) {
+        let labels = self.only_shard();
+        for (family, total) in [
+            (&self.tick.slots_dropped, dropped),
+            (&self.tick.slots_merged, merged),
+            (&self.tick.slot_rebases, rebased),
+        ] {
+            let counter = family.get_or_create(&labels);
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
+    }
+
+    /// Sets how many due business dates of `job` are not SUCCESS after the tick.
+    pub fn set_due_unsettled(&self, job: JobName, dates: usize) {
+        let dates = i64::try_from(dates).unwrap_or(i64::MAX);
+        self.tick.due_unsettled.get_or_create(&self.job(job)).set(dates);
+    }
+
+    /// Sets the shard's PENDING and DEAD charges.
+    pub fn set_pending(&self, pending: i64, dead: i64) {
+        let labels = self.only_shard();
+        self.tick.pending.get_or_create(&labels).set(pending);
+        self.tick.pending_dead.get_or_create(&labels).set(dead);
+    }
+
+    /// Sets this host's clock minus the database's.
+    pub fn set_clock_skew(&self, seconds: f64) {
+        self.tick
+            .clock_skew
+            .get_or_create(&self.only_shard())
+            .set(seconds);
+    }
+
+    /// This host's clock minus the database's at the last tick, if a tick measured it.
+    pub fn clock_skew(&self) -> Option<f64> {
+        self.tick.clock_skew.get(&self.only_shard()).map(|g| g.get())
+    }
+
+    /// Counts a key of `job` that left its catch-up window without succeeding.
+    pub fn count_key_abandoned(&self, job: JobName) {
+        self.tick.keys_abandoned.get_or_create(&self.job(job)).inc();
+    }
+
+    /// Sets whether a pause covers this shard of `job`.
+    pub fn set_paused(&self, job: JobName, paused: bool) {
+        self.tick
+            .paused
+            .get_or_create(&self.job(job))
+            .set(i64::from(paused));
+    }
+
+    /// Counts a compensation pass that failed.
+    pub fn count_compensation_error(&self) {
+        self.tick
+            .compensation_errors
+            .get_or_create(&self.only_shard())
+            .inc();
+    }
+
+    /// The clock exported as `fine_settler_last_progress_timestamp_seconds` (see [`crate::health::Heartbeat`]).
+    pub fn last_progress(&self) -> UnixTime {
+        self.tick.last_progress.get_or_create_owned(&self.only_shard())
+    }
+
+    /// The Prometheus text format (version 0.0.4).
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let series = self.series.lock().map(|s| s.clone()).unwrap_or_default();
-        for (name, kind, help) in DEFINITIONS {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            if *name == "fine_settler_last_progress_timestamp_seconds" {
-                let ms = self.last_progress_ms();
-                let _ = writeln!(
-                    out,
-                    "{name}{{{}}} {}",
-                    self.labels(None, None),
-                    ms as f64 / 1000.0
-                );
-                continue;
-            }
-            for ((n, labels), value) in series.iter().filter(|((n, _), _)| n == name) {
-                match labels.split_once('|') {
-                    Some((part, labels)) => {
-                        let _ = writeln!(out, "{n}_{part}{{{labels}}} {value}");
-                    }
-                    None => {
-                        let _ = writeln!(out, "{n}{{{labels}}} {value}");
-                    }
-                }
-            }
+        // Writing to a String does not fail, and every label value is plain text: an error here is a bug, logged
+        // rather than turned into a failed scrape.
+        if let Err(e) = prometheus_text::encode(&mut out, &self.registry) {
+            tracing::error!(error = %e, "cannot encode the metrics");
         }
         out
     }
+
+    /// The name of every series a family of this binary can export, whether or not it has one yet: a counter's
+    /// `…_total`, a gauge's name, a histogram's `…_bucket`, `…_sum` and `…_count`. Alert rules and dashboards
+    /// are checked against this.
+    pub fn series_names(&self) -> BTreeSet<String> {
+        self.families
+            .iter()
+            .flat_map(|&(name, kind)| match kind {
+                MetricType::Histogram => ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .map(|suffix| format!("{name}{suffix}"))
+                    .collect::<Vec<_>>(),
+                _ => vec![name.to_string()],
+            })
+            .collect()
+    }
+}
+
+/// A row count as a counter increment (counts are never negative).
+fn count(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
 }
 
 /// The host clock as Unix milliseconds.
@@ -283,64 +608,116 @@ pub fn unix_now_ms() -> i64 {
 mod tests {
     use super::*;
 
-    #[test]
-    fn renders_counters_gauges_and_summaries_with_fixed_labels() {
-        let m = Metrics::new("1/3".into());
-        m.add(
-            "fine_settler_claims_total",
-            Some("fine-settlement"),
-            Some("won"),
-            1.0,
-        );
-        m.add(
-            "fine_settler_claims_total",
-            Some("fine-settlement"),
-            Some("won"),
-            1.0,
-        );
-        m.set("fine_settler_pending", None, 4.0);
-        m.observe("fine_settler_run_duration_seconds", Some("overdue-accrual"), 0.5);
-        m.progress(1_700_000_000_000);
-        let text = m.render();
-        assert!(
-            text.contains(
-                "fine_settler_claims_total{job=\"fine-settlement\",shard=\"1/3\",result=\"won\"} 2"
-            ),
-            "{text}"
-        );
-        assert!(text.contains("fine_settler_pending{shard=\"1/3\"} 4"), "{text}");
-        assert!(
-            text.contains("fine_settler_run_duration_seconds_sum{job=\"overdue-accrual\",shard=\"1/3\"} 0.5"),
-            "{text}"
-        );
-        assert!(
-            text.contains("fine_settler_run_duration_seconds_count{job=\"overdue-accrual\",shard=\"1/3\"} 1"),
-            "{text}"
-        );
-        assert!(
-            text.contains("fine_settler_last_progress_timestamp_seconds{shard=\"1/3\"} 1700000000"),
-            "{text}"
-        );
-        assert_eq!(text.matches("# TYPE").count(), DEFINITIONS.len());
+    /// The names of the series in `text` (the exposition format).
+    fn names_in(text: &str) -> BTreeSet<String> {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.split(['{', ' ']).next())
+            .map(str::to_string)
+            .collect()
     }
 
     #[test]
-    fn the_status_page_reads_gauges_and_the_last_tick() {
+    fn renders_counters_gauges_and_histograms_with_fixed_labels() {
+        let m = Metrics::new("1/3".into());
+        m.count_claim(JobName::FineSettlement, ClaimResult::Won);
+        m.count_claim(JobName::FineSettlement, ClaimResult::Won);
+        m.set_pending(4, 0);
+        m.observe_run_duration(JobName::OverdueAccrual, 0.5);
+        m.last_progress().advance_to(1_700_000_000_000);
+        let text = m.render();
+        for line in [
+            "fine_settler_claims_total{job=\"fine-settlement\",shard=\"1/3\",result=\"won\"} 2",
+            "fine_settler_pending{shard=\"1/3\"} 4",
+            "fine_settler_run_duration_seconds_sum{job=\"overdue-accrual\",shard=\"1/3\"} 0.5",
+            "fine_settler_run_duration_seconds_count{job=\"overdue-accrual\",shard=\"1/3\"} 1",
+            "fine_settler_run_duration_seconds_bucket{job=\"overdue-accrual\",shard=\"1/3\",le=\"0.5\"} 1",
+            "fine_settler_run_duration_seconds_bucket{job=\"overdue-accrual\",shard=\"1/3\",le=\"0.1\"} 0",
+            "fine_settler_last_progress_timestamp_seconds{shard=\"1/3\"} 1700000000.0",
+            "# HELP fine_settler_claims_total Claim attempts by result: won (new key), takeover (also forced), \
+             reopened, skipped.",
+            "# TYPE fine_settler_claims_total counter",
+            "# TYPE fine_settler_run_duration_seconds histogram",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing from:\n{text}");
+        }
+    }
+
+    #[test]
+    fn series_alerts_watch_exist_at_zero_from_the_start() {
+        let bare = Metrics::new("0/2".into()).render();
+        assert!(!bare.contains("fine_settler_paused"), "{bare}");
+        let text = Metrics::new("0/2".into()).with_watched_series_at_zero().render();
+        for line in [
+            "fine_settler_keys_abandoned_total{job=\"fine-settlement\",shard=\"0/2\"} 0",
+            "fine_settler_late_rows_total{job=\"overdue-accrual\",shard=\"0/2\"} 0",
+            "fine_settler_compensation_errors_total{shard=\"0/2\"} 0",
+            "fine_settler_throttled_seconds_total{job=\"overdue-accrual\",shard=\"0/2\",reason=\"replica_lag\"} 0.0",
+            "fine_settler_paused{job=\"fine-settlement\",shard=\"0/2\"} 0",
+            "fine_settler_last_progress_timestamp_seconds{shard=\"0/2\"} 0.0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing from:\n{text}");
+        }
+        assert!(!text.contains("fine_settler_claims_total"), "{text}");
+    }
+
+    #[test]
+    fn every_family_exports_the_series_names_it_declares() {
+        let m = Metrics::new("0/1".into());
+        let job = JobName::FineSettlement;
+        m.count_claim(job, ClaimResult::from(ClaimKind::Forced));
+        m.count_run(job, Outcome::LeaseLost);
+        m.observe_run_duration(job, 1.0);
+        m.set_last_success(job, 1.0);
+        m.count_rows(job, 2, 1);
+        m.count_late_rows(job, 1);
+        m.add_throttled(job, Reason::Rate, 0.25);
+        m.count_tick();
+        m.count_tick_error();
+        m.set_slot_totals(1, 2, 3);
+        m.set_due_unsettled(job, 1);
+        m.set_pending(1, 1);
+        m.set_clock_skew(0.5);
+        m.count_key_abandoned(job);
+        m.set_paused(job, true);
+        m.count_compensation_error();
+        let text = m.render();
+        assert_eq!(names_in(&text), m.series_names(), "{text}");
+        assert_eq!(m.families.len(), 22);
+        assert!(text.contains("result=\"takeover\""), "{text}");
+        assert!(text.contains("fine_settler_lease_lost_total{job=\"fine-settlement\",shard=\"0/1\"} 1"));
+        assert!(text.contains("fine_settler_paused{job=\"fine-settlement\",shard=\"0/1\"} 1"));
+    }
+
+    #[test]
+    fn slot_counters_follow_the_scheduler_totals() {
+        let m = Metrics::new("0/1".into());
+        m.set_slot_totals(2, 5, 0);
+        m.set_slot_totals(3, 5, 1);
+        let text = m.render();
+        for line in [
+            "fine_settler_slots_dropped_total{shard=\"0/1\"} 3",
+            "fine_settler_slots_merged_total{shard=\"0/1\"} 5",
+            "fine_settler_slot_rebases_total{shard=\"0/1\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing from:\n{text}");
+        }
+    }
+
+    #[test]
+    fn the_status_page_reads_the_clock_skew() {
         let m = Metrics::new("0/2".into());
-        assert_eq!(m.value("fine_settler_clock_skew_seconds", None), None);
-        assert_eq!(m.last_tick_ms(), 0);
-        m.set("fine_settler_clock_skew_seconds", None, -0.25);
-        m.set("fine_settler_due_unsettled", Some("fine-settlement"), 2.0);
-        assert_eq!(m.value("fine_settler_clock_skew_seconds", None), Some(-0.25));
-        assert_eq!(
-            m.value("fine_settler_due_unsettled", Some("fine-settlement")),
-            Some(2.0)
-        );
-        assert_eq!(
-            m.value("fine_settler_due_unsettled", Some("overdue-accrual")),
-            None
-        );
-        m.ticked_now();
-        assert!(m.last_tick_ms() > 1_700_000_000_000);
+        assert_eq!(m.clock_skew(), None);
+        m.set_clock_skew(-0.25);
+        assert_eq!(m.clock_skew(), Some(-0.25));
+    }
+
+    #[test]
+    fn unix_time_only_moves_forward_and_is_shared_by_its_clones() {
+        let t = UnixTime::default();
+        let shared = t.clone();
+        t.advance_to(2_000);
+        shared.advance_to(1_000);
+        assert_eq!(t.unix_ms(), 2_000);
     }
 }

@@ -4,8 +4,9 @@
 //!
 //! - `READY=1` once the pool has connected and every migration is applied ([`crate::daemon::Daemon::run`]);
 //! - `WATCHDOG=1` only from the replica's own progress: each wake of the scheduler loop (at most a second
-//!   apart while idle), each tick attempt and each committed batch call [`Watchdog::pet`]. A wedged loop stops
-//!   petting and systemd restarts the unit after `WatchdogSec`;
+//!   apart while idle), each tick attempt and each committed batch report to the replica's
+//!   [`crate::health::Heartbeat`], which calls [`Watchdog::pet`]. A wedged loop stops petting and systemd
+//!   restarts the unit after `WatchdogSec`;
 //! - `STOPPING=1` on the first shutdown signal, `STATUS=…` for `systemctl status`.
 
 use std::{

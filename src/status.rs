@@ -3,7 +3,8 @@
 //!
 //! One page load reads the database once, with three short statements ([`crate::store::status`]) through a pool
 //! of one connection of its own under a statement timeout, so a flood of page loads can neither take a
-//! connection from the jobs nor hold one for long. Everything else comes from the replica's [`Metrics`].
+//! connection from the jobs nor hold one for long. Everything else comes from the replica's [`Heartbeat`] (its last
+//! tick and progress) and [`Metrics`] (its clock skew).
 //!
 //! Per job, the grid is every business date of this replica's catch-up window, plus every older key that is
 //! not SUCCESS (abandoned by the window), × every shard count and shard found in `job_runs` (and this
@@ -22,6 +23,7 @@ use maud::{html, Markup, DOCTYPE};
 use crate::{
     calendar,
     config::Settings,
+    health::Heartbeat,
     jobs::JobName,
     metrics::Metrics,
     schedule::{due, Schedule},
@@ -39,18 +41,20 @@ pub const RELOAD_SECONDS: u32 = 5;
 /// DEAD charges listed (the oldest).
 const DEAD_SHOWN: i64 = 5;
 
-/// Where the status data comes from: the replica's settings and identity, its metrics, and the page's own pool.
+/// Where the status data comes from: the replica's settings and identity, its heartbeat and metrics, and the
+/// page's own pool.
 #[derive(Debug, Clone)]
 pub struct StatusSource {
     settings: Arc<Settings>,
     owner: String,
     metrics: Arc<Metrics>,
+    heartbeat: Arc<Heartbeat>,
     pool: Db,
 }
 
 impl StatusSource {
     /// The status of the replica with `settings`, claiming as `owner`. Opens no connection until a page loads.
-    pub fn new(settings: &Settings, owner: &str, metrics: Arc<Metrics>) -> Self {
+    pub fn new(settings: &Settings, owner: &str, metrics: Arc<Metrics>, heartbeat: Arc<Heartbeat>) -> Self {
         let pool = crate::store::connect_status(
             &settings.database,
             &format!("fine-settler run {} status", settings.instance),
@@ -60,6 +64,7 @@ impl StatusSource {
             settings: Arc::new(settings.clone()),
             owner: owner.to_string(),
             metrics,
+            heartbeat,
             pool,
         }
     }
@@ -95,9 +100,9 @@ impl StatusSource {
             owner: self.owner.clone(),
             schedule: Schedule::new(settings.schedule.mode.clone(), settings.zone).describe(),
             zone: settings.zone.name().to_string(),
-            last_tick: unix_ms(self.metrics.last_tick_ms()),
-            last_progress: unix_ms(self.metrics.last_progress_ms()),
-            clock_skew_s: self.metrics.value("fine_settler_clock_skew_seconds", None),
+            last_tick: unix_ms(self.heartbeat.last_tick_ms()),
+            last_progress: unix_ms(self.heartbeat.last_progress_ms()),
+            clock_skew_s: self.metrics.clock_skew(),
         };
         Ok(assemble(settings, keys, dead, &pauses, replica))
     }

@@ -19,7 +19,7 @@ impl Daemon {
         let limits = accrual::PassLimits {
             cancel: Some(self.shutdown.clone()),
             budget: Some(self.settings.claim.lease.batch_timeout()),
-            metrics: Some(self.metrics.clone()),
+            heartbeat: Some(self.heartbeat.clone()),
             progress: None,
         };
         match accrual::compensate_within(&self.pool, &accrual, Some(shard), true, max_attempts, &limits).await
@@ -37,8 +37,7 @@ impl Daemon {
                 );
             }
             Err(e) => {
-                self.metrics
-                    .add("fine_settler_compensation_errors_total", None, None, 1.0);
+                self.metrics.count_compensation_error();
                 let e = StoreError::from(e);
                 if !std::mem::replace(&mut self.compensation_failing, true) {
                     tracing::error!(error = %e, "compensation pass failed; settlement and accrual go on, retrying at the next tick");

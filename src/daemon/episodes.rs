@@ -15,8 +15,7 @@ impl Daemon {
     /// and an info line when it is back within bounds.
     pub(super) fn observe_skew(&mut self, host: DateTime<Utc>, db: DateTime<Utc>) {
         let skew_ms = (host - db).num_milliseconds();
-        self.metrics
-            .set("fine_settler_clock_skew_seconds", None, skew_ms as f64 / 1000.0);
+        self.metrics.set_clock_skew(skew_ms as f64 / 1000.0);
         let limit = self.settings.max_skew.as_millis() as i64;
         tracing::debug!(clock_skew_ms = skew_ms, "host clock minus database clock");
         if skew_ms.abs() > limit && !self.skew_warned {
@@ -37,8 +36,10 @@ impl Daemon {
     pub(super) fn report_abandoned(&mut self, now: DateTime<Utc>, states: &[KeyState]) {
         for s in due::abandoned(&self.settings, now, states) {
             if self.abandoned.insert((s.job_name.clone(), s.business_date)) {
-                self.metrics
-                    .add("fine_settler_keys_abandoned_total", Some(&s.job_name), None, 1.0);
+                let mut jobs = [JobName::FineSettlement, JobName::OverdueAccrual].into_iter();
+                if let Some(job) = jobs.find(|j| j.as_str() == s.job_name) {
+                    self.metrics.count_key_abandoned(job);
+                }
                 tracing::error!(
                     job = %s.job_name,
                     business_date = %s.business_date,
@@ -57,11 +58,7 @@ impl Daemon {
         for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
             let now = pauses.iter().find(|p| p.job_name == job.as_str());
             let before = self.paused.iter().find(|p| p.job_name == job.as_str());
-            self.metrics.set(
-                "fine_settler_paused",
-                Some(job.as_str()),
-                f64::from(u8::from(now.is_some())),
-            );
+            self.metrics.set_paused(job, now.is_some());
             // A pause replaced by another (the job's after the shard's, or a new one after a resume between two
             // ticks) is a new episode.
             let same = |a: &Pause, b: &Pause| a.scope == b.scope && a.since == b.since;

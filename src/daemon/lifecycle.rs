@@ -117,10 +117,16 @@ pub async fn run(settings: Settings, control: Control) -> Result<Stopped, StartE
             tracing::info!(%addr, "serving /healthz, /readyz, /metrics, /status and /status.json");
             let probes = Probes {
                 metrics: daemon.metrics(),
+                heartbeat: daemon.heartbeat(),
                 pool: daemon.pool(),
                 window: health_window,
                 started_ms: crate::metrics::unix_now_ms(),
-                status: StatusSource::new(&status_settings, daemon.owner(), daemon.metrics()),
+                status: StatusSource::new(
+                    &status_settings,
+                    daemon.owner(),
+                    daemon.metrics(),
+                    daemon.heartbeat(),
+                ),
             };
             Some(tokio::spawn(http::serve(
                 listener,
@@ -169,7 +175,7 @@ fn replica(settings: Settings, control: &Control) -> Daemon {
     )
     .with_notifier(control.notifier.clone());
     if let Some(dog) = &control.watchdog {
-        daemon.metrics().attach_watchdog(dog.clone());
+        daemon.heartbeat().attach_watchdog(dog.clone());
     }
     daemon
 }

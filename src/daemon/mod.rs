@@ -31,10 +31,10 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     backoff::Backoff,
     config::Settings,
+    health::Heartbeat,
     jobs::{
         runner::{process_owner, Runner},
-        throttle::{Reason, Throttle},
-        JobName,
+        throttle::Throttle,
     },
     metrics::Metrics,
     schedule::{scheduler::Scheduler, Schedule, WallClock},
@@ -98,6 +98,8 @@ pub struct Daemon {
     run_now: Arc<Notify>,
     skew_warned: bool,
     metrics: Arc<Metrics>,
+    /// The replica's liveness: `/healthz`, the status page and the systemd watchdog read it.
+    heartbeat: Arc<Heartbeat>,
     /// The service manager (systemd), told READY=1 and STATUS=… when `NOTIFY_SOCKET` is set.
     notifier: Option<Arc<Notifier>>,
     /// The compensation pass is failing (logged once per episode, like an outage).
@@ -129,30 +131,8 @@ impl Daemon {
             settings.database.connect_timeout,
             settings.claim.lease.batch_timeout() + settings.database.connect_timeout,
         );
-        let metrics = Arc::new(Metrics::new(settings.instance.to_string()));
-        // Counters an alert watches start at 0, so that their first increase is seen.
-        for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
-            for name in [
-                "fine_settler_keys_abandoned_total",
-                "fine_settler_late_rows_total",
-            ] {
-                metrics.add(name, Some(job.as_str()), None, 0.0);
-            }
-        }
-        metrics.add("fine_settler_compensation_errors_total", None, None, 0.0);
-        for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
-            for reason in [Reason::Rate, Reason::ReplicaLag] {
-                metrics.add_reason(
-                    "fine_settler_throttled_seconds_total",
-                    Some(job.as_str()),
-                    reason.as_str(),
-                    0.0,
-                );
-            }
-        }
-        for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
-            metrics.set("fine_settler_paused", Some(job.as_str()), 0.0);
-        }
+        let metrics = Arc::new(Metrics::new(settings.instance.to_string()).with_watched_series_at_zero());
+        let heartbeat = Arc::new(Heartbeat::exporting(metrics.last_progress()));
         let throttle = Throttle::new(settings.throttle.clone());
         Daemon {
             settings,
@@ -164,6 +144,7 @@ impl Daemon {
             run_now,
             skew_warned: false,
             metrics,
+            heartbeat,
             notifier: None,
             compensation_failing: false,
             abandoned: HashSet::new(),
@@ -190,6 +171,11 @@ impl Daemon {
         self.metrics.clone()
     }
 
+    /// The replica's liveness (for the HTTP listener and the watchdog).
+    pub fn heartbeat(&self) -> Arc<Heartbeat> {
+        self.heartbeat.clone()
+    }
+
     /// The owner name this replica claims keys under (for the status page).
     pub fn owner(&self) -> &str {
         &self.owner
@@ -209,6 +195,7 @@ impl Daemon {
             self.shutdown.clone(),
         )
         .with_metrics(self.metrics.clone())
+        .with_heartbeat(self.heartbeat.clone())
         .with_throttle(self.throttle.clone())
     }
 
@@ -242,18 +229,14 @@ impl Daemon {
             self.wall.clone(),
             true,
         )
-        .with_heartbeat(self.metrics.clone());
+        .with_heartbeat(self.heartbeat.clone());
         let run_now = self.run_now.clone();
         let shutdown = self.shutdown.clone();
         let mut next_prune = tokio::time::Instant::now() + FIRST_PRUNE_AFTER;
         while let Some(tick) = scheduler.next(&run_now, &shutdown).await {
             let stats = scheduler.stats();
             self.metrics
-                .set("fine_settler_slots_dropped_total", None, stats.dropped as f64);
-            self.metrics
-                .set("fine_settler_slots_merged_total", None, stats.merged as f64);
-            self.metrics
-                .set("fine_settler_slot_rebases_total", None, stats.rebased as f64);
+                .set_slot_totals(stats.dropped, stats.merged, stats.rebased);
             self.tick_through_outages(tick).await;
             if tokio::time::Instant::now() >= next_prune && !shutdown.is_cancelled() {
                 self.prune_history().await;

@@ -24,7 +24,7 @@ impl Daemon {
     async fn nap(&self, wait: Duration) {
         let until = tokio::time::Instant::now() + wait;
         loop {
-            self.metrics.alive();
+            self.heartbeat.alive();
             let left = until.saturating_duration_since(tokio::time::Instant::now());
             if left.is_zero() {
                 return;
@@ -44,7 +44,7 @@ impl Daemon {
         loop {
             let ready = store::readiness(&self.pool).await;
             // Waiting for the database is not a stall: each attempt counts as progress for /healthz.
-            self.metrics.progress_now();
+            self.heartbeat.progress_now();
             match ready {
                 Ok(()) => {
                     if failures > 0 {
@@ -79,18 +79,17 @@ impl Daemon {
         let mut outage: Option<Outage> = None;
         loop {
             let result = self.tick().await;
-            self.metrics.progress_now();
+            self.heartbeat.progress_now();
             match result {
                 Ok(reports) => {
-                    self.metrics.add("fine_settler_ticks_total", None, None, 1.0);
+                    self.metrics.count_tick();
                     if let Some(outage) = outage {
                         self.outage_ended(outage, failures);
                     }
                     return reports;
                 }
                 Err(e) => {
-                    self.metrics
-                        .add("fine_settler_tick_errors_total", None, None, 1.0);
+                    self.metrics.count_tick_error();
                     failures += 1;
                     if outage.is_none() {
                         outage = Some(self.outage_began(&e, &tick));

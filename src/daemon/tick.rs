@@ -52,7 +52,7 @@ impl Daemon {
             .accrual_rechecked
             .is_none_or(|at| at.elapsed() >= self.settings.accrual.recheck_every);
         let status = self.read_status(before, recheck_accrual).await?;
-        self.metrics.ticked_now();
+        self.heartbeat.ticked_now();
         if recheck_accrual {
             self.accrual_rechecked = Some(tokio::time::Instant::now());
         }
@@ -62,10 +62,7 @@ impl Daemon {
             TimeSource::Database => status.now,
             TimeSource::System => after,
         };
-        self.metrics
-            .set("fine_settler_pending", None, status.pending as f64);
-        self.metrics
-            .set("fine_settler_pending_dead", None, status.dead as f64);
+        self.metrics.set_pending(status.pending, status.dead);
         Ok(Seen { status, now })
     }
 
@@ -148,11 +145,7 @@ impl Daemon {
                 .filter(|r| r.job == job.as_str() && r.outcome == Outcome::Settled)
                 .count();
             let due = todo.iter().filter(|d| d.job == job).count();
-            self.metrics.set(
-                "fine_settler_due_unsettled",
-                Some(job.as_str()),
-                due.saturating_sub(settled) as f64,
-            );
+            self.metrics.set_due_unsettled(job, due.saturating_sub(settled));
         }
     }
 

@@ -209,7 +209,8 @@ pub struct Compensation {
 pub struct PassLimits {
     pub cancel: Option<tokio_util::sync::CancellationToken>,
     pub budget: Option<Duration>,
-    pub metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
+    /// Told of every charge as progress (the daemon's heartbeat), if anything is.
+    pub heartbeat: Option<std::sync::Arc<crate::health::Heartbeat>>,
     /// Told of every charge the pass handles (one row scanned; one updated if charged), if anything is.
     pub progress: Option<crate::progress::RowsHook>,
 }
@@ -264,8 +265,8 @@ pub async fn compensate_within(
             if over() {
                 return Ok(result);
             }
-            if let Some(m) = &limits.metrics {
-                m.progress_now();
+            if let Some(h) = &limits.heartbeat {
+                h.progress_now();
             }
             let Some(retried) = retry_pending(pool, accrual, p, due_only, max_attempts).await? else {
                 continue;

@@ -54,7 +54,7 @@ pub struct RunKey {
 }
 
 /// How a run ended, as printed in the report.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
     /// This replica claimed the key and finished it.

@@ -32,6 +32,7 @@ use super::{throttle::Throttle, Outcome, RunKey, RunReport};
 use crate::{
     calendar::CalendarError,
     config::{ClaimSettings, Lease},
+    health::Heartbeat,
     metrics::Metrics,
     progress::RowsHook,
     redact::secrets_in as redact_secrets_in,
@@ -146,6 +147,9 @@ pub struct Runner {
     pub cancel: CancellationToken,
     /// Where the replica's metrics go (the daemon's), if anywhere.
     pub metrics: Option<Arc<Metrics>>,
+    /// Told of the run's progress (every committed batch and lease renewal) and of its throttled waits (the
+    /// daemon's heartbeat), if anything is.
+    pub heartbeat: Option<Arc<Heartbeat>>,
     /// Told the rows of every committed batch (an operator's progress bar), if anything is.
     pub progress: Option<RowsHook>,
     /// Go on through a pause of the job (`--ignore-pause`); by default a run hands its key back after the
@@ -178,6 +182,7 @@ impl Runner {
             batch_size,
             cancel,
             metrics: None,
+            heartbeat: None,
             progress: None,
             ignore_pause: false,
             throttle: Throttle::off(),
@@ -199,6 +204,12 @@ impl Runner {
     /// The same runner, reporting to `metrics`.
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = Some(metrics);
+        self
+    }
+
+    /// The same runner, reporting its progress to `heartbeat`.
+    pub fn with_heartbeat(mut self, heartbeat: Arc<Heartbeat>) -> Self {
+        self.heartbeat = Some(heartbeat);
         self
     }
 
@@ -259,24 +270,17 @@ impl Runner {
     /// What a finished run leaves besides its report: the metrics of its outcome and its last log lines.
     fn record(&self, key: RunKey, span: &tracing::Span, report: &RunReport) {
         if let Some(m) = &self.metrics {
-            let job = Some(report.job);
-            m.add("fine_settler_runs_total", job, Some(report.outcome.as_str()), 1.0);
-            if report.outcome == Outcome::LeaseLost {
-                m.add("fine_settler_lease_lost_total", job, None, 1.0);
-            }
+            let job = key.job;
+            m.count_run(job, report.outcome);
             if report.outcome != Outcome::Skipped && report.epoch.is_some() {
-                m.observe(
-                    "fine_settler_run_duration_seconds",
-                    job,
-                    report.elapsed_ms as f64 / 1000.0,
-                );
+                m.observe_run_duration(job, report.elapsed_ms as f64 / 1000.0);
             }
             if report.outcome == Outcome::Settled {
                 let now = crate::metrics::unix_now_ms() as f64 / 1000.0;
-                m.set("fine_settler_last_success_timestamp_seconds", job, now);
+                m.set_last_success(job, now);
             }
             if report.reopened {
-                m.add("fine_settler_late_rows_total", job, None, report.updated as f64);
+                m.count_late_rows(job, report.updated);
             }
         }
         if report.reopened && report.updated > 0 {

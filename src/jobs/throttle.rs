@@ -40,7 +40,7 @@ use crate::{
 pub const PACE_SLICE: Duration = Duration::from_millis(50);
 
 /// Why a batch waits; the `reason` label of `fine_settler_throttled_seconds_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Reason {
     /// `throttle.max_rows_per_second`.
     Rate,

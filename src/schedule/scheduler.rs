@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
+use crate::health::Heartbeat;
 
 use super::{
     guard::{Decision, SlotGuard},
@@ -56,7 +56,7 @@ pub struct Scheduler {
     last_end: DateTime<Utc>,
     stats: SlotStats,
     /// Told at every wake of the loop (at most [`super::MAX_NAP`] apart while idle): the watchdog's feed.
-    heartbeat: Option<Arc<Metrics>>,
+    heartbeat: Option<Arc<Heartbeat>>,
 }
 
 impl Scheduler {
@@ -75,9 +75,9 @@ impl Scheduler {
         }
     }
 
-    /// Reports every wake of the loop to `metrics` (see [`Metrics::alive`]).
-    pub fn with_heartbeat(mut self, metrics: Arc<Metrics>) -> Self {
-        self.heartbeat = Some(metrics);
+    /// Reports every wake of the loop to `heartbeat` (see [`Heartbeat::alive`]).
+    pub fn with_heartbeat(mut self, heartbeat: Arc<Heartbeat>) -> Self {
+        self.heartbeat = Some(heartbeat);
         self
     }
 

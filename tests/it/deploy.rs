@@ -1,7 +1,8 @@
 //! The files in deploy/ as an operator would ship them: the systemd units pass `systemd-analyze verify` (and a
 //! hardening score), the Kubernetes manifests parse and agree with the binary (env names, args, ports, probe
-//! paths, grace period vs drain timeout, shard range), and the alert rules are valid PromQL and pass their
-//! `promtool test rules` unit tests.
+//! paths, grace period vs drain timeout, shard range), the alert rules are valid PromQL and pass their
+//! `promtool test rules` unit tests, the dashboard's queries are valid PromQL, and what a running replica's
+//! `/metrics` serves passes `promtool check metrics`.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -11,6 +12,12 @@ use std::{
 };
 
 use serde_json::Value;
+use sqlx::PgPool;
+
+use crate::{
+    daemon::http_get,
+    helpers::{daemon, database_url, due_now, free_port, insert, loan, stop, wait_until},
+};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -84,56 +91,40 @@ fn labels_match(selector: &Value, labels: &Value) -> bool {
         .all(|(k, v)| &labels[k] == v)
 }
 
-#[test]
-fn kubernetes_manifests_agree_with_the_binary() {
-    let kustomization = &yaml_docs("deploy/k8s/kustomization.yaml")[0];
-    let mut docs = Vec::new();
-    for r in kustomization["resources"].as_array().expect("resources") {
-        docs.extend(yaml_docs(&format!("deploy/k8s/{}", r.as_str().expect("path"))));
-    }
-    let secrets = yaml_docs("deploy/k8s/secret.example.yaml");
-    let secret_keys = |name: &str| -> Vec<String> {
-        let s = secrets
-            .iter()
-            .find(|s| s["metadata"]["name"] == name)
-            .unwrap_or_else(|| panic!("secret.example.yaml has no Secret {name}"));
-        s["stringData"]
-            .as_object()
-            .expect("stringData")
-            .keys()
-            .cloned()
-            .collect()
-    };
+/// A Secret of secret.example.yaml's key names.
+fn secret_keys(secrets: &[Value], name: &str) -> Vec<String> {
+    let s = secrets
+        .iter()
+        .find(|s| s["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("secret.example.yaml has no Secret {name}"));
+    s["stringData"]
+        .as_object()
+        .expect("stringData")
+        .keys()
+        .cloned()
+        .collect()
+}
 
-    let sts = the(&docs, "StatefulSet");
-    let replicas = sts["spec"]["replicas"].as_i64().expect("replicas");
-    let pod = &sts["spec"]["template"];
-    let pod_labels = &pod["metadata"]["labels"];
-    assert!(labels_match(&sts["spec"]["selector"]["matchLabels"], pod_labels));
-    let c = &pod["spec"]["containers"][0];
-    let env = env_of(c);
+/// Whether the `secretKeyRef` of an env entry names a key of an example Secret.
+fn refers_to_a_secret(secrets: &[Value], entry: &Value) -> bool {
+    let r = &entry["valueFrom"]["secretKeyRef"];
+    secret_keys(secrets, r["name"].as_str().expect("secret"))
+        .contains(&r["key"].as_str().expect("key").into())
+}
 
-    // Shards = replicas; the shard is the pod index label.
-    assert_eq!(
-        env["FINE_SETTLER__INSTANCE__SHARDS"]["value"].as_str(),
-        Some(replicas.to_string().as_str()),
-        "FINE_SETTLER__INSTANCE__SHARDS must equal spec.replicas"
-    );
-    assert_eq!(
-        env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"],
-        "metadata.labels['apps.kubernetes.io/pod-index']"
-    );
-    let url = &env["DATABASE_URL"]["valueFrom"]["secretKeyRef"];
-    assert!(secret_keys(url["name"].as_str().expect("secret"))
-        .contains(&url["key"].as_str().expect("key").into()));
-
-    // The config file: args name it, the volume mounts the ConfigMap that holds it.
-    let args: Vec<&str> = c["args"]
+/// A container's args, as strings.
+fn args_of(container: &Value) -> Vec<&str> {
+    container["args"]
         .as_array()
         .expect("args")
         .iter()
         .map(|a| a.as_str().expect("arg"))
-        .collect();
+        .collect()
+}
+
+/// The config file the container names with `--config` (its name and text), found in the ConfigMap mounted there.
+fn mounted_config(docs: &[Value], pod: &Value, c: &Value) -> (String, String) {
+    let args = args_of(c);
     assert_eq!(args.len(), 3);
     assert_eq!((args[0], args[2]), ("--config", "run"));
     let config_path = Path::new(args[1]);
@@ -149,32 +140,17 @@ fn kubernetes_manifests_agree_with_the_binary() {
         .iter()
         .find(|v| v["name"] == mount["name"])
         .expect("volume");
-    let cm = the(&docs, "ConfigMap");
+    let cm = the(docs, "ConfigMap");
     assert_eq!(volume["configMap"]["name"], cm["metadata"]["name"]);
     let file_name = config_path.file_name().expect("file").to_str().expect("utf-8");
     let toml_text = cm["data"][file_name]
         .as_str()
         .expect("the ConfigMap holds the config file");
-    let toml: toml::Value = toml::from_str(toml_text).expect("the ConfigMap's TOML parses");
-    assert_eq!(toml["instance"]["shard_from"].as_str(), Some("pod-index"));
-    let index_env = toml["instance"]["pod_index_env"].as_str().unwrap_or("POD_INDEX");
-    assert!(env.contains_key(index_env));
+    (file_name.to_string(), toml_text.to_string())
+}
 
-    // Every pod index is a valid shard with this config and env; the next one is refused (exit 2).
-    let dir = tempfile::tempdir().expect("tempdir");
-    let config = dir.path().join(file_name);
-    std::fs::write(&config, toml_text).expect("write config");
-    let shards = ("FINE_SETTLER__INSTANCE__SHARDS", replicas.to_string());
-    for index in 0..replicas {
-        let out = check_config(&config, &[shards.clone(), (index_env, index.to_string())]);
-        assert_exit(&out, 0, &format!("pod index {index}"));
-        assert!(!String::from_utf8_lossy(&out.stdout).contains("hunter2"));
-    }
-    let out = check_config(&config, &[shards.clone(), (index_env, replicas.to_string())]);
-    assert_exit(&out, 2, "a pod index past the shard count");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("instance.shard"));
-
-    // Ports and probes: the container port is the one http.listen binds; probe paths are the binary's.
+/// Ports and probes: the container port is the one http.listen binds; probe paths are the binary's.
+fn ports_and_probes_agree(pod: &Value, c: &Value, toml: &toml::Value) {
     let listen = toml["http"]["listen"].as_str().expect("http.listen");
     let port: i64 = listen
         .rsplit_once(':')
@@ -197,8 +173,11 @@ fn kubernetes_manifests_agree_with_the_binary() {
         pod["metadata"]["annotations"]["prometheus.io/port"].as_str(),
         Some(port.to_string().as_str())
     );
+}
 
-    // SIGTERM drains within schedule.drain_timeout: the grace period must be longer.
+/// SIGTERM drains within schedule.drain_timeout: the grace period must be longer. The liveness probe gives up
+/// later than /healthz's own window (two periods + batch timeout, >= 1 min).
+fn grace_and_liveness_agree(pod: &Value, c: &Value, toml: &toml::Value) {
     let drain = duration(toml["schedule"]["drain_timeout"].as_str().unwrap_or("30s"));
     let grace = pod["spec"]["terminationGracePeriodSeconds"]
         .as_u64()
@@ -207,13 +186,14 @@ fn kubernetes_manifests_agree_with_the_binary() {
         Duration::from_secs(grace) > drain,
         "grace {grace}s <= drain {drain:?}"
     );
-    // The liveness probe gives up later than /healthz's own window (two periods + batch timeout, >= 1 min).
     let live = &c["livenessProbe"];
     let give_up =
         live["periodSeconds"].as_u64().unwrap_or(10) * live["failureThreshold"].as_u64().unwrap_or(3);
     assert!(give_up >= 60, "liveness gives up after {give_up}s");
+}
 
-    // Non-root, read-only, no privileges; the image's user is the one the pod runs as.
+/// Non-root, read-only, no privileges; the image's user is the one the pod runs as.
+fn pod_is_locked_down(pod: &Value, c: &Value) {
     let psc = &pod["spec"]["securityContext"];
     assert_eq!(psc["runAsNonRoot"], true);
     let uid = psc["runAsUser"].as_i64().expect("runAsUser");
@@ -224,42 +204,99 @@ fn kubernetes_manifests_agree_with_the_binary() {
     assert_eq!(csc["capabilities"]["drop"][0], "ALL");
     assert!(c["resources"]["requests"]["memory"].is_string());
     assert!(c["resources"]["limits"]["memory"].is_string());
+}
 
-    // The Service and the PodDisruptionBudget select the replicas.
-    let svc = the(&docs, "Service");
+/// The Service and the PodDisruptionBudget select the replicas.
+fn service_and_budget_select_the_replicas(docs: &[Value], sts: &Value, replicas: i64) {
+    let pod_labels = &sts["spec"]["template"]["metadata"]["labels"];
+    let svc = the(docs, "Service");
     assert_eq!(svc["spec"]["clusterIP"], "None");
     assert_eq!(sts["spec"]["serviceName"], svc["metadata"]["name"]);
     assert!(labels_match(&svc["spec"]["selector"], pod_labels));
     assert_eq!(svc["spec"]["ports"][0]["targetPort"], "metrics");
-    let pdb = the(&docs, "PodDisruptionBudget");
+    let pdb = the(docs, "PodDisruptionBudget");
     assert!(labels_match(&pdb["spec"]["selector"]["matchLabels"], pod_labels));
     assert!(pdb["spec"]["maxUnavailable"]
         .as_i64()
         .is_some_and(|m| m >= 1 && m < replicas.max(2)));
+}
 
-    // The migration Job: same config file, its own (owner) secret, a config that validates without a pod index.
-    let job = the(&docs, "Job");
+/// The migration Job: same config file (`config_arg`, written at `config`), its own (owner) secret, a config that
+/// validates without a pod index.
+fn migration_job_agrees(docs: &[Value], secrets: &[Value], config_arg: &str, config: &Path) {
+    let job = the(docs, "Job");
     let jc = &job["spec"]["template"]["spec"]["containers"][0];
-    let jargs: Vec<&str> = jc["args"]
-        .as_array()
-        .expect("args")
-        .iter()
-        .map(|a| a.as_str().expect("arg"))
-        .collect();
-    assert_eq!(jargs, ["--config", args[1], "migrate"]);
+    assert_eq!(args_of(jc), ["--config", config_arg, "migrate"]);
     let jenv = env_of(jc);
-    let jurl = &jenv["DATABASE_URL"]["valueFrom"]["secretKeyRef"];
-    assert!(secret_keys(jurl["name"].as_str().expect("secret"))
-        .contains(&jurl["key"].as_str().expect("key").into()));
+    assert!(refers_to_a_secret(secrets, &jenv["DATABASE_URL"]));
     let job_env: Vec<(&str, String)> = jenv
         .iter()
         .filter_map(|(k, v)| v["value"].as_str().map(|v| (k.as_str(), v.to_string())))
         .collect();
-    assert_exit(&check_config(&config, &job_env), 0, "the migration Job's config");
+    assert_exit(&check_config(config, &job_env), 0, "the migration Job's config");
     assert_eq!(
         job["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"],
         true
     );
+}
+
+#[test]
+fn kubernetes_manifests_agree_with_the_binary() {
+    let kustomization = &yaml_docs("deploy/k8s/kustomization.yaml")[0];
+    let mut docs = Vec::new();
+    for r in kustomization["resources"].as_array().expect("resources") {
+        docs.extend(yaml_docs(&format!("deploy/k8s/{}", r.as_str().expect("path"))));
+    }
+    let secrets = yaml_docs("deploy/k8s/secret.example.yaml");
+
+    let sts = the(&docs, "StatefulSet");
+    let replicas = sts["spec"]["replicas"].as_i64().expect("replicas");
+    let pod = &sts["spec"]["template"];
+    assert!(labels_match(
+        &sts["spec"]["selector"]["matchLabels"],
+        &pod["metadata"]["labels"]
+    ));
+    let c = &pod["spec"]["containers"][0];
+    let env = env_of(c);
+
+    // Shards = replicas; the shard is the pod index label.
+    assert_eq!(
+        env["FINE_SETTLER__INSTANCE__SHARDS"]["value"].as_str(),
+        Some(replicas.to_string().as_str()),
+        "FINE_SETTLER__INSTANCE__SHARDS must equal spec.replicas"
+    );
+    assert_eq!(
+        env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    );
+    assert!(refers_to_a_secret(&secrets, &env["DATABASE_URL"]));
+
+    // The config file: args name it, the volume mounts the ConfigMap that holds it.
+    let (file_name, toml_text) = mounted_config(&docs, pod, c);
+    let toml: toml::Value = toml::from_str(&toml_text).expect("the ConfigMap's TOML parses");
+    assert_eq!(toml["instance"]["shard_from"].as_str(), Some("pod-index"));
+    let index_env = toml["instance"]["pod_index_env"].as_str().unwrap_or("POD_INDEX");
+    assert!(env.contains_key(index_env));
+
+    // Every pod index is a valid shard with this config and env; the next one is refused (exit 2).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join(&file_name);
+    std::fs::write(&config, &toml_text).expect("write config");
+    let shards = ("FINE_SETTLER__INSTANCE__SHARDS", replicas.to_string());
+    for index in 0..replicas {
+        let out = check_config(&config, &[shards.clone(), (index_env, index.to_string())]);
+        assert_exit(&out, 0, &format!("pod index {index}"));
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("hunter2"));
+    }
+    let out = check_config(&config, &[shards.clone(), (index_env, replicas.to_string())]);
+    assert_exit(&out, 2, "a pod index past the shard count");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("instance.shard"));
+
+    ports_and_probes_agree(pod, c, &toml);
+    grace_and_liveness_agree(pod, c, &toml);
+    pod_is_locked_down(pod, c);
+    service_and_budget_select_the_replicas(&docs, sts, replicas);
+    migration_job_agrees(&docs, &secrets, args_of(c)[1], &config);
 }
 
 /// A throwaway root for `systemd-analyze --root`: the distribution's units, ours, and the binary where
@@ -490,5 +527,91 @@ fn alert_rules_pass_promtool_and_their_unit_tests() {
             silent.contains(alert),
             "{RULE_TESTS} has no case where {alert} stays silent (exp_alerts: [])"
         );
+    }
+}
+
+#[test]
+fn the_dashboard_queries_are_valid_promql() {
+    let dashboard: Value = serde_json::from_str(&read("deploy/grafana/fine-settler.json")).expect("JSON");
+    let mut queries = 0;
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().expect("every target has an expr");
+            // Grafana's range variable, as Grafana would fill it in.
+            let expr = expr.replace("$__rate_interval", "5m");
+            if let Err(e) = promql_parser::parser::parse(&expr) {
+                panic!("{}: invalid PromQL {expr:?}: {e}", panel["title"]);
+            }
+            queries += 1;
+        }
+    }
+    assert!(queries >= 6, "{queries} queries");
+}
+
+/// A replica that has settled a month serves `/metrics` that `promtool check metrics` finds nothing to say
+/// about, with only series the registry declares, the run duration histogram among them.
+#[sqlx::test]
+async fn a_running_replicas_metrics_pass_promtool_check_metrics(pool: PgPool) {
+    let month_end = due_now(&pool, 1).await[0].to_string();
+    let loans: Vec<_> = (1..=60)
+        .map(|id| loan(id, &format!("{}-01", &month_end[..7]), Some(&month_end)))
+        .collect();
+    insert(&pool, &loans).await;
+    let port = free_port();
+    let replica = daemon(
+        &database_url(&pool),
+        0,
+        1,
+        &[
+            ("FINE_SETTLER__HTTP__LISTEN", &format!("127.0.0.1:{port}")),
+            ("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1"),
+        ],
+    );
+    wait_until("the month settled", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'SUCCESS'")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+            == 1
+    })
+    .await;
+    let (status, scrape) = http_get(port, "/metrics").await;
+    assert_eq!(stop(replica).await.0, Some(0));
+    assert_eq!(status, 200, "{scrape}");
+
+    let mut check = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool is not installed (scripts/test.sh installs the prometheus package)");
+    std::io::Write::write_all(&mut check.stdin.take().expect("stdin"), scrape.as_bytes()).expect("write");
+    let out = check.wait_with_output().expect("promtool");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool check metrics: {said}\non:\n{scrape}"
+    );
+
+    let declared = fine_settler::metrics::Metrics::new("0/1".into()).series_names();
+    let served: BTreeSet<&str> = scrape
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    for name in &served {
+        assert!(declared.contains(*name), "{name} is served but not declared");
+    }
+    for name in [
+        "fine_settler_run_duration_seconds_bucket",
+        "fine_settler_claims_total",
+        "fine_settler_last_progress_timestamp_seconds",
+    ] {
+        assert!(served.contains(name), "{name} missing from:\n{scrape}");
     }
 }

@@ -4,7 +4,8 @@
 use super::{BatchJob, JobError, Runner};
 use crate::{
     jobs::{Outcome, RunKey, RunReport},
-    store::job_runs::{ClaimKind, ClaimMode, Claimed, ClaimedRun, Holder, RunStatus},
+    metrics::ClaimResult,
+    store::job_runs::{ClaimMode, Claimed, ClaimedRun, Holder, RunStatus},
 };
 
 /// How the claim step ended.
@@ -62,19 +63,14 @@ impl Runner {
 
     /// A won claim: counted, its epoch recorded in the run's span (before the line that says so).
     fn won(&self, run: &ClaimedRun, span: &tracing::Span) {
-        let result = match run.kind() {
-            ClaimKind::Inserted => "won",
-            ClaimKind::Reopened => "reopened",
-            ClaimKind::TakenOver | ClaimKind::Forced => "takeover",
-        };
-        self.count_claim(*run.key(), result);
+        self.count_claim(*run.key(), ClaimResult::from(run.kind()));
         span.record("epoch", run.epoch());
         tracing::info!(claim = ?run.kind(), cursor = run.cursor(), "claimed");
     }
 
     /// The report of a skipped claim: who holds the key, and until when if it is running.
     fn skipped(&self, key: RunKey, holder: Holder) -> RunReport {
-        self.count_claim(key, "skipped");
+        self.count_claim(key, ClaimResult::Skipped);
         let report = RunReport::new(key, Outcome::Skipped).with_epoch(holder.epoch);
         match holder.status {
             RunStatus::Running => report
@@ -88,14 +84,9 @@ impl Runner {
         }
     }
 
-    fn count_claim(&self, key: RunKey, result: &str) {
+    fn count_claim(&self, key: RunKey, result: ClaimResult) {
         if let Some(m) = &self.metrics {
-            m.add(
-                "fine_settler_claims_total",
-                Some(key.job.as_str()),
-                Some(result),
-                1.0,
-            );
+            m.count_claim(key.job, result);
         }
     }
 }

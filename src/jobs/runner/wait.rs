@@ -109,13 +109,10 @@ impl Runner {
             episodes.rate_waited(slept);
         }
         if let Some(m) = &self.metrics {
-            m.add_reason(
-                "fine_settler_throttled_seconds_total",
-                Some(key.job.as_str()),
-                reason.as_str(),
-                slept.as_secs_f64(),
-            );
-            m.alive();
+            m.add_throttled(key.job, reason, slept.as_secs_f64());
+        }
+        if let Some(h) = &self.heartbeat {
+            h.alive();
         }
         None
     }
@@ -135,8 +132,8 @@ impl Runner {
             Fence::Passed { .. } => {}
         }
         tracing::debug!(cursor = run.cursor(), "lease renewed while throttled");
-        if let Some(m) = &self.metrics {
-            m.progress_now();
+        if let Some(h) = &self.heartbeat {
+            h.progress_now();
         }
         Ok(None)
     }

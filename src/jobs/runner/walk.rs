@@ -179,19 +179,10 @@ impl Runner {
             p.call(s, u);
         }
         if let Some(m) = &self.metrics {
-            m.add(
-                "fine_settler_rows_scanned_total",
-                Some(key.job.as_str()),
-                None,
-                s as f64,
-            );
-            m.add(
-                "fine_settler_rows_updated_total",
-                Some(key.job.as_str()),
-                None,
-                u as f64,
-            );
-            m.progress_now();
+            m.count_rows(key.job, s, u);
+        }
+        if let Some(h) = &self.heartbeat {
+            h.progress_now();
         }
         tracing::debug!(
             cursor = covered.last_id,
