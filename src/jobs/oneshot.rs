@@ -41,21 +41,8 @@ async fn bar_for(settings: &Settings, runner: &Runner, key: RunKey, bars: bool) 
 /// A report for a run that could not start (no database).
 fn not_started(key: RunKey, started: tokio::time::Instant, error: String) -> RunReport {
     RunReport {
-        job: key.job.as_str(),
-        business_date: key.business_date,
-        shard: key.shard.shard(),
-        shards: key.shard.shards(),
-        outcome: Outcome::Failed,
-        epoch: None,
-        scanned: 0,
-        updated: 0,
         elapsed_ms: started.elapsed().as_millis() as u64,
-        detail: Some(error),
-        held_until: None,
-        reopened: false,
-        paused: false,
-        read_only: false,
-        connection_lost: false,
+        ..RunReport::new(key, Outcome::Failed).with_detail(error)
     }
 }
 
