@@ -200,6 +200,8 @@ pub struct Compensation {
     pub retried: u64,
     /// Charges that failed for the last time and became DEAD.
     pub dead: u64,
+    /// The pass stopped (shutdown, or its time budget spent) with charges of its snapshot not yet tried.
+    pub stopped_early: bool,
 }
 
 /// Bounds on one compensation pass of the daemon's tick: it stops (between charges) on shutdown or once its time
@@ -263,6 +265,7 @@ pub async fn compensate_within(
         let mut progressed = false;
         for p in &batch {
             if over() {
+                result.stopped_early = true;
                 return Ok(result);
             }
             if let Some(h) = &limits.heartbeat {

@@ -303,8 +303,8 @@ pub async fn retry_pending(
         not_owed,
         retried,
         dead: dead_now,
+        stopped_early: interrupted,
     } = compensate_within(pool, &job, None, false, settings.accrual.max_attempts, &limits).await?;
-    let interrupted = shutdown.is_cancelled();
     drop(bar);
     let (pending, dead) = store::ledger::counts(pool, None).await?;
     Ok(RetryReport {

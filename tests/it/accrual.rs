@@ -598,4 +598,58 @@ async fn a_cancelled_pending_retry_stops_before_its_next_charge(pool: PgPool) {
         .get("interrupted")
         .is_none());
     assert_eq!(ledger(&pool).await, vec![(1, day, 100)]);
+    // A signal that finds nothing left to try interrupted nothing: the pass is complete, exit 0.
+    let cancelled = CancellationToken::new();
+    cancelled.cancel();
+    let empty = retry_pending(&settings, &db(&pool), false, false, cancelled)
+        .await
+        .expect("pass");
+    assert_eq!((empty.interrupted, empty.pending, empty.exit_code()), (false, 0, 0));
+}
+
+/// A second SIGINT ends `pending retry` at once (exit 1), even while a charge waits on the server: the first asks
+/// it to stop between two charges, and an operator who presses Ctrl-C again is not kept waiting.
+#[sqlx::test]
+async fn a_second_sigint_ends_pending_retry_at_once(pool: PgPool) {
+    let day = past_day();
+    insert(
+        &pool,
+        &[loan(1, &(day - chrono::Duration::days(3)).to_string(), None)],
+    )
+    .await;
+    sqlx::query(
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, next_attempt_at) values (1, $1, 100, now())",
+    )
+    .bind(day)
+    .execute(&pool)
+    .await
+    .expect("queue a charge");
+    slow_down(&pool, "insert on fine_ledger", 60.0).await;
+    let mut cmd = fine_settler(&database_url(&pool));
+    cmd.args(["pending", "retry"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut child = spawn(&mut cmd);
+    let log = crate::helpers::StderrLog::collect(&mut child);
+    wait_until("the charge waiting in the slow trigger", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_stat_activity where datname = current_database() and wait_event = 'PgSleep'",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("activity")
+            > 0
+    })
+    .await;
+    crate::helpers::signal(&child, "INT");
+    wait_until("the first signal taken", Duration::from_secs(5), || async {
+        log.contains("shutdown requested")
+    })
+    .await;
+    crate::helpers::signal(&child, "INT");
+    let (code, _) = crate::helpers::exit_of(child, Duration::from_secs(5)).await;
+    let err = log.finish();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("second shutdown signal"), "{err}");
+    assert!(ledger(&pool).await.is_empty(), "nothing charged");
 }

@@ -50,12 +50,20 @@ fn operator() -> String {
 }
 
 /// The shutdown token of a one-shot run, cancelled by the first SIGINT/SIGTERM so that the run finishes its
-/// batch and hands its key back. Handlers that cannot be installed do not keep the run from going ahead: it
-/// then runs to its end, and a signal kills it as it would any process (the key is taken over when its lease
-/// expires).
+/// batch and hands its key back. A second signal exits at once with 1, as before the handlers existed a first one
+/// did: an operator who presses Ctrl-C twice is not kept waiting on a statement (the key, if any, is taken over
+/// when its lease expires). Handlers that cannot be installed do not keep the run from going ahead: it then runs
+/// to its end, and a signal kills it as it would any process.
 fn one_shot_shutdown() -> CancellationToken {
     match Signals::install() {
-        Ok(signals) => signals.shutdown,
+        Ok(signals) => {
+            let hard_stop = signals.hard_stop;
+            tokio::spawn(async move {
+                hard_stop.cancelled().await;
+                std::process::exit(1);
+            });
+            signals.shutdown
+        }
         Err(e) => {
             tracing::warn!(error = %e, "cannot install signal handlers; SIGTERM will not release the key");
             CancellationToken::new()
