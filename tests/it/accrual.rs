@@ -604,7 +604,10 @@ async fn a_cancelled_pending_retry_stops_before_its_next_charge(pool: PgPool) {
     let empty = retry_pending(&settings, &db(&pool), false, false, cancelled)
         .await
         .expect("pass");
-    assert_eq!((empty.interrupted, empty.pending, empty.exit_code()), (false, 0, 0));
+    assert_eq!(
+        (empty.interrupted, empty.pending, empty.exit_code()),
+        (false, 0, 0)
+    );
 }
 
 /// A second SIGINT ends `pending retry` at once (exit 1), even while a charge waits on the server: the first asks
