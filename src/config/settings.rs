@@ -194,8 +194,14 @@ fn whole_millis(d: Duration) -> Duration {
 /// long enough to ride out libraryd's short transactions, short enough that a batch that meets a row libraryd
 /// keeps locked still has the time to leave that row and commit the rest.
 pub fn derived_lock_timeout(batch_timeout: Duration) -> Duration {
-    whole_millis(batch_timeout / 6).clamp(Duration::from_millis(10), Duration::from_secs(5))
+    whole_millis(batch_timeout / 6).clamp(MIN_LOCK_TIMEOUT, Duration::from_secs(5))
 }
+
+/// The shortest lock wait ever derived.
+pub const MIN_LOCK_TIMEOUT: Duration = Duration::from_millis(10);
+
+/// The shortest `claim.lease` whose derived batch timeout leaves room for the shortest derived lock wait.
+pub const MIN_DERIVING_LEASE: Duration = Duration::from_millis(4 * (MIN_LOCK_TIMEOUT.as_millis() as u64 + 1));
 
 /// `log.level`: a filter `tracing-subscriber` accepts (e.g. `info`, `fine_settler=debug,sqlx=warn`).
 #[derive(Debug, Clone, PartialEq, Eq)]

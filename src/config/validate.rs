@@ -11,6 +11,7 @@ use super::{
         RawAccrual, RawClaim, RawDatabase, RawFine, RawHttp, RawInstance, RawLog, RawSchedule, RawSettlement,
         RawThrottle, RawTime,
     },
+    settings::{MIN_DERIVING_LEASE, MIN_LOCK_TIMEOUT},
     AccrualSettings, ClaimSettings, ConfigError, DatabaseSettings, DatabaseUrl, Lease, LeaseError, LogFilter,
     LogFormat, Pooler, Problem, RawSettings, ScheduleMode, ScheduleSettings, Settings, SettlementSettings,
     ThrottleSettings, TimeSource,
@@ -305,7 +306,12 @@ fn claim(c: &mut Checker, raw: &RawClaim) -> Option<ClaimSettings> {
     if let (Some(batch), Some(lock)) = (batch_timeout, lock_timeout) {
         broken.extend(Lease::check_lock(batch, lock).err());
     }
-    lease_problems(c, &broken);
+    let derived = Derived {
+        batch_timeout: explicit_batch.is_none(),
+        lock_timeout: explicit_lock.is_none(),
+        lease,
+    };
+    lease_problems(c, &broken, derived);
     let lease = Lease::new(lease?, Some(batch_timeout?), Some(lock_timeout?)).ok()?;
     Some(ClaimSettings {
         lease,
@@ -313,13 +319,52 @@ fn claim(c: &mut Checker, raw: &RawClaim) -> Option<ClaimSettings> {
     })
 }
 
-fn lease_problems(c: &mut Checker, broken: &[LeaseError]) {
+/// Which of the claim's timeouts were derived rather than set, and the lease they derive from.
+#[derive(Debug, Clone, Copy)]
+struct Derived {
+    batch_timeout: bool,
+    lock_timeout: bool,
+    lease: Option<Duration>,
+}
+
+/// Each broken invariant, reported against the key the operator set: a derived timeout that does not fit is the
+/// fault of the value it was derived from (a lease too short to leave a batch room for a lock wait).
+fn lease_problems(c: &mut Checker, broken: &[LeaseError], derived: Derived) {
     for e in broken {
-        let key = match e {
-            LeaseError::NotLongerThanBatch { .. } => "claim.lease",
-            LeaseError::LockNotShorterThanBatch { .. } => "claim.lock_timeout",
-        };
-        c.fail(key, e.to_string());
+        match (e, derived) {
+            (LeaseError::NotLongerThanBatch { .. }, _) => c.fail("claim.lease", e.to_string()),
+            (
+                LeaseError::LockNotShorterThanBatch { batch_timeout, .. },
+                Derived {
+                    lock_timeout: true,
+                    batch_timeout: true,
+                    lease: Some(lease),
+                },
+            ) => c.fail(
+                "claim.lease",
+                format!(
+                    "{} is too short: the batch timeout derived from it ({}) leaves no room for a lock wait \
+                     (at least {}); use a lease of at least {}",
+                    humantime::format_duration(lease),
+                    humantime::format_duration(*batch_timeout),
+                    humantime::format_duration(MIN_LOCK_TIMEOUT),
+                    humantime::format_duration(MIN_DERIVING_LEASE)
+                ),
+            ),
+            (
+                LeaseError::LockNotShorterThanBatch { batch_timeout, .. },
+                Derived { lock_timeout: true, .. },
+            ) => c.fail(
+                "claim.batch_timeout",
+                format!(
+                    "{} leaves no room for the lock wait derived from it (at least {}); set it above that, or \
+                     set claim.lock_timeout below it",
+                    humantime::format_duration(*batch_timeout),
+                    humantime::format_duration(MIN_LOCK_TIMEOUT)
+                ),
+            ),
+            (LeaseError::LockNotShorterThanBatch { .. }, _) => c.fail("claim.lock_timeout", e.to_string()),
+        }
     }
 }
 
@@ -685,7 +730,27 @@ mod tests {
         ]);
         assert_eq!(lines.len(), 2, "{lines:?}");
         assert!(
-            lines[1].contains("claim.lock_timeout: 10ms must be shorter than claim.batch_timeout (5ms)"),
+            lines[1].contains(
+                "claim.batch_timeout: 5ms leaves no room for the lock wait derived from it (at least 10ms)"
+            ),
+            "{lines:?}"
+        );
+    }
+
+    #[test]
+    fn a_lease_too_short_for_its_derived_timeouts_is_named_as_the_lease() {
+        let lines = problems(&[("FINE_SETTLER__CLAIM__LEASE", "1ms")]);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(
+            lines[0].contains("claim.lease: 1ms is too short") && lines[0].contains("at least 44ms"),
+            "{lines:?}"
+        );
+        let shortest = humantime::format_duration(MIN_DERIVING_LEASE).to_string();
+        assert!(problems(&[("FINE_SETTLER__CLAIM__LEASE", shortest.as_str())]).is_empty());
+        let shorter = humantime::format_duration(MIN_DERIVING_LEASE - Duration::from_millis(1)).to_string();
+        let lines = problems(&[("FINE_SETTLER__CLAIM__LEASE", shorter.as_str())]);
+        assert!(
+            lines.iter().any(|l| l.contains("claim.lease: 43ms is too short")),
             "{lines:?}"
         );
     }
