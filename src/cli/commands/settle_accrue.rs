@@ -36,12 +36,7 @@ pub async fn settle(ctx: &Context, args: SettleArgs) -> Result<ExitCode, CliErro
         business_date: args.business_date,
         shard: spec,
     };
-    let options = oneshot::Options {
-        force: args.force,
-        ignore_pause: args.ignore_pause,
-        bars: progress::wanted(),
-        shutdown: one_shot_shutdown(),
-    };
+    let options = run_options(args.force, args.ignore_pause);
     let report = oneshot::settle(&ctx.settings, key, options).await?;
     println!("{}", serde_json::to_string(&report).unwrap_or_default());
     Ok(ExitCode::from(report.outcome.exit_code()))
@@ -61,13 +56,19 @@ pub async fn accrue(ctx: &Context, args: AccrueArgs) -> Result<ExitCode, CliErro
         business_date: args.date,
         shard: spec,
     };
-    let options = oneshot::Options {
-        force: args.force,
-        ignore_pause: args.ignore_pause,
-        bars: progress::wanted(),
-        shutdown: one_shot_shutdown(),
-    };
+    let options = run_options(args.force, args.ignore_pause);
     let report = oneshot::accrue(&ctx.settings, key, options).await?;
     println!("{}", serde_json::to_string(&report).unwrap_or_default());
     Ok(ExitCode::from(report.run.outcome.exit_code()))
+}
+
+/// How a one-shot run of a key goes: the operator's flags, progress bars when stderr is a terminal, and the
+/// command line's shutdown token.
+fn run_options(force: bool, ignore_pause: bool) -> oneshot::Options {
+    oneshot::Options {
+        force,
+        ignore_pause,
+        bars: progress::wanted(),
+        shutdown: one_shot_shutdown(),
+    }
 }
