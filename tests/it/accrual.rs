@@ -550,6 +550,27 @@ async fn a_month_of_accrual_reconciles_with_its_settlement(pool: PgPool) {
     assert_eq!(report(&bad)["audit"]["ledger_mismatches"].as_i64(), Some(1));
 }
 
+/// Loan 1, overdue on a past day, with that day's charge queued in `fine_pending` to be retried `after` (an SQL
+/// interval) from now; the day.
+async fn queue_one_charge(pool: &PgPool, after: &str) -> NaiveDate {
+    let day = past_day();
+    insert(
+        pool,
+        &[loan(1, &(day - chrono::Duration::days(3)).to_string(), None)],
+    )
+    .await;
+    sqlx::query(
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, next_attempt_at) \
+         values (1, $1, 100, now() + $2::interval)",
+    )
+    .bind(day)
+    .bind(after)
+    .execute(pool)
+    .await
+    .expect("queue a charge");
+    day
+}
+
 /// `pending retry` stops before its next charge once its shutdown token is cancelled (the command line cancels it
 /// on SIGINT/SIGTERM), says so and exits 1; run to its end, it charges the queue and says nothing of it.
 #[sqlx::test]
@@ -557,21 +578,8 @@ async fn a_cancelled_pending_retry_stops_before_its_next_charge(pool: PgPool) {
     use fine_settler::jobs::oneshot::retry_pending;
     use tokio_util::sync::CancellationToken;
 
-    let day = past_day();
-    insert(
-        &pool,
-        &[loan(1, &(day - chrono::Duration::days(3)).to_string(), None)],
-    )
-    .await;
     // Not due for hours: only a retry-now pass takes it.
-    sqlx::query(
-        "insert into fine_pending (loan_id, accrual_date, amount_cents, next_attempt_at) \
-         values (1, $1, 100, now() + interval '1 hour')",
-    )
-    .bind(day)
-    .execute(&pool)
-    .await
-    .expect("queue a charge");
+    let day = queue_one_charge(&pool, "1 hour").await;
     let env: std::collections::HashMap<String, String> =
         [("DATABASE_URL".to_string(), database_url(&pool))].into();
     let settings = fine_settler::config::load(None, &env)
@@ -614,19 +622,7 @@ async fn a_cancelled_pending_retry_stops_before_its_next_charge(pool: PgPool) {
 /// it to stop between two charges, and an operator who presses Ctrl-C again is not kept waiting.
 #[sqlx::test]
 async fn a_second_sigint_ends_pending_retry_at_once(pool: PgPool) {
-    let day = past_day();
-    insert(
-        &pool,
-        &[loan(1, &(day - chrono::Duration::days(3)).to_string(), None)],
-    )
-    .await;
-    sqlx::query(
-        "insert into fine_pending (loan_id, accrual_date, amount_cents, next_attempt_at) values (1, $1, 100, now())",
-    )
-    .bind(day)
-    .execute(&pool)
-    .await
-    .expect("queue a charge");
+    queue_one_charge(&pool, "0s").await;
     slow_down(&pool, "insert on fine_ledger", 60.0).await;
     let mut cmd = fine_settler(&database_url(&pool));
     cmd.args(["pending", "retry"])

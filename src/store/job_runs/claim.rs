@@ -100,8 +100,8 @@ impl RunStatus {
 }
 
 /// Claims `key` for `owner`: insert, else take over (or, by `mode`, re-open or force a SUCCESS row), else skip
-/// (docs/how-it-works.md, "How a settlement run works"). A run claims through [`super::ClaimedRun::claim`], which wraps a won
-/// claim into the handle the rest of the run goes through.
+/// (docs/how-it-works.md, "How a settlement run works"). A run claims through [`super::ClaimedRun::claim`],
+/// which wraps a won claim into the handle the rest of the run goes through.
 pub async fn claim(
     pool: &Db,
     key: &RunKey,
