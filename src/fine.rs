@@ -125,6 +125,38 @@ impl FinePolicy {
     }
 }
 
+impl FinePolicy {
+    /// The canonical accrual amount of `day` for a loan due on `due_on` and returned on `returned_on` (if it
+    /// was): what the ledger's net for that (loan, day) must be. A function of the loan and the policy alone, so
+    /// that the order in which days are charged never changes what each day holds.
+    ///
+    /// `day` is owed when `due_on + grace_days < day` and the loan was not returned before it; the k-th owed day
+    /// (k = 0 for the first) is charged `clamp(cap - rate * k, 0, rate)` — the earliest days in full, the day
+    /// that reaches the cap the remainder, nothing after. Summed over a returned loan's owed days this is
+    /// [`FinePolicy::fine`]. The SQL function `fine_settler_day_amount` (migrations/20261202000012) is the same
+    /// rule; a property test against the database holds them equal.
+    pub fn day_amount(
+        &self,
+        due_on: chrono::NaiveDate,
+        returned_on: Option<chrono::NaiveDate>,
+        day: chrono::NaiveDate,
+    ) -> Cents {
+        let after_due = (day - due_on).num_days();
+        if after_due <= self.grace_days || returned_on.is_some_and(|r| day > r) {
+            return Cents::ZERO;
+        }
+        let rate = self.daily_rate.get();
+        let Some(cap) = self.cap else {
+            return Cents(rate);
+        };
+        // Owed days before this one; the product stays far inside i64 (rate <= 10^8, days < 2^31), and
+        // saturates rather than wraps should it not.
+        let before = after_due - self.grace_days - 1;
+        let charged_before = rate.saturating_mul(before);
+        Cents(cap.get().saturating_sub(charged_before).clamp(0, rate))
+    }
+}
+
 impl Default for FinePolicy {
     fn default() -> Self {
         FinePolicy::DEFAULT
@@ -138,6 +170,24 @@ mod tests {
 
     fn policy(rate: i64, grace: i64, cap: i64) -> FinePolicy {
         FinePolicy::new(rate, grace, cap).expect("valid policy")
+    }
+
+    proptest! {
+        /// The days of a returned loan, each at its canonical amount, add up to the fine settlement sets —
+        /// whatever the policy — so the ledger and the month-end settlement agree.
+        #[test]
+        fn day_amounts_add_up_to_the_fine(
+            rate in 0i64..5_000, grace in 0i64..10, cap in prop_oneof![Just(0i64), 1i64..20_000],
+            late in -5i64..60,
+        ) {
+            let p = policy(rate, grace, cap);
+            let due = chrono::NaiveDate::from_ymd_opt(2026, 10, 20).unwrap();
+            let returned = due + chrono::Duration::days(late);
+            let total: i64 = (-3..late + 5)
+                .map(|k| p.day_amount(due, Some(returned), due + chrono::Duration::days(k)).get())
+                .sum();
+            prop_assert_eq!(total, p.fine(late).unwrap().get());
+        }
     }
 
     #[test]

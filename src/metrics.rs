@@ -39,7 +39,7 @@ use prometheus_client::{
 
 use crate::{
     jobs::{throttle::Reason, JobName, Outcome},
-    store::job_runs::ClaimKind,
+    store::{corrections::Reason as CorrectionReason, job_runs::ClaimKind},
 };
 
 /// Upper bounds (seconds) of the run duration histogram's buckets: from a run that found little to do to a month
@@ -94,7 +94,7 @@ macro_rules! label_value_from_as_str {
     )*};
 }
 
-label_value_from_as_str!(JobName, Outcome, Reason, ClaimResult);
+label_value_from_as_str!(JobName, Outcome, Reason, ClaimResult, CorrectionReason);
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ShardLabels {
@@ -126,6 +126,13 @@ struct ThrottleLabels {
     job: JobName,
     shard: Arc<str>,
     reason: Reason,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct CorrectionLabels {
+    job: JobName,
+    shard: Arc<str>,
+    reason: CorrectionReason,
 }
 
 /// A Unix time in milliseconds that only moves forward, exported as a gauge of seconds. Clones share the value,
@@ -201,6 +208,7 @@ struct RunFamilies {
     rows_updated: Counters<JobLabels>,
     last_success: FloatGauges<JobLabels>,
     late_rows: Counters<JobLabels>,
+    corrections: Counters<CorrectionLabels>,
     throttled: Family<ThrottleLabels, Counter<f64, AtomicU64>>,
 }
 
@@ -248,6 +256,12 @@ impl RunFamilies {
                  locked.",
                 Family::default(),
             ),
+            corrections: b.add(
+                "fine_settler_ledger_corrections_total",
+                "Ledger corrections appended by committed batches, by reason: returned, due-date-moved, cap, \
+                 reinstated, canonical.",
+                Family::default(),
+            ),
             throttled: b.add(
                 "fine_settler_throttled_seconds_total",
                 "Time batches waited for the throttle, by reason: rate (max_rows_per_second), replica_lag.",
@@ -272,6 +286,9 @@ struct TickFamilies {
     keys_abandoned: Counters<JobLabels>,
     paused: Gauges<JobLabels>,
     compensation_errors: Counters<ShardLabels>,
+    recheck_errors: Counters<ShardLabels>,
+    recheck_queued: Gauges<ShardLabels>,
+    ledger_orphans: Counters<ShardLabels>,
     last_progress: Family<ShardLabels, UnixTime>,
 }
 
@@ -338,6 +355,21 @@ impl TickFamilies {
                 "Compensation passes that failed with an error other than a rejected charge.",
                 Family::default(),
             ),
+            recheck_errors: b.add(
+                "fine_settler_recheck_errors_total",
+                "Accrual re-checks that failed or ran out of time (settlement and accrual of due keys go on).",
+                Family::default(),
+            ),
+            recheck_queued: b.add(
+                "fine_settler_recheck_changed_loans",
+                "Changed loans of the shard whose ledger the last accrual re-check found still to charge or correct.",
+                Family::default(),
+            ),
+            ledger_orphans: b.add(
+                "fine_settler_ledger_orphans_total",
+                "Loans with ledger rows that libraryd deleted: nothing is corrected for them.",
+                Family::default(),
+            ),
             last_progress: b.add(
                 "fine_settler_last_progress_timestamp_seconds",
                 "Unix time of the replica's last progress (tick, batch or retry).",
@@ -396,7 +428,21 @@ impl Metrics {
         self.tick
             .compensation_errors
             .get_or_create_owned(&self.only_shard());
+        self.tick.recheck_errors.get_or_create_owned(&self.only_shard());
+        for reason in CorrectionReason::ALL {
+            self.run
+                .corrections
+                .get_or_create_owned(&self.correction(JobName::OverdueAccrual, reason));
+        }
         self
+    }
+
+    fn correction(&self, job: JobName, reason: CorrectionReason) -> CorrectionLabels {
+        CorrectionLabels {
+            job,
+            shard: self.shard.clone(),
+            reason,
+        }
     }
 
     fn only_shard(&self) -> ShardLabels {
@@ -559,6 +605,34 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts the corrections a committed batch of `job` appended, by reason.
+    pub fn count_corrections(&self, job: JobName, corrected: &crate::store::corrections::Corrected) {
+        for (reason, n) in &corrected.0 {
+            self.run
+                .corrections
+                .get_or_create(&self.correction(job, *reason))
+                .inc_by(*n);
+        }
+    }
+
+    /// Counts an accrual re-check that failed or ran out of time.
+    pub fn count_recheck_error(&self) {
+        self.tick.recheck_errors.get_or_create(&self.only_shard()).inc();
+    }
+
+    /// What the last accrual re-check found: changed loans still to charge or correct, and loans libraryd
+    /// deleted that have ledger rows (counted once each re-check that sees them).
+    pub fn observe_recheck(&self, dirty: i64, orphaned: usize) {
+        self.tick
+            .recheck_queued
+            .get_or_create(&self.only_shard())
+            .set(dirty);
+        self.tick
+            .ledger_orphans
+            .get_or_create(&self.only_shard())
+            .inc_by(orphaned as u64);
+    }
+
     /// The clock exported as `fine_settler_last_progress_timestamp_seconds` (see [`crate::health::Heartbeat`]).
     pub fn last_progress(&self) -> UnixTime {
         self.tick.last_progress.get_or_create_owned(&self.only_shard())
@@ -652,6 +726,8 @@ mod tests {
             "fine_settler_keys_abandoned_total{job=\"fine-settlement\",shard=\"0/2\"} 0",
             "fine_settler_late_rows_total{job=\"overdue-accrual\",shard=\"0/2\"} 0",
             "fine_settler_compensation_errors_total{shard=\"0/2\"} 0",
+            "fine_settler_recheck_errors_total{shard=\"0/2\"} 0",
+            "fine_settler_ledger_corrections_total{job=\"overdue-accrual\",shard=\"0/2\",reason=\"returned\"} 0",
             "fine_settler_throttled_seconds_total{job=\"overdue-accrual\",shard=\"0/2\",reason=\"replica_lag\"} 0.0",
             "fine_settler_paused{job=\"fine-settlement\",shard=\"0/2\"} 0",
             "fine_settler_last_progress_timestamp_seconds{shard=\"0/2\"} 0.0",
@@ -681,6 +757,12 @@ mod tests {
         m.count_key_abandoned(job);
         m.set_paused(job, true);
         m.count_compensation_error();
+        m.count_recheck_error();
+        m.observe_recheck(2, 1);
+        m.count_corrections(
+            job,
+            &crate::store::corrections::Corrected([(CorrectionReason::Returned, 2)].into_iter().collect()),
+        );
         let text = m.render();
         assert_eq!(names_in(&text), m.series_names(), "{text}");
         assert_eq!(m.families.len(), 22);

@@ -32,6 +32,12 @@ select format('grant select, insert on job_pause_events to %I', :'role') \gexec
 -- The ledger is append-only; the compensation queue is worked through (rows updated, then deleted).
 select format('grant select, insert on fine_ledger to %I', :'role') \gexec
 select format('grant select, insert, update, delete on fine_pending to %I', :'role') \gexec
+-- Corrections are append-only too; the change queue is read and worked through (rows deleted once the re-check
+-- finds the loan's ledger as owed).
+select format('grant select, insert on fine_ledger_corrections to %I', :'role') \gexec
+select format('grant select on fine_ledger_net to %I', :'role') \gexec
+select format('grant select on fine_settler_marks to %I', :'role') \gexec
+select format('grant select, delete on fine_loan_changes to %I', :'role') \gexec
 
 -- Optional, for throttle.max_replica_lag: with `-v monitor=on`, the role may read the standbys' replay positions
 -- in pg_stat_replication (pg_read_all_stats, the part of pg_monitor the throttle needs). Granting it takes a

@@ -19,6 +19,7 @@ pub mod lifecycle;
 mod outage;
 mod plan;
 mod prune;
+pub mod recheck;
 mod tick;
 
 use std::{collections::HashSet, sync::Arc, time::Duration};
@@ -106,8 +107,8 @@ pub struct Daemon {
     compensation_failing: bool,
     /// Keys already reported as abandoned by this process (each is logged and counted once).
     abandoned: HashSet<(String, NaiveDate)>,
-    /// When the tick status last asked about late accrual rows (`accrual.recheck_every`).
-    accrual_rechecked: Option<tokio::time::Instant>,
+    /// The accrual re-check's schedule, episode and findings.
+    rechecks: recheck::Rechecks,
     /// The pauses covering this shard at the last tick (each logged when it starts and when it ends).
     paused: Vec<Pause>,
     /// `[throttle]`, shared by every run of the replica.
@@ -148,7 +149,7 @@ impl Daemon {
             notifier: None,
             compensation_failing: false,
             abandoned: HashSet::new(),
-            accrual_rechecked: None,
+            rechecks: recheck::Rechecks::default(),
             paused: Vec::new(),
             throttle,
         }

@@ -3,11 +3,18 @@
 
 use chrono::{DateTime, Utc};
 
-use super::TickError;
+use super::{
+    recheck::{self, CHANGES_PER_RECHECK},
+    TickError,
+};
 use crate::{
     config::{Settings, TimeSource},
     schedule::due::{self, Due},
-    store::{self, Session},
+    store::{
+        self,
+        corrections::{self, Pricing},
+        Session,
+    },
 };
 
 /// What a tick at `at` would do (default: now, by the configured clock), one line per due key, as `plan`
@@ -26,11 +33,11 @@ pub async fn plan(settings: &Settings, at: Option<DateTime<Utc>>) -> Result<Vec<
         settings.claim.lease.batch_timeout() + settings.database.connect_timeout,
     );
     let around = at.unwrap_or_else(Utc::now);
-    let status = session
+    let mut status = session
         .tick_status(
             settings.instance,
             due::window_start(settings, around),
-            due::late_probe(settings, around, true),
+            due::late_probe(settings, around),
         )
         .await?;
     let now = match (at, settings.time_source) {
@@ -38,5 +45,20 @@ pub async fn plan(settings: &Settings, at: Option<DateTime<Utc>>) -> Result<Vec<
         (None, TimeSource::Database) => status.now,
         (None, TimeSource::System) => Utc::now(),
     };
+    // The accrual days a re-check would re-open, asked without clearing anything.
+    if let Some((first, last)) = recheck::window(settings, now) {
+        let pricing = Pricing::from(&settings.fine);
+        let found = corrections::recheck(
+            &pool,
+            settings.instance,
+            first,
+            last,
+            pricing,
+            CHANGES_PER_RECHECK,
+            false,
+        )
+        .await?;
+        recheck::mark_late(&mut status.keys, &found.days.into_iter().collect());
+    }
     Ok(due::plan(settings, now, &status.keys, &status.pauses))
 }

@@ -1,6 +1,7 @@
 //! One tick, in the steps a reader would name: look (one status statement: the time, the shard's keys, its
-//! pending charges and pauses), compensate (retry the due pending charges), notice (abandoned keys, pauses), plan
-//! (the due keys not yet SUCCESS), run the pass over them, and record how many stay due.
+//! pending charges and pauses), compensate (retry the due pending charges), re-check (on its own schedule: the
+//! accrual days a changed loan still needs), notice (abandoned keys, pauses), plan (the due keys not yet SUCCESS,
+//! and the SUCCESS ones to re-open), run the pass over them, and record how many stay due.
 
 use std::collections::HashSet;
 
@@ -12,7 +13,10 @@ use crate::{
     jobs::{accrual::Accrual, settlement::Settlement, JobName, Outcome, RunKey, RunReport},
     schedule::due::{self, Due, Pass},
     shard::ShardSpec,
-    store::job_runs::{Action, ClaimMode, TickStatus},
+    store::{
+        job_runs::{Action, ClaimMode, TickStatus},
+        ledger::Scope,
+    },
 };
 
 /// What a tick saw: the status statement's answer, and the time the tick goes by (the database's or the host's,
@@ -27,8 +31,10 @@ impl Daemon {
     /// One tick: read the time, the shard's keys and its due pending charges (one statement); retry the due
     /// pending charges; then run every due key not yet SUCCESS, oldest first per job.
     pub async fn tick(&mut self) -> Result<Vec<RunReport>, TickError> {
-        let Seen { status, now } = self.look().await?;
+        let Seen { mut status, now } = self.look().await?;
         self.compensate_if_due(&status).await;
+        self.recheck_if_due(now).await;
+        self.rechecks.mark(&mut status.keys);
         self.report_abandoned(now, &status.keys);
         self.observe_pauses(&status.pauses);
         let todo: Vec<Due> = due::plan(&self.settings, now, &status.keys, &status.pauses)
@@ -42,20 +48,22 @@ impl Daemon {
         }
         let reports = self.run_pass(&todo, status.now).await?;
         self.record_unsettled(&todo, &reports);
+        for r in reports
+            .iter()
+            .filter(|r| r.job == JobName::OverdueAccrual.as_str())
+        {
+            if r.outcome == Outcome::Settled {
+                self.rechecks.settled(r.business_date);
+            }
+        }
         Ok(reports)
     }
 
     /// Reads the tick status (the time is read once, here), logs the clock skew, and sets the queue's gauges.
     async fn look(&mut self) -> Result<Seen, TickError> {
         let before = self.wall.now();
-        let recheck_accrual = self
-            .accrual_rechecked
-            .is_none_or(|at| at.elapsed() >= self.settings.accrual.recheck_every);
-        let status = self.read_status(before, recheck_accrual).await?;
+        let status = self.read_status(before).await?;
         self.heartbeat.ticked_now();
-        if recheck_accrual {
-            self.accrual_rechecked = Some(tokio::time::Instant::now());
-        }
         let after = self.wall.now();
         self.observe_skew(before + (after - before) / 2, status.now);
         let now = match self.settings.time_source {
@@ -149,10 +157,10 @@ impl Daemon {
         }
     }
 
-    /// The tick's status statement at host time `before`, asking about late accrual rows too if `accrual`.
-    async fn read_status(&mut self, before: DateTime<Utc>, accrual: bool) -> Result<TickStatus, TickError> {
+    /// The tick's status statement at host time `before`.
+    async fn read_status(&mut self, before: DateTime<Utc>) -> Result<TickStatus, TickError> {
         let since = due::window_start(&self.settings, before);
-        let late = due::late_probe(&self.settings, before, accrual);
+        let late = due::late_probe(&self.settings, before);
         self.session
             .tick_status(self.settings.instance, since, late)
             .await
@@ -173,7 +181,12 @@ impl Daemon {
                 business_date: due.business_date,
                 shard,
             };
-            let accrual = Accrual::from_settings(&self.settings);
+            // A day the re-check re-opened has work only on the loans libraryd changed.
+            let scope = match mode {
+                ClaimMode::Reopen => Scope::Changed,
+                _ => Scope::Full,
+            };
+            let accrual = Accrual::from_settings(&self.settings).within(scope);
             self.runner(self.settings.accrual.batch_size)
                 .run_as(&accrual, key, mode)
                 .await

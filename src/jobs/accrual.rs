@@ -1,6 +1,12 @@
-//! Daily overdue accrual: for each loan of the shard overdue on day D, one ledger row `(loan, D, rate)`, until
-//! the loan's ledger total reaches the cap. With the same policy, a returned loan's ledger total equals the fine
-//! the month-end settlement sets: the days charged are exactly `due_on + grace_days < D <= returned_on`.
+//! Daily overdue accrual: for each loan of the shard owed day D, one ledger row `(loan, D, amount)` whose amount
+//! is the day's canonical amount — a function of the loan and the policy alone
+//! ([`crate::fine::FinePolicy::day_amount`]): the earliest owed days the rate, the day that reaches the cap the
+//! remainder, nothing after — so any order of runs leaves the ledger one sequential run leaves. With the same
+//! policy, a returned loan's net equals the fine the month-end settlement sets.
+//!
+//! When a charged day is no longer owed as charged (a return back-dated before it, a due date moved), the run of
+//! that day appends a correction ([`crate::store::corrections`]) in the same fenced batch transaction; a ledger
+//! row is never updated or deleted. A batch writes its corrections first, then its charges.
 //!
 //! A batch first tries all its charges in one statement under a savepoint. If the database rejects it (a
 //! constraint or trigger — deferred ones are checked inside the savepoint —, a lock or statement timeout), the
@@ -9,10 +15,12 @@
 //! compensation pass ([`compensate`]) retries pending charges with capped exponential backoff until they
 //! succeed or become DEAD after `accrual.max_attempts`.
 //!
-//! The cap holds whatever runs at the same time: every charge locks its loan (a transaction-scoped advisory
-//! lock, [`ledger::lock_loans`]) and computes its amount from the ledger after the lock, in the write
-//! transaction. A charge is written only while the loan is still overdue on the day, by the loans row as the
-//! charge sees it.
+//! The cap holds in every committed state whatever runs at the same time: with a cap, every charge and
+//! correction locks its loan (a transaction-scoped advisory lock, [`ledger::lock_loans`]) and clamps a positive
+//! amount to what is left under the cap, read after the lock. While a loan's ledger is canonical the clamp never
+//! binds (canonical amounts add up to at most the cap); it binds only while a changed loan's days are being
+//! re-priced by runs of different days, and the re-check re-opens the clamped day once the others are done. A
+//! charge is written only while the day is owed by the loans row as the charge sees it.
 
 use std::time::Duration;
 
@@ -22,14 +30,17 @@ use sqlx::{Connection, PgConnection};
 use crate::store::Db;
 
 use super::{
-    runner::{BatchJob, JobError},
+    runner::{BatchJob, JobError, Written},
     RunKey,
 };
 use crate::{
     backoff::Backoff,
     fine::FinePolicy,
     shard::ShardSpec,
-    store::ledger::{self, Overdue, Pending},
+    store::{
+        corrections::{self, Pricing},
+        ledger::{self, Overdue, Pending, Scope},
+    },
 };
 
 /// The accrual job under one fine policy.
@@ -46,6 +57,9 @@ pub struct Accrual {
     /// How long a compensation retry waits for a row lock (`claim.lock_timeout`); a batch's charges run under
     /// the runner's.
     pub lock_timeout: Duration,
+    /// Which loans a run looks at: every loan of the shard, or only those libraryd changed (a day the daemon's
+    /// re-check re-opened).
+    pub scope: Scope,
 }
 
 fn millis(d: Duration) -> i64 {
@@ -63,7 +77,17 @@ impl Accrual {
                 .clamp(Duration::from_millis(50), Duration::from_secs(2)),
             isolation_budget: settings.claim.lease.batch_timeout() / 2,
             lock_timeout: settings.claim.lease.lock_timeout(),
+            scope: Scope::Full,
         }
+    }
+
+    /// The same job, looking only at the loans in `scope`.
+    pub fn within(self, scope: Scope) -> Self {
+        Accrual { scope, ..self }
+    }
+
+    fn pricing(&self) -> Pricing {
+        Pricing::from(&self.policy)
     }
 
     /// One charge, under its own savepoint of `tx`: lock the loans (with a cap), write, check deferred
@@ -73,14 +97,13 @@ impl Accrual {
         tx: &mut PgConnection,
         day: NaiveDate,
         ids: &[i64],
-        amount: i64,
     ) -> Result<Result<u64, sqlx::Error>, sqlx::Error> {
         let mut sp = tx.begin().await?;
         let attempt = async {
             if self.policy.cap().is_some() {
                 ledger::lock_loans(&mut sp, ids).await?;
             }
-            let written = ledger::charge(&mut sp, day, ids, amount, &self.policy).await?;
+            let written = ledger::charge(&mut sp, day, ids, self.pricing()).await?;
             ledger::check_deferred_now(&mut sp).await?;
             Ok::<_, sqlx::Error>(written)
         }
@@ -112,7 +135,7 @@ impl BatchJob for Accrual {
         if self.policy.daily_rate().get() == 0 {
             return Ok(false);
         }
-        Ok(ledger::day_has_uncharged(pool, key.business_date, key.shard, &self.policy).await?)
+        Ok(ledger::day_has_work(pool, key.business_date, key.shard, self.pricing()).await?)
     }
 
     fn extent(batch: &Vec<Overdue>) -> (i64, i64) {
@@ -126,13 +149,12 @@ impl BatchJob for Accrual {
         from_id: i64,
         limit: i64,
     ) -> Result<Option<Vec<Overdue>>, JobError> {
-        let cap = self.policy.cap().map_or(0, |c| c.get());
         let rows = ledger::overdue_batch(
             pool,
             key.business_date,
             key.shard,
-            self.policy.grace_days(),
-            cap,
+            self.pricing(),
+            self.scope,
             from_id,
             limit,
         )
@@ -140,15 +162,39 @@ impl BatchJob for Accrual {
         Ok((!rows.is_empty()).then_some(rows))
     }
 
-    async fn write(&self, tx: &mut PgConnection, key: &RunKey, rows: &Vec<Overdue>) -> Result<u64, JobError> {
-        let day = key.business_date;
+    async fn write(
+        &self,
+        tx: &mut PgConnection,
+        key: &RunKey,
+        epoch: i64,
+        rows: &Vec<Overdue>,
+    ) -> Result<Written, JobError> {
+        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        // Corrections first: a day that owes less makes room under the cap for the charges after it.
+        if self.policy.cap().is_some() {
+            ledger::lock_loans(tx, &ids).await?;
+        }
+        let corrected = corrections::correct(tx, key, epoch, &ids, self.pricing()).await?;
+        let updated = self.charge_batch(tx, key.business_date, ids).await?;
+        Ok(Written { updated, corrected })
+    }
+}
+
+impl Accrual {
+    /// The batch's charges: in one statement under a savepoint; if the database rejects it, each charge under
+    /// its own, and those rejected again (or not tried in the isolation budget) queued for compensation.
+    async fn charge_batch(
+        &self,
+        tx: &mut PgConnection,
+        day: NaiveDate,
+        ids: Vec<i64>,
+    ) -> Result<u64, JobError> {
         let rate = self.policy.daily_rate().get();
         if rate == 0 {
             return Ok(0);
         }
-        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
         let started = tokio::time::Instant::now();
-        match self.try_charge(tx, day, &ids, rate).await? {
+        match self.try_charge(tx, day, &ids).await? {
             Ok(written) => return Ok(written),
             Err(e) => {
                 tracing::warn!(error = %e, rows = ids.len(), "batch charge rejected; isolating the failing loans")
@@ -166,7 +212,7 @@ impl BatchJob for Accrual {
         let delay = millis(self.backoff.delay(1));
         for id in ids {
             let error = if started.elapsed() < self.isolation_budget {
-                match self.try_charge(tx, day, &[id], rate).await? {
+                match self.try_charge(tx, day, &[id]).await? {
                     Ok(n) => {
                         written += n;
                         continue;
@@ -326,9 +372,7 @@ async fn retry_pending(
     let Some(attempts) = ledger::lock_pending(&mut tx, p, due_only).await? else {
         return Ok(None);
     };
-    let charge = accrual
-        .try_charge(&mut tx, p.accrual_date, &[p.loan_id], p.amount_cents)
-        .await?;
+    let charge = accrual.try_charge(&mut tx, p.accrual_date, &[p.loan_id]).await?;
     let retried = match charge {
         Ok(written) => {
             ledger::resolve(&mut tx, p.loan_id, p.accrual_date).await?;

@@ -361,9 +361,10 @@ impl Job {
             // A zero rate writes nothing (see the job's write).
             Job::Accrual(j) if j.policy.daily_rate().get() == 0 => Ok(0),
             Job::Accrual(j) => {
-                let cap = j.policy.cap().map_or(0, |c| c.get());
-                let grace = j.policy.grace_days();
-                Ok(ledger::count_overdue(pool, key.business_date, key.shard, grace, cap, from_id).await?)
+                let pricing = crate::store::corrections::Pricing::from(&j.policy);
+                let (charges, _) =
+                    ledger::count_work(pool, key.business_date, key.shard, pricing, from_id).await?;
+                Ok(charges)
             }
         }
     }

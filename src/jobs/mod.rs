@@ -99,8 +99,10 @@ pub struct RunReport {
     pub epoch: Option<i64>,
     /// Rows this attempt read.
     pub scanned: i64,
-    /// Rows this attempt wrote.
+    /// Rows this attempt wrote (loans settled, charges).
     pub updated: i64,
+    /// Ledger corrections this attempt appended (accrual only; 0 otherwise).
+    pub corrections: i64,
     pub elapsed_ms: u64,
     /// Why the run failed, or who holds a skipped key.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -138,6 +140,7 @@ impl RunReport {
             epoch: None,
             scanned: 0,
             updated: 0,
+            corrections: 0,
             elapsed_ms: 0,
             detail: None,
             reopened: false,
@@ -163,6 +166,11 @@ impl RunReport {
             updated,
             ..self
         }
+    }
+
+    /// The ledger corrections the run appended.
+    pub fn with_corrections(self, corrections: i64) -> Self {
+        RunReport { corrections, ..self }
     }
 
     /// Why the run failed, or who holds a skipped key.

@@ -36,7 +36,7 @@ use crate::{
     metrics::Metrics,
     progress::RowsHook,
     redact::secrets_in as redact_secrets_in,
-    store::{job_runs::ClaimMode, Db},
+    store::{corrections::Corrected, job_runs::ClaimMode, Db},
 };
 
 /// A job the runner can drive. Its work items are identified by unique, ascending `i64` ids (the keyset
@@ -75,14 +75,32 @@ pub trait BatchJob: Send + Sync {
     /// The batch's last id (the next cursor) and how many items it holds.
     fn extent(batch: &Self::Batch) -> (i64, i64);
 
-    /// Writes the batch inside the batch transaction, skipping items already done; returns how many were
-    /// written.
+    /// Writes the batch inside the batch transaction of the run of `key` under `epoch`, skipping items already
+    /// done; says what it wrote.
     fn write(
         &self,
         tx: &mut PgConnection,
         key: &RunKey,
+        epoch: i64,
         batch: &Self::Batch,
-    ) -> impl Future<Output = Result<u64, JobError>> + Send;
+    ) -> impl Future<Output = Result<Written, JobError>> + Send;
+}
+
+/// What a batch wrote: business rows (loans settled, charges), and ledger corrections by reason.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Written {
+    pub updated: u64,
+    pub corrected: Corrected,
+}
+
+impl Written {
+    /// `updated` rows and no corrections.
+    pub fn rows(updated: u64) -> Self {
+        Written {
+            updated,
+            corrected: Corrected::default(),
+        }
+    }
 }
 
 /// Why a run failed.

@@ -6,7 +6,7 @@ use sqlx::{Connection, PgConnection};
 use crate::store::Db;
 
 use super::{
-    runner::{BatchJob, JobError},
+    runner::{BatchJob, JobError, Written},
     RunKey,
 };
 use crate::{
@@ -62,13 +62,19 @@ impl BatchJob for Settlement {
 
     /// The range update, under a savepoint; if it meets a row lock it cannot get within `claim.lock_timeout`,
     /// the batch settles every row it can lock instead and leaves the locked ones for the re-open.
-    async fn write(&self, tx: &mut PgConnection, key: &RunKey, batch: &SettleBatch) -> Result<u64, JobError> {
+    async fn write(
+        &self,
+        tx: &mut PgConnection,
+        key: &RunKey,
+        _epoch: i64,
+        batch: &SettleBatch,
+    ) -> Result<Written, JobError> {
         let month = calendar::settlement_month(key.business_date)?;
         let mut range = tx.begin().await?;
         match loans::settle_range(&mut range, month, key.shard, batch, &self.policy).await {
             Ok(updated) => {
                 range.commit().await?;
-                Ok(updated)
+                Ok(Written::rows(updated))
             }
             Err(e) if store::lock_not_available(&e) => {
                 range.rollback().await?;
@@ -82,7 +88,7 @@ impl BatchJob for Settlement {
                         .saturating_sub(i64::try_from(updated).unwrap_or(i64::MAX)),
                     "rows locked by another transaction were left for later; the key re-opens for them"
                 );
-                Ok(updated)
+                Ok(Written::rows(updated))
             }
             Err(e) => Err(e.into()),
         }

@@ -134,9 +134,9 @@ pub fn window_start(settings: &Settings, at: DateTime<Utc>) -> NaiveDate {
 }
 
 /// What the tick status asks about SUCCESS keys at host time `at`: whether rows arrived after their run, for the
-/// keys of each enabled job's catch-up window (with two days of margin for the zone and the clocks' skew).
-/// `accrual` says whether to ask about accrual days too (see `accrual.recheck_every`).
-pub fn late_probe(settings: &Settings, at: DateTime<Utc>, accrual: bool) -> LateProbe {
+/// settlement keys of the catch-up window (with two days of margin for the zone and the clocks' skew). The
+/// accrual's keys are re-opened by its own re-check.
+pub fn late_probe(settings: &Settings, at: DateTime<Utc>) -> LateProbe {
     let early = calendar::local_date(at, settings.zone)
         .checked_sub_signed(chrono::Duration::days(2))
         .unwrap_or(NaiveDate::MIN);
@@ -146,12 +146,6 @@ pub fn late_probe(settings: &Settings, at: DateTime<Utc>, accrual: bool) -> Late
             .enabled
             .then(|| settlement_due(early, settings.settlement.catch_up_months))
             .and_then(|dates| dates.first().copied()),
-        // With a daily rate of 0 nothing is ever charged, so every overdue loan would look late.
-        accrual_since: (settings.accrual.enabled && accrual && settings.fine.daily_rate().get() > 0)
-            .then(|| accrual_due(early, settings.accrual.catch_up_days))
-            .and_then(|days| days.first().copied()),
-        grace_days: i32::try_from(settings.fine.grace_days()).unwrap_or(i32::MAX),
-        cap_cents: settings.fine.cap().map_or(0, |c| c.get()),
     }
 }
 

@@ -22,13 +22,13 @@ pub struct MonthAudit {
     pub expected_cents: i64,
     /// Shard counts for which every shard's settlement run is SUCCESS.
     pub complete_shard_counts: Vec<i32>,
-    /// Settled loans whose every overdue day is in the ledger (or whose ledger reached the cap): the ones the
-    /// ledger can be reconciled with.
+    /// Settled loans returned late whose every owed day was accrued (its accrual key SUCCESS for the loan's
+    /// shard): the ones the ledger can be reconciled with.
     pub ledger_checked: i64,
-    /// Of those, loans whose ledger total differs from `fine_cents`.
+    /// Of those, loans whose net ledger total (`fine_ledger_net`) differs from `fine_cents`.
     pub ledger_mismatches: i64,
-    /// Loans returned in the month with ledger rows for days on which they were not overdue (a return
-    /// back-dated after the day was charged, a due date moved later): charged for days nothing was owed.
+    /// Loans returned in the month with a day whose net exceeds what is owed for it (a return back-dated after
+    /// the day was charged, a due date moved later, not yet corrected).
     pub over_accrued: i64,
 }
 
@@ -73,34 +73,41 @@ pub async fn month(
     .fetch_all(pool)
     .await?;
 
-    // Reconciliation: a returned loan's overdue days are due_on + grace < D <= returned_on. A ledger row outside
-    // those days is over-accrued (reported on its own); when the ledger has a row for each of them (or has
-    // reached the cap), its total must equal the settled fine.
+    // Reconciliation with the ledger as finance reads it (fine_ledger_net: first charges plus corrections). A
+    // day whose net exceeds its canonical amount (a day not owed at all, or owed less) is over-accrued. A settled
+    // loan whose every owed day was accrued (an accrual key of the day SUCCESS for the loan's shard, under some
+    // shard count) must have a net total equal to its fine.
     let ledger = sqlx::query!(
         r#"with r as (
-               select l.id, l.fine_cents, l.fine_settled_at,
-                      greatest(0, l.returned_on - l.due_on - $4::int) as days,
-                      coalesce(sum(f.amount_cents), 0)::bigint as total,
-                      count(f.loan_id) filter (where f.accrual_date - $4::int > l.due_on
-                                                 and f.accrual_date <= l.returned_on) as rows,
-                      count(f.loan_id) filter (where f.accrual_date - $4::int <= l.due_on
-                                                  or f.accrual_date > l.returned_on) as outside
+               select l.id, l.fine_cents, l.fine_settled_at, l.due_on, l.returned_on,
+                      coalesce((select sum(n.net_cents) from fine_ledger_net n where n.loan_id = l.id), 0)::bigint
+                          as net,
+                      (select count(*) from fine_ledger_net n
+                       where n.loan_id = l.id
+                         and n.net_cents > fine_settler_day_amount(l.due_on, l.returned_on, n.accrual_date,
+                                                                   $5, $4, $3)) as over
                from loans l
-               left join fine_ledger f on f.loan_id = l.id
-               where l.returned_on between $1 and $2
-               group by l.id, l.fine_cents, l.fine_settled_at, l.returned_on, l.due_on
-           ), full_ledger as (
-               select * from r
-               where fine_settled_at is not null and outside = 0
-                 and ((rows > 0 and rows = days) or ($3::bigint > 0 and rows > 0 and total >= $3))
+               where l.returned_on between $1 and $2 and isfinite(l.due_on)
+           ), covered as (
+               select r.* from r
+               where r.fine_settled_at is not null and r.returned_on - r.due_on > $4::int
+                 and not exists (
+                     -- The owed days, newest first, as offsets back from the return (no date arithmetic that
+                     -- could leave the date range on extreme loans).
+                     select 1 from generate_series(0, r.returned_on - r.due_on - $4::int - 1) k
+                     where not exists (select 1 from job_runs j
+                                       where j.job_name = 'overdue-accrual' and j.business_date = r.returned_on - k
+                                         and j.status = 'SUCCESS'
+                                         and j.shard = fine_settler_shard_of(r.id, j.shards)))
            )
-           select (select count(*) from full_ledger) as "checked!",
-                  (select count(*) from full_ledger where total <> fine_cents) as "mismatches!",
-                  (select count(*) from r where outside > 0) as "over_accrued!""#,
+           select (select count(*) from covered) as "checked!",
+                  (select count(*) from covered where net <> fine_cents) as "mismatches!",
+                  (select count(*) from r where over > 0) as "over_accrued!""#,
         first,
         last,
         policy.cap().map_or(0, |c| c.get()),
         i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
+        policy.daily_rate().get(),
     )
     .fetch_one(pool)
     .await?;

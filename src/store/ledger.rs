@@ -5,93 +5,207 @@ use sqlx::PgConnection;
 
 use crate::store::Db;
 
-use crate::{fine::FinePolicy, shard::ShardSpec};
+use crate::{shard::ShardSpec, store::corrections::Pricing};
 
-/// A loan overdue on the accrual day and not yet charged (nor queued) for it.
+/// A loan with work on the accrual day: a charge to write, or a correction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Overdue {
     pub id: i64,
 }
 
-/// The next batch of the shard's loans overdue on `day` — `due_on + grace_days < day` and not returned before
-/// `day` — that have no ledger row and no pending charge for `day`, and (with a cap) have not reached it.
+/// Which loans a run of an accrual day looks at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Scope {
+    /// Every loan of the shard: a day's first run, a takeover, and every operator command.
+    #[default]
+    Full,
+    /// Only the loans libraryd changed (`fine_loan_changes`): a day the daemon's re-check re-opened, where only
+    /// those can have work.
+    Changed,
+}
+
+/// The next batch of the shard's loans with work on `day` (ascending id, from `from_id`): those owed a charge —
+/// the day's canonical amount is not zero, the day is neither charged nor queued, and (with a cap) the loan's
+/// net is under it — and those charged on the day whose net is not the canonical amount (a correction; a
+/// positive one only while under the cap).
 ///
-/// Written so that the generic plan the job connections use stays a walk of the primary key with one key probe
-/// of the ledger and of the queue per loan: without the `offset 0` fences the planner turns the two `not
-/// exists` into anti-joins that scan and hash the whole ledger for every batch (seconds per batch once the
-/// ledger holds millions of rows, more than the batch timeout when a re-opened or forced day finds every loan
-/// already charged); and the cap's sum over the loan's ledger is taken only for the loans still to charge.
+/// The charges are found by a walk of the primary key with one key probe of the ledger and of the queue per
+/// overdue loan (the `offset 0` fences keep the planner from turning the `not exists` into anti-joins that hash
+/// the whole ledger for every batch, and take the cap's sums only for the loans still to charge); the
+/// corrections by a walk of the day's charges (`fine_ledger_day_idx`).
 pub async fn overdue_batch(
     pool: &Db,
     day: NaiveDate,
     shard: ShardSpec,
-    grace_days: i64,
-    cap_cents: i64,
+    pricing: Pricing,
+    scope: Scope,
+    from_id: i64,
+    limit: i64,
+) -> Result<Vec<Overdue>, sqlx::Error> {
+    match scope {
+        Scope::Full => full_batch(pool, day, shard, pricing, from_id, limit).await,
+        Scope::Changed => changed_batch(pool, day, shard, pricing, from_id, limit).await,
+    }
+}
+
+async fn full_batch(
+    pool: &Db,
+    day: NaiveDate,
+    shard: ShardSpec,
+    pricing: Pricing,
     from_id: i64,
     limit: i64,
 ) -> Result<Vec<Overdue>, sqlx::Error> {
     sqlx::query_as!(
         Overdue,
-        r#"select c.id as "id!"
-           from (select l.id from loans l
-                 where l.id >= $1 and l.id % $2 = $3
-                   and l.due_on < $5::date - $4::int
-                   and (l.returned_on is null or l.returned_on >= $5)
-                   and not exists (select 1 from fine_ledger f
-                                   where f.loan_id = l.id and f.accrual_date = $5 offset 0)
-                   and not exists (select 1 from fine_pending p
-                                   where p.loan_id = l.id and p.accrual_date = $5 offset 0)
-                 order by l.id
-                 offset 0) c
-           where $6::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
-                                             where f.loan_id = c.id), 0) < $6
-           order by c.id
-           limit $7"#,
+        r#"select u.id as "id!" from (
+               (select c.id
+                from (select l.id from loans l
+                      where l.id >= $1 and fine_settler_shard_of(l.id, $2) = $3
+                        and l.due_on < $5::date - $4::int
+                        and (l.returned_on is null or l.returned_on >= $5)
+                        and fine_settler_day_amount(l.due_on, l.returned_on, $5, $6, $4, $7) > 0
+                        and not exists (select 1 from fine_ledger f
+                                        where f.loan_id = l.id and f.accrual_date = $5 offset 0)
+                        and not exists (select 1 from fine_pending p
+                                        where p.loan_id = l.id and p.accrual_date = $5 offset 0)
+                      order by l.id
+                      offset 0) c
+                where $7::bigint = 0
+                   or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = c.id), 0)
+                    + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                where y.loan_id = c.id), 0) < $7::bigint
+                order by c.id
+                limit $8)
+               union
+               (select f.loan_id
+                from fine_ledger f
+                join loans l on l.id = f.loan_id
+                cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $5, $6, $4, $7)
+                                           as target) a
+                cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net
+                                    from fine_ledger_corrections c
+                                    where c.loan_id = f.loan_id and c.accrual_date = $5) n
+                where f.accrual_date = $5 and f.loan_id >= $1 and fine_settler_shard_of(f.loan_id, $2) = $3
+                  and a.target <> n.net
+                  and (a.target < n.net or $7::bigint = 0
+                       or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = f.loan_id), 0)
+                        + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                    where y.loan_id = f.loan_id), 0) < $7::bigint)
+                order by f.loan_id
+                limit $8)
+           ) u
+           order by u.id
+           limit $8"#,
         from_id,
-        i64::from(shard.shards()),
-        i64::from(shard.shard()),
-        i32::try_from(grace_days).unwrap_or(i32::MAX),
+        shard.shards(),
+        shard.shard(),
+        pricing.grace,
         day,
-        cap_cents,
+        pricing.rate,
+        pricing.cap,
         limit,
     )
     .fetch_all(pool)
     .await
 }
 
-/// How many loans of the shard with `id >= from_id` a run of `day` starting there would charge: those
-/// [`overdue_batch`] finds, counted (`backfill --dry-run`). The predicate is [`overdue_batch`]'s, without its
-/// limit.
-pub async fn count_overdue(
+async fn changed_batch(
     pool: &Db,
     day: NaiveDate,
     shard: ShardSpec,
-    grace_days: i64,
-    cap_cents: i64,
+    pricing: Pricing,
     from_id: i64,
-) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar!(
-        r#"select count(*) as "count!"
-           from (select l.id from loans l
-                 where l.id >= $6 and l.id % $1 = $2
-                   and l.due_on < $4::date - $3::int
-                   and (l.returned_on is null or l.returned_on >= $4)
-                   and not exists (select 1 from fine_ledger f
-                                   where f.loan_id = l.id and f.accrual_date = $4 offset 0)
-                   and not exists (select 1 from fine_pending p
-                                   where p.loan_id = l.id and p.accrual_date = $4 offset 0)
-                 offset 0) c
-           where $5::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
-                                             where f.loan_id = c.id), 0) < $5"#,
-        i64::from(shard.shards()),
-        i64::from(shard.shard()),
-        i32::try_from(grace_days).unwrap_or(i32::MAX),
-        day,
-        cap_cents,
+    limit: i64,
+) -> Result<Vec<Overdue>, sqlx::Error> {
+    sqlx::query_as!(
+        Overdue,
+        r#"select l.id as "id!"
+           from (select distinct c.loan_id from fine_loan_changes c
+                 where c.loan_id >= $1 and fine_settler_shard_of(c.loan_id, $2) = $3) ch
+           join loans l on l.id = ch.loan_id
+           cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $5, $6, $4, $7)
+                                      as target) a
+           left join fine_ledger f on f.loan_id = l.id and f.accrual_date = $5
+           cross join lateral (select coalesce(f.amount_cents, 0) + coalesce(sum(c.amount_cents), 0) as net
+                               from fine_ledger_corrections c
+                               where c.loan_id = l.id and c.accrual_date = $5) n
+           cross join lateral (select coalesce((select sum(x.amount_cents) from fine_ledger x
+                                                where x.loan_id = l.id), 0)
+                                    + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                                where y.loan_id = l.id), 0) as total) t
+           where (f.loan_id is null and a.target > 0
+                  and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $5)
+                  and ($7::bigint = 0 or t.total < $7::bigint))
+              or (f.loan_id is not null and a.target <> n.net
+                  and (a.target < n.net or $7::bigint = 0 or t.total < $7::bigint))
+           order by l.id
+           limit $8"#,
         from_id,
+        shard.shards(),
+        shard.shard(),
+        pricing.grace,
+        day,
+        pricing.rate,
+        pricing.cap,
+        limit,
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// What a run of `day` starting at `from_id` would write (`backfill --dry-run`): the charges and the
+/// corrections [`overdue_batch`] finds (in [`Scope::Full`]), counted. Since a day's amount depends on the loan
+/// alone, this is what the run then writes, cap included, when nothing else writes meanwhile.
+pub async fn count_work(
+    pool: &Db,
+    day: NaiveDate,
+    shard: ShardSpec,
+    pricing: Pricing,
+    from_id: i64,
+) -> Result<(i64, i64), sqlx::Error> {
+    let row = sqlx::query!(
+        r#"select
+             (select count(*)
+              from (select l.id from loans l
+                    where l.id >= $1 and fine_settler_shard_of(l.id, $2) = $3
+                      and l.due_on < $5::date - $4::int
+                      and (l.returned_on is null or l.returned_on >= $5)
+                      and fine_settler_day_amount(l.due_on, l.returned_on, $5, $6, $4, $7) > 0
+                      and not exists (select 1 from fine_ledger f
+                                      where f.loan_id = l.id and f.accrual_date = $5 offset 0)
+                      and not exists (select 1 from fine_pending p
+                                      where p.loan_id = l.id and p.accrual_date = $5 offset 0)
+                    offset 0) c
+              where $7::bigint = 0
+                 or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = c.id), 0)
+                  + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                              where y.loan_id = c.id), 0) < $7::bigint) as "charges!",
+             (select count(*)
+              from fine_ledger f
+              join loans l on l.id = f.loan_id
+              cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $5, $6, $4, $7)
+                                         as target) a
+              cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net
+                                  from fine_ledger_corrections c
+                                  where c.loan_id = f.loan_id and c.accrual_date = $5) n
+              where f.accrual_date = $5 and f.loan_id >= $1 and fine_settler_shard_of(f.loan_id, $2) = $3
+                and a.target <> n.net
+                and (a.target < n.net or $7::bigint = 0
+                     or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = f.loan_id), 0)
+                      + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                  where y.loan_id = f.loan_id), 0) < $7::bigint)) as "corrections!""#,
+        from_id,
+        shard.shards(),
+        shard.shard(),
+        pricing.grace,
+        day,
+        pricing.rate,
+        pricing.cap,
     )
     .fetch_one(pool)
-    .await
+    .await?;
+    Ok((row.charges, row.corrections))
 }
 
 /// The advisory-lock namespace of per-loan ledger locks (`pg_advisory_xact_lock(space, hashint8(loan_id))`):
@@ -128,37 +242,40 @@ pub async fn in_lock_order(tx: &mut PgConnection, ids: &[i64]) -> Result<Vec<i64
     .await
 }
 
-/// Charges each loan of `ids` for `day`: `amount` (the daily rate, or a pending charge's amount), or what is
-/// left under `cap_cents` if that is less, computed here from the ledger as this statement sees it — so call
-/// [`lock_loans`] first in the same transaction when there is a cap. A loan is charged only if it is still
-/// overdue on `day` by the loans row as it is now (a return back-dated before `day` means nothing is owed);
-/// a day already charged is skipped. Returns the rows written.
+/// Charges each loan of `ids` for `day` its canonical amount (`fine_settler_day_amount`, by the loans row as it
+/// is now: nothing if the day is not owed), or what is left under the cap if that is less — which happens only
+/// while other days of the loan are still being corrected. The cap's remainder is read here, so call
+/// [`lock_loans`] first in the same transaction when there is a cap. A day already charged is skipped. Returns
+/// the rows written.
 pub async fn charge(
     tx: &mut PgConnection,
     day: NaiveDate,
     ids: &[i64],
-    amount: i64,
-    policy: &FinePolicy,
+    pricing: Pricing,
 ) -> Result<u64, sqlx::Error> {
     let done = sqlx::query!(
         r#"insert into fine_ledger (loan_id, accrual_date, amount_cents)
            select c.id, $1, c.amount
            from (select l.id,
-                        case when $4::bigint = 0 then $3::bigint
-                             else least($3::bigint,
-                                        $4::bigint - coalesce((select sum(f.amount_cents) from fine_ledger f
-                                                               where f.loan_id = l.id), 0))
+                        case when $4::bigint = 0 then a.target
+                             else least(a.target,
+                                        $4::bigint
+                                        - coalesce((select sum(x.amount_cents) from fine_ledger x
+                                                    where x.loan_id = l.id), 0)
+                                        - coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                                    where y.loan_id = l.id), 0))
                         end as amount
                  from loans l
-                 where l.id = any($2::bigint[])
-                   and l.due_on < $1::date - $5::int and (l.returned_on is null or l.returned_on >= $1)) c
+                 cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $3, $5, $4)
+                                            as target) a
+                 where l.id = any($2::bigint[])) c
            where c.amount > 0
            on conflict on constraint fine_ledger_pkey do nothing"#,
         day,
         ids,
-        amount,
-        policy.cap().map_or(0, |c| c.get()),
-        i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
+        pricing.rate,
+        pricing.cap,
+        pricing.grace,
     )
     .execute(&mut *tx)
     .await?;
@@ -186,23 +303,54 @@ pub async fn set_local_statement_timeout(tx: &mut PgConnection, millis: u64) -> 
     Ok(())
 }
 
-/// Whether `day` has a loan of `shard` still to charge: overdue on the day, neither charged nor
-/// queued for it, and under the cap — the accrual's re-open question for one key, as the tick status asks it
-/// for every key ([`crate::store::job_runs::tick_status`]); both call the SQL function
-/// `fine_settler_uncharged_days` (migrations/20261201000008), where the question is written once.
-pub async fn day_has_uncharged(
+/// Whether `day` has a loan of `shard` with work — a charge or a correction (the predicate of
+/// [`overdue_batch`] in [`Scope::Full`]): the accrual's re-open question for one key, as `accrue` and `backfill`
+/// ask it. It looks at every overdue loan of the day (the open ones by `loans_open_by_due_idx`, the returned ones
+/// by `loans_returned_late_idx`) and at the day's charges: an operator's question, not the daemon's (the daemon
+/// re-opens the days its re-check finds from the loans libraryd changed).
+pub async fn day_has_work(
     pool: &Db,
     day: NaiveDate,
     shard: ShardSpec,
-    policy: &FinePolicy,
+    pricing: Pricing,
 ) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar!(
-        r#"select exists (select 1 from fine_settler_uncharged_days($1, $1, $2, $3, $4, $5)) as "late!""#,
+        r#"select exists (
+                  select 1
+                  from (select l.id, l.due_on, l.returned_on from loans l
+                        where l.returned_on is null and l.due_on < $1::date - $4::int
+                        union all
+                        select l.id, l.due_on, l.returned_on from loans l
+                        where l.returned_on > l.due_on and l.returned_on >= $1 and l.due_on < $1::date - $4::int) l
+                  where fine_settler_shard_of(l.id, $2) = $3
+                    and fine_settler_day_amount(l.due_on, l.returned_on, $1, $5, $4, $6) > 0
+                    and not exists (select 1 from fine_ledger f where f.loan_id = l.id and f.accrual_date = $1)
+                    and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $1)
+                    and ($6::bigint = 0
+                         or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = l.id), 0)
+                          + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                      where y.loan_id = l.id), 0) < $6::bigint))
+               or exists (
+                  select 1
+                  from fine_ledger f
+                  join loans l on l.id = f.loan_id
+                  cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $5, $4, $6)
+                                             as target) a
+                  cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net
+                                      from fine_ledger_corrections c
+                                      where c.loan_id = f.loan_id and c.accrual_date = $1) n
+                  where f.accrual_date = $1 and fine_settler_shard_of(f.loan_id, $2) = $3
+                    and a.target <> n.net
+                    and (a.target < n.net or $6::bigint = 0
+                         or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = f.loan_id), 0)
+                          + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                      where y.loan_id = f.loan_id), 0) < $6::bigint)) as "late!""#,
         day,
         shard.shards(),
         shard.shard(),
-        i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
-        policy.cap().map_or(0, |c| c.get()),
+        pricing.grace,
+        pricing.rate,
+        pricing.cap,
     )
     .fetch_one(pool)
     .await

@@ -24,6 +24,7 @@
 
 pub mod audit;
 pub mod connect;
+pub mod corrections;
 pub mod db;
 pub mod error;
 pub mod job_runs;

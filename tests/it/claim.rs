@@ -430,9 +430,6 @@ async fn the_tick_s_action_and_the_claim_agree_on_every_state(pool: PgPool) {
     let k = key("2026-10-31", 0, 1);
     let no_probe = LateProbe {
         settlement_since: None,
-        accrual_since: None,
-        grace_days: 0,
-        cap_cents: 0,
     };
     // Late: an unsettled loan returned in the month, so that the probe finds rows left in a SUCCESS key.
     crate::helpers::insert(

@@ -41,6 +41,7 @@ async fn covered(run: &mut ClaimedRun, pool: &PgPool, last_id: i64, rows: i64) -
         last_id,
         scanned: rows,
         updated: rows,
+        corrected: 0,
     };
     run.advance(tx, covered).await.expect("advance")
 }
@@ -129,6 +130,7 @@ async fn a_fenced_out_run_commits_nothing_and_records_its_lost_lease(pool: PgPoo
                 last_id: 9,
                 scanned: 1,
                 updated: 1,
+                corrected: 0,
             },
         )
         .await

@@ -351,6 +351,16 @@ pub(crate) async fn replicas_recover_from_a_restart(front: Option<PoolMode>) {
     assert_every_month_settled_once(&pool, &months).await;
 }
 
+async fn statements_since_reset(pool: &sqlx::PgPool) -> Vec<(String, i64)> {
+    sqlx::query_as(
+        "select query, calls from pg_stat_statements
+         where query not like '%pg_stat_statements%' and dbid = (select oid from pg_database where datname = current_database())",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("statements")
+}
+
 #[tokio::test]
 async fn an_idle_tick_is_one_statement() {
     let server = PrivateServer::start(&["shared_preload_libraries=pg_stat_statements"]);
@@ -379,18 +389,29 @@ async fn an_idle_tick_is_one_statement() {
         .await
         .expect("reset");
     once(); // idle
-    let statements: Vec<(String, i64)> = sqlx::query_as(
-        "select query, calls from pg_stat_statements
-         where query not like '%pg_stat_statements%' and dbid = (select oid from pg_database where datname = current_database())",
-    )
-    .fetch_all(&pool)
-    .await
-    .expect("statements");
+    let statements = statements_since_reset(&pool).await;
     let calls: i64 = statements.iter().map(|(_, c)| c).sum();
+    let recheck: i64 = statements
+        .iter()
+        .filter(|(q, _)| q.contains("fine_loan_changes"))
+        .map(|(_, c)| c)
+        .sum();
     assert_eq!(
-        calls, 1,
-        "an idle tick of both jobs runs one statement: {statements:?}"
+        (calls, recheck),
+        (2, 1),
+        "an idle tick of both jobs runs one statement, and the accrual re-check (due at the first tick after a \
+         start, then every accrual.recheck_every) one of its own: {statements:?}"
     );
+    let mut settlement_only = fine_settler(&url);
+    settlement_only.args(["run", "--once"]);
+    sqlx::query("select pg_stat_statements_reset()")
+        .execute(&pool)
+        .await
+        .expect("reset");
+    assert_success(&output(settlement_only));
+    let statements = statements_since_reset(&pool).await;
+    let calls: i64 = statements.iter().map(|(_, c)| c).sum();
+    assert_eq!(calls, 1, "an idle tick is one statement: {statements:?}");
 }
 
 /// One tick of a replica with accrual on retries the shard's due pending charge first, then runs the accrual

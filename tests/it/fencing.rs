@@ -11,7 +11,7 @@ use std::{
 use fine_settler::{
     fine::FinePolicy,
     jobs::{
-        runner::{BatchJob, JobError},
+        runner::{BatchJob, JobError, Written},
         settlement::Settlement,
         Outcome, RunKey,
     },
@@ -81,14 +81,20 @@ impl BatchJob for PausesBeforeBatch {
         self.inner.fetch(pool, key, from_id, limit).await
     }
 
-    async fn write(&self, tx: &mut PgConnection, key: &RunKey, batch: &SettleBatch) -> Result<u64, JobError> {
+    async fn write(
+        &self,
+        tx: &mut PgConnection,
+        key: &RunKey,
+        epoch: i64,
+        batch: &SettleBatch,
+    ) -> Result<Written, JobError> {
         if self.batches.fetch_add(1, Ordering::SeqCst) != self.at {
-            return self.inner.write(tx, key, batch).await;
+            return self.inner.write(tx, key, epoch, batch).await;
         }
         self.reached.notify_one();
         self.resume.notified().await;
-        let written = self.inner.write(tx, key, batch).await?;
-        self.written.store(written, Ordering::SeqCst);
+        let written = self.inner.write(tx, key, epoch, batch).await?;
+        self.written.store(written.updated, Ordering::SeqCst);
         Ok(written)
     }
 }

@@ -249,6 +249,7 @@ fn accrual(policy: FinePolicy, backoff: Duration) -> Accrual {
         row_timeout: Duration::from_millis(500),
         isolation_budget: Duration::from_secs(5),
         lock_timeout: LOCK_TIMEOUT,
+        scope: Default::default(),
     }
 }
 
@@ -271,12 +272,14 @@ async fn ledger_total(pool: &PgPool, loan_id: i64) -> i64 {
 #[sqlx::test]
 async fn two_runs_of_different_days_never_charge_a_capped_loan_past_its_cap(pool: PgPool) {
     let day = d("2026-10-20");
-    insert(&pool, &[loan(1, "2026-10-01", None)]).await;
-    // 200 of the 250 already charged; each ledger insert takes half a second, so the two runs overlap.
+    insert(&pool, &[loan(1, "2026-10-18", None)]).await;
+    // Owed: 10-19 100, 10-20 100, 10-21 50 (cap 250). The ledger holds 200 on two later days, as a ledger charged
+    // in another order (or before a due date moved) may, and each ledger insert takes half a second, so the two
+    // runs overlap: whichever locks the loan first gets what is left under the cap, the other nothing.
     exec(
         &pool,
         "insert into fine_ledger (loan_id, accrual_date, amount_cents)
-         values (1, '2026-10-10', 100), (1, '2026-10-11', 100);
+         values (1, '2026-10-25', 100), (1, '2026-10-26', 100);
          create function slow_ledger() returns trigger language plpgsql as $$
          begin perform pg_sleep(0.5); return new; end $$;
          create trigger slow_ledger before insert on fine_ledger for each row execute function slow_ledger();",
@@ -838,7 +841,8 @@ async fn isolating_a_rejected_batch_cannot_deadlock_with_another_run(pool: PgPoo
                 .await
         }
     });
-    // Run a is isolating when it holds exactly one loan lock (its batch attempt held all three).
+    // Run a holds its batch's three loan locks for the whole batch (its corrections, its charges, and the
+    // isolation of the rejected charge), taken at once in the one lock order.
     crate::helpers::wait_until("run a isolating its batch", Duration::from_secs(10), || async {
         sqlx::query_scalar::<_, i64>(
             "select count(*) from pg_locks l join pg_database d on d.oid = l.database
@@ -848,7 +852,7 @@ async fn isolating_a_rejected_batch_cannot_deadlock_with_another_run(pool: PgPoo
         .fetch_one(&pool)
         .await
         .unwrap_or(0)
-            == 1
+            == 3
     })
     .await;
     // Run b detects deadlocks late, so that a deadlock, if any, is detected by run a and shows in its queue.
@@ -928,8 +932,8 @@ async fn a_late_return_settled_by_a_running_replica_is_also_accrued(pool: PgPool
     assert_eq!(code, Some(0), "{stderr}");
 }
 
-/// The accrual's late-row question counts a day once when it is both charged and queued (a charge rejected by a
-/// trigger after another run had written that day), so a day really missing from the same loan is still found.
+/// The accrual's re-check looks at each day of a changed loan: a day both charged and queued (a charge rejected
+/// by a trigger after another run had written that day) does not hide a day really missing from the same loan.
 #[sqlx::test]
 async fn a_day_both_charged_and_queued_does_not_hide_a_missing_day(pool: PgPool) {
     insert(&pool, &[loan(2, "2026-01-01", None)]).await;
@@ -942,11 +946,18 @@ async fn a_day_both_charged_and_queued_does_not_hide_a_missing_day(pool: PgPool)
          values (2, '2026-01-06', 100, 10, 'rejected', now(), 'DEAD');",
     )
     .await;
-    let late: Vec<NaiveDate> = sqlx::query_scalar(
-        "select d from fine_settler_uncharged_days('2026-01-02', '2026-01-10', 1, 0, 0, 0) d order by 1",
+    // The loan was queued by libraryd's insert (it was already overdue).
+    let pricing = fine_settler::store::corrections::Pricing::from(&FinePolicy::DEFAULT);
+    let found = fine_settler::store::corrections::recheck(
+        &fine_settler::store::Db::from(pool.clone()),
+        fine_settler::shard::ShardSpec::SINGLE,
+        d("2026-01-02"),
+        d("2026-01-10"),
+        pricing,
+        100,
+        false,
     )
-    .fetch_all(&pool)
     .await
-    .expect("late days");
-    assert_eq!(late, [d("2026-01-07")]);
+    .expect("recheck");
+    assert_eq!(found.days, [d("2026-01-07")]);
 }

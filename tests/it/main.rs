@@ -14,6 +14,7 @@ mod docs;
 mod failover;
 mod fencing;
 mod helpers;
+mod ledger;
 mod lifecycle;
 mod live;
 mod multihost;

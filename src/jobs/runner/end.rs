@@ -15,6 +15,7 @@ struct Tally {
     epoch: i64,
     scanned: i64,
     updated: i64,
+    corrected: i64,
     reopened: bool,
 }
 
@@ -25,6 +26,7 @@ impl Tally {
             epoch: run.epoch(),
             scanned: run.scanned(),
             updated: run.updated(),
+            corrected: run.corrected(),
             reopened: run.kind() == ClaimKind::Reopened,
         }
     }
@@ -34,6 +36,7 @@ impl Tally {
         RunReport::new(self.key, outcome)
             .with_epoch(self.epoch)
             .with_counts(self.scanned, self.updated)
+            .with_corrections(self.corrected)
             .with_reopened(self.reopened)
     }
 }

@@ -11,6 +11,7 @@ use crate::{
     jobs::{throttle::BatchSizer, RunKey},
     store::{
         self,
+        corrections::Corrected,
         job_runs::{ClaimedRun, Covered, Fence},
         pauses::Pause,
     },
@@ -45,6 +46,7 @@ enum BatchResult {
     /// transaction was open.
     Committed {
         covered: Covered,
+        corrected: Corrected,
         paused: Option<(String, String)>,
         took: Duration,
     },
@@ -91,11 +93,12 @@ impl Runner {
                 BatchResult::Fenced => return Ok(Stop::LeaseLost),
                 BatchResult::Committed {
                     covered,
+                    corrected,
                     paused,
                     took,
                 } => {
                     walk.renewed = Instant::now();
-                    self.committed(run.key(), walk, covered, took);
+                    self.committed(run.key(), walk, covered, &corrected, took);
                     if let Some((by, reason)) = paused {
                         tracing::warn!(cursor = covered.last_id, paused_by = %by, reason = %reason,
                             "job paused: handing the key back after this batch");
@@ -145,16 +148,18 @@ impl Runner {
         let began = Instant::now();
         let mut tx = self.pool.begin().await?;
         store::set_local_lock_timeout(&mut tx, self.lease.lock_timeout()).await?;
-        let updated = i64::try_from(job.write(&mut tx, &key, &batch).await?).unwrap_or(i64::MAX);
+        let written = job.write(&mut tx, &key, run.epoch(), &batch).await?;
         let covered = Covered {
             last_id,
             scanned,
-            updated,
+            updated: i64::try_from(written.updated).unwrap_or(i64::MAX),
+            corrected: i64::try_from(written.corrected.total()).unwrap_or(i64::MAX),
         };
         Ok(match run.advance(tx, covered).await? {
             Fence::Lost => BatchResult::Fenced,
             Fence::Passed { paused } => BatchResult::Committed {
                 covered,
+                corrected: written.corrected,
                 paused: paused.filter(|_| !self.ignore_pause),
                 took: began.elapsed(),
             },
@@ -163,7 +168,14 @@ impl Runner {
 
     /// What follows a committed batch: the next batch's size adapts to this one's duration, and the progress
     /// hook, the metrics and the log hear of its rows.
-    fn committed(&self, key: &RunKey, walk: &mut Walk, covered: Covered, took: Duration) {
+    fn committed(
+        &self,
+        key: &RunKey,
+        walk: &mut Walk,
+        covered: Covered,
+        corrected: &Corrected,
+        took: Duration,
+    ) {
         let (s, u) = (covered.scanned, covered.updated);
         let size = walk.sizer.next();
         walk.sizer.observe(s, took);
@@ -180,6 +192,7 @@ impl Runner {
         }
         if let Some(m) = &self.metrics {
             m.count_rows(key.job, s, u);
+            m.count_corrections(key.job, corrected);
         }
         if let Some(h) = &self.heartbeat {
             h.progress_now();
@@ -188,6 +201,7 @@ impl Runner {
             cursor = covered.last_id,
             batch_scanned = s,
             batch_updated = u,
+            batch_corrected = covered.corrected,
             "batch committed"
         );
     }

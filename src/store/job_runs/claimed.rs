@@ -36,6 +36,8 @@ pub struct ClaimedRun {
     /// Rows this run's committed batches read and wrote.
     scanned: i64,
     updated: i64,
+    /// Ledger corrections this run's committed batches appended.
+    corrected: i64,
 }
 
 /// What a claim attempt through [`ClaimedRun::claim`] got.
@@ -53,6 +55,9 @@ pub struct Covered {
     pub last_id: i64,
     pub scanned: i64,
     pub updated: i64,
+    /// Ledger corrections the batch appended (kept by the handle for the run's report; the corrections
+    /// themselves record their run).
+    pub corrected: i64,
 }
 
 impl ClaimedRun {
@@ -75,6 +80,7 @@ impl ClaimedRun {
                 cursor,
                 scanned: 0,
                 updated: 0,
+                corrected: 0,
             }),
             Claim::Skipped(holder) => Claimed::Skipped(holder),
         })
@@ -118,6 +124,11 @@ impl ClaimedRun {
         self.updated
     }
 
+    /// Ledger corrections this run's committed batches appended.
+    pub fn corrected(&self) -> i64 {
+        self.corrected
+    }
+
     fn claimant(&self) -> Claimant<'_> {
         Claimant {
             epoch: self.epoch,
@@ -147,6 +158,7 @@ impl ClaimedRun {
                 self.cursor = Some(covered.last_id);
                 self.scanned += covered.scanned;
                 self.updated += covered.updated;
+                self.corrected += covered.corrected;
             }
         }
         Ok(fence)

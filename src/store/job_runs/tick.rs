@@ -86,18 +86,13 @@ impl KeyState {
     }
 }
 
-/// Which SUCCESS keys the tick status also checks for rows still to do, and the policy that says what is still
-/// to do. A date of `None` turns the job's probe off (the job is disabled).
+/// Which SUCCESS settlement keys the tick status also checks for rows still to do. (The accrual's are found by
+/// its own re-check, on its own schedule: see `daemon::recheck`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LateProbe {
-    /// Settlement keys from this business date on: any unsettled loan of the shard returned in the month.
+    /// Settlement keys from this business date on: any unsettled loan of the shard returned in the month. `None`
+    /// turns the probe off (settlement is disabled).
     pub settlement_since: Option<NaiveDate>,
-    /// Accrual keys from this day on: any loan of the shard overdue on the day and neither charged nor queued
-    /// for it, and under the cap.
-    pub accrual_since: Option<NaiveDate>,
-    pub grace_days: i32,
-    /// 0 = no cap.
-    pub cap_cents: i64,
 }
 
 /// What a tick sees before it claims anything.
@@ -117,17 +112,15 @@ pub struct TickStatus {
 }
 
 /// Everything a tick needs to know before it claims anything, in one statement: the database clock, this
-/// shard's `job_runs` rows for business dates from `since` on — each SUCCESS key in `late`'s window with
-/// whether rows of it are still to do — how many of its pending charges are due, and the pauses that cover the
-/// shard (`job_pauses`, a table of a few rows, aggregated into arrays on the one first row). An idle tick costs
-/// exactly this one round trip.
+/// shard's `job_runs` rows for business dates from `since` on — each SUCCESS settlement key in `late`'s window
+/// with whether rows of it are still to do — how many of its pending charges are due, and the pauses that cover
+/// the shard (`job_pauses`, a table of a few rows, aggregated into arrays on the one first row). An idle tick
+/// costs exactly this one round trip.
 ///
 /// The settlement probe is the predicate [`crate::store::loans::month_has_unsettled`] asks for one key (and the
 /// one the batches select); it reads the partial index of unsettled loans by return date: a settled month has no
-/// entry in it, so the probe costs one index descent per key. The accrual probe is the SQL function
-/// `fine_settler_uncharged_days` (a migration), asked once for the whole window (and by
-/// [`crate::store::ledger::day_has_uncharged`] for one day): it walks the overdue loans still out and counts each
-/// one's ledger rows in the window, which is why the daemon asks it only every `accrual.recheck_every`.
+/// entry in it, so the probe costs one index descent per key. Accrual keys are never late here: the accrual's
+/// re-check (its own statement, on its own schedule) marks them.
 pub async fn tick_status(
     conn: &mut PgConnection,
     shard: ShardSpec,
@@ -224,29 +217,18 @@ async fn status_rows(
 ) -> Result<Vec<StatusRow>, sqlx::Error> {
     sqlx::query_as!(
         StatusRow,
-        r#"with late_days as (
-               -- Up to the latest accrual day that succeeded: the days after it have not been accrued at all.
-               select fine_settler_uncharged_days(
-                          $5::date,
-                          (select max(business_date) from job_runs
-                           where job_name = 'overdue-accrual' and shards = $1::int and shard = $2::int
-                             and status = 'SUCCESS' and business_date >= $5::date),
-                          $1::int, $2::int, $6::int, $7::bigint) as d
-           )
-           select t.now as "now!", t.due_pending as "due_pending!", t.pending as "pending!", t.dead as "dead!",
+        r#"select t.now as "now!", t.due_pending as "due_pending!", t.pending as "pending!", t.dead as "dead!",
                   t.in_recovery as "in_recovery!", t.read_only as "read_only!",
                   pz.jobs as "paused_jobs!", pz.shards as "paused_shards!", pz.bys as "paused_by!",
                   pz.reasons as "paused_reasons!", pz.since as "paused_since!",
                   r.job_name as "job_name?", r.business_date as "business_date?",
                   r.status as "status?: RunStatus", r.owner as "owner?", (r.lease_until < t.now) as "expired?",
-                  (r.status = 'SUCCESS' and (
-                       (r.job_name = 'fine-settlement' and r.business_date >= $4::date and exists (
-                            select 1 from loans l
-                            where l.fine_settled_at is null and l.returned_on is not null
-                              and l.returned_on between date_trunc('month', r.business_date)::date
-                                                    and r.business_date
-                              and l.id % $1::int = $2::int))
-                    or (r.job_name = 'overdue-accrual' and r.business_date in (select d from late_days)))
+                  (r.status = 'SUCCESS' and r.job_name = 'fine-settlement' and r.business_date >= $4::date
+                   and exists (
+                       select 1 from loans l
+                       where l.fine_settled_at is null and l.returned_on is not null
+                         and l.returned_on between date_trunc('month', r.business_date)::date and r.business_date
+                         and fine_settler_shard_of(l.id, $1::int) = $2::int)
                   ) as "late?"
            from (select now() as now, pg_is_in_recovery() as in_recovery,
                         current_setting('transaction_read_only') = 'on' as read_only,
@@ -272,9 +254,6 @@ async fn status_rows(
         since,
         // A disabled probe asks from a date no key has, so that its subqueries are never evaluated.
         late.settlement_since.unwrap_or(NaiveDate::MAX),
-        late.accrual_since.unwrap_or(NaiveDate::MAX),
-        late.grace_days,
-        late.cap_cents,
     )
     .fetch_all(&mut *conn)
     .await

@@ -1,0 +1,273 @@
+//! `fine_ledger_corrections` and `fine_loan_changes`: the corrections an accrual run appends when a charged day
+//! is no longer owed as charged, and the re-check that finds which days need them from what libraryd changed.
+//!
+//! The net of a (loan, day) — its first charge in `fine_ledger` plus its corrections — must equal the day's
+//! canonical amount (`fine_settler_day_amount`, [`crate::fine::FinePolicy::day_amount`]). A correction is the
+//! difference, written as the day's next correction (`seq`) with `on conflict do nothing`: two writers that saw
+//! the same net cannot both write it. A positive difference (a day owed again, or owed more) is clamped to what is
+//! left under the cap, read under the loan's lock, so that the net never exceeds the cap in any committed state
+//! while runs of different days bring a loan's days to their amounts one by one; a clamped day is finished by a
+//! later run, once the days that owe less were corrected.
+
+use chrono::NaiveDate;
+use sqlx::PgConnection;
+
+use crate::{fine::FinePolicy, jobs::RunKey, shard::ShardSpec, store::Db};
+
+/// A policy as the SQL statements take it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pricing {
+    pub rate: i64,
+    pub grace: i32,
+    /// 0 = no cap.
+    pub cap: i64,
+}
+
+impl From<&FinePolicy> for Pricing {
+    fn from(p: &FinePolicy) -> Self {
+        Pricing {
+            rate: p.daily_rate().get(),
+            grace: i32::try_from(p.grace_days()).unwrap_or(i32::MAX),
+            cap: p.cap().map_or(0, |c| c.get()),
+        }
+    }
+}
+
+/// Why a correction was written. The names are those of the `reason` column and of the metric's label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Reason {
+    /// The loan was returned before the day (a return recorded late and back-dated).
+    Returned,
+    /// The day is no longer after the due date and its grace period (the due date moved later).
+    DueDateMoved,
+    /// The day is still owed but its amount changed: the day that reaches the cap moved (a due date moved
+    /// earlier, or the day was charged less than owed while other days were being corrected).
+    Cap,
+    /// A day corrected away is owed again (a return removed, a due date moved back).
+    Reinstated,
+    /// A charge written before canonical amounts, in the order runs happened, brought to its canonical amount.
+    Canonical,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 5] = [
+        Reason::Returned,
+        Reason::DueDateMoved,
+        Reason::Cap,
+        Reason::Reinstated,
+        Reason::Canonical,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Returned => "returned",
+            Reason::DueDateMoved => "due-date-moved",
+            Reason::Cap => "cap",
+            Reason::Reinstated => "reinstated",
+            Reason::Canonical => "canonical",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Reason> {
+        Reason::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+}
+
+/// How many corrections of each reason a write appended.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Corrected(pub std::collections::BTreeMap<Reason, u64>);
+
+impl Corrected {
+    pub fn total(&self) -> u64 {
+        self.0.values().sum()
+    }
+
+    pub fn add(&mut self, other: &Corrected) {
+        for (r, n) in &other.0 {
+            *self.0.entry(*r).or_default() += n;
+        }
+    }
+}
+
+/// Appends, for each loan of `ids` charged on the run's day, the correction that brings the day's net to its
+/// canonical amount by the loans row as it is now — within the cap: call
+/// [`lock_loans`](crate::store::ledger::lock_loans) first in the same transaction when there is a cap. A loan
+/// libraryd deleted is not corrected (there is nothing to correct against; the re-check reports it). Returns the
+/// corrections written, by reason.
+pub async fn correct(
+    tx: &mut PgConnection,
+    key: &RunKey,
+    epoch: i64,
+    ids: &[i64],
+    pricing: Pricing,
+) -> Result<Corrected, sqlx::Error> {
+    let reasons = sqlx::query_scalar!(
+        r#"insert into fine_ledger_corrections (loan_id, accrual_date, seq, amount_cents, reason,
+                                                job_name, business_date, shards, shard, epoch)
+           select w.loan_id, $1, w.seq, w.delta, w.reason, $6, $1, $7, $8, $9
+           from (select f.loan_id, n.seq,
+                        case when a.target < n.net or $5::bigint = 0 then a.target - n.net
+                             else least(a.target - n.net, $5::bigint - t.total) end as delta,
+                        case when a.target = 0 and l.returned_on is not null and isfinite(l.returned_on)
+                                   and $1::date > l.returned_on then 'returned'
+                             when a.target = 0 and (not isfinite(l.due_on)
+                                                    or ($1::date - l.due_on)::bigint <= $4::int) then 'due-date-moved'
+                             when a.target = 0 then 'cap'
+                             when n.net = 0 then 'reinstated'
+                             when n.seq = 1 and f.charged_at < (select m.at from fine_settler_marks m
+                                                                 where m.name = 'canonical-amounts') then 'canonical'
+                             else 'cap'
+                        end as reason
+                 from fine_ledger f
+                 join loans l on l.id = f.loan_id
+                 cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $3, $4, $5)
+                                            as target) a
+                 cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net,
+                                            coalesce(max(c.seq), 0) + 1 as seq
+                                     from fine_ledger_corrections c
+                                     where c.loan_id = f.loan_id and c.accrual_date = f.accrual_date) n
+                 cross join lateral (select coalesce((select sum(x.amount_cents) from fine_ledger x
+                                                      where x.loan_id = f.loan_id), 0)
+                                          + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                                      where y.loan_id = f.loan_id), 0) as total) t
+                 where f.accrual_date = $1 and f.loan_id = any($2::bigint[])) w
+           where w.delta <> 0
+           on conflict on constraint fine_ledger_corrections_pkey do nothing
+           returning reason"#,
+        key.business_date,
+        ids,
+        pricing.rate,
+        pricing.grace,
+        pricing.cap,
+        key.job.as_str(),
+        key.shard.shards(),
+        key.shard.shard(),
+        epoch,
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut corrected = Corrected::default();
+    for r in reasons.iter().filter_map(|r| Reason::parse(r)) {
+        *corrected.0.entry(r).or_default() += 1;
+    }
+    Ok(corrected)
+}
+
+/// What one re-check found among the loans libraryd changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recheck {
+    /// The days of the window with a changed loan still to charge or to correct: their accrual keys re-open.
+    pub days: Vec<NaiveDate>,
+    /// Changed loans looked at.
+    pub changed: i64,
+    /// Of them, loans with a day still to charge or to correct (their changes stay queued until it is done).
+    pub dirty: i64,
+    /// Changed loans libraryd deleted that have ledger rows: nothing is corrected for them.
+    pub orphaned: Vec<i64>,
+    /// Queued changes removed (their loans' ledgers are as owed in the window, or the loans are gone).
+    pub cleared: i64,
+    /// The re-check looked at its limit of queued changes: more wait.
+    pub more: bool,
+}
+
+/// The accrual re-check of `shard` over the days `first..=last`: looks at (at most `limit`) queued changes of
+/// the shard's loans, finds the days on which a changed loan is still to charge (owed, neither charged nor
+/// queued, and under the cap) or to correct (charged, and its net is not what is owed — a positive difference
+/// only while under the cap), and — when `clear` — removes the changes of the loans that need nothing, and of
+/// loans libraryd deleted. One statement; its cost grows with the changes queued, not with the loans.
+pub async fn recheck(
+    pool: &Db,
+    shard: ShardSpec,
+    first: NaiveDate,
+    last: NaiveDate,
+    pricing: Pricing,
+    limit: i64,
+    clear: bool,
+) -> Result<Recheck, sqlx::Error> {
+    let row = sqlx::query!(
+        r#"with seen as (
+               select c.seq, c.loan_id from fine_loan_changes c
+               where fine_settler_shard_of(c.loan_id, $1) = $2
+               order by c.seq
+               limit $8
+           ), changed as (
+               select distinct loan_id from seen
+           ), totals as (
+               select ch.loan_id,
+                      coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = ch.loan_id), 0)
+                    + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                where y.loan_id = ch.loan_id), 0) as total
+               from changed ch
+           ), work as (
+               select t.loan_id, d.day
+               from totals t
+               join loans l on l.id = t.loan_id
+               cross join (select g::date as day from generate_series($3::date, $4::date, interval '1 day') g) d
+               cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, d.day, $5, $6, $7)
+                                          as target) a
+               left join fine_ledger f on f.loan_id = t.loan_id and f.accrual_date = d.day
+               cross join lateral (select coalesce(f.amount_cents, 0) + coalesce(sum(c.amount_cents), 0) as net
+                                   from fine_ledger_corrections c
+                                   where c.loan_id = t.loan_id and c.accrual_date = d.day) n
+               where $3::date <= $4::date
+                 and ((f.loan_id is null and a.target > 0
+                       and not exists (select 1 from fine_pending p
+                                       where p.loan_id = t.loan_id and p.accrual_date = d.day)
+                       and ($7::bigint = 0 or t.total < $7::bigint))
+                   or (f.loan_id is not null and a.target <> n.net
+                       and (a.target < n.net or $7::bigint = 0 or t.total < $7::bigint)))
+           ), dirty as (
+               select distinct loan_id from work
+           ), orphaned as (
+               select ch.loan_id from changed ch
+               where not exists (select 1 from loans l where l.id = ch.loan_id)
+                 and exists (select 1 from fine_ledger f where f.loan_id = ch.loan_id)
+           ), cleared as (
+               delete from fine_loan_changes c
+               using seen s
+               where $9 and c.seq = s.seq and not exists (select 1 from dirty x where x.loan_id = s.loan_id)
+               returning c.seq
+           )
+           select coalesce((select array_agg(distinct w.day order by w.day) from work w), '{}') as "days!",
+                  (select count(*) from changed) as "changed!",
+                  (select count(*) from dirty) as "dirty!",
+                  coalesce((select array_agg(o.loan_id order by o.loan_id) from orphaned o), '{}') as "orphaned!",
+                  (select count(*) from cleared) as "cleared!",
+                  (select count(*) from seen) >= $8 as "more!""#,
+        shard.shards(),
+        shard.shard(),
+        first,
+        last,
+        pricing.rate,
+        pricing.grace,
+        pricing.cap,
+        limit,
+        clear,
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Recheck {
+        days: row.days,
+        changed: row.changed,
+        dirty: row.dirty,
+        orphaned: row.orphaned,
+        cleared: row.cleared,
+        more: row.more,
+    })
+}
+
+/// The corrections of one run attempt (`runs` shows them beside the attempt's counts).
+pub async fn of_run(pool: &Db, key: &RunKey, epoch: i64) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select count(*) as "count!" from fine_ledger_corrections
+           where job_name = $1 and business_date = $2 and shards = $3 and shard = $4 and epoch = $5"#,
+        key.job.as_str(),
+        key.business_date,
+        key.shard.shards(),
+        key.shard.shard(),
+        epoch,
+    )
+    .fetch_one(pool)
+    .await
+}

@@ -1,0 +1,387 @@
+//! The accrual ledger converges to what is owed: a day's amount is a function of the loan (never of the order in
+//! which days are charged), corrections bring charged days to what is owed after libraryd changes a loan — once
+//! each, append-only, inside the run's fence — and the re-check finds them from the loans that changed.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use chrono::NaiveDate;
+use fine_settler::{
+    backoff::Backoff,
+    fine::FinePolicy,
+    jobs::{accrual::Accrual, JobName, Outcome, RunKey},
+    shard::ShardSpec,
+    store::{
+        corrections::{self, Pricing},
+        ledger::{self, Scope},
+    },
+};
+use sqlx::PgPool;
+
+use crate::helpers::{d, db, insert, loan, runner};
+
+fn accrual(policy: FinePolicy) -> Accrual {
+    Accrual {
+        policy,
+        backoff: Backoff::new(Duration::from_millis(100), Duration::from_millis(250)),
+        row_timeout: Duration::from_millis(500),
+        isolation_budget: Duration::from_secs(5),
+        lock_timeout: Duration::from_secs(2),
+        scope: Scope::Full,
+    }
+}
+
+fn day_key(day: NaiveDate, shard: i64, shards: i64) -> RunKey {
+    RunKey {
+        job: JobName::OverdueAccrual,
+        business_date: day,
+        shard: ShardSpec::new(shard, shards).expect("shard"),
+    }
+}
+
+fn days(from: &str, to: &str) -> Vec<NaiveDate> {
+    d(from).iter_days().take_while(|x| *x <= d(to)).collect()
+}
+
+/// The net ledger, one entry per (loan, day) whose net is not zero, as finance reads it.
+async fn net(pool: &PgPool) -> BTreeMap<(i64, NaiveDate), i64> {
+    let rows: Vec<(i64, NaiveDate, i64)> =
+        sqlx::query_as("select loan_id, accrual_date, net_cents from fine_ledger_net order by 1, 2")
+            .fetch_all(pool)
+            .await
+            .expect("net ledger");
+    rows.into_iter().map(|(l, day, n)| ((l, day), n)).collect()
+}
+
+/// The first charges, as `fine_ledger` holds them.
+async fn charges(pool: &PgPool) -> Vec<(i64, NaiveDate, i64)> {
+    sqlx::query_as("select loan_id, accrual_date, amount_cents from fine_ledger order by 1, 2")
+        .fetch_all(pool)
+        .await
+        .expect("ledger")
+}
+
+/// The oracle: what each loan owes for each of `days`, computed in Rust from the loans as they are now.
+async fn owed(pool: &PgPool, policy: &FinePolicy, days: &[NaiveDate]) -> BTreeMap<(i64, NaiveDate), i64> {
+    let loans: Vec<(i64, NaiveDate, Option<NaiveDate>)> =
+        sqlx::query_as("select id, due_on, returned_on from loans order by id")
+            .fetch_all(pool)
+            .await
+            .expect("loans");
+    let mut owed = BTreeMap::new();
+    for (id, due, returned) in loans {
+        for day in days {
+            let amount = policy.day_amount(due, returned, *day).get();
+            if amount > 0 {
+                owed.insert((id, *day), amount);
+            }
+        }
+    }
+    owed
+}
+
+async fn reset(pool: &PgPool) {
+    sqlx::query("truncate fine_ledger, fine_ledger_corrections, fine_pending, job_runs, job_run_attempts")
+        .execute(pool)
+        .await
+        .expect("reset");
+}
+
+/// Loans of every shape the cap meets: out since before the window, due inside it, returned inside it.
+async fn library(pool: &PgPool) {
+    let mut loans = Vec::new();
+    for id in 1..=60i64 {
+        let due = d("2026-10-25") + chrono::Duration::days(id % 20);
+        let returned = (id % 3 == 0).then(|| due + chrono::Duration::days(2 + id % 9));
+        let mut l = loan(id, "2026-01-01", None);
+        l.due_on = due;
+        l.borrowed_on = due - chrono::Duration::days(21);
+        l.returned_on = returned;
+        loans.push(l);
+    }
+    insert(pool, &loans).await;
+}
+
+async fn run_days(pool: &PgPool, job: &Accrual, days: &[NaiveDate]) {
+    for day in days {
+        let r = runner(pool, "seq", 7).run(job, day_key(*day, 0, 1), false).await;
+        assert!(matches!(r.outcome, Outcome::Settled | Outcome::Skipped), "{r:?}");
+    }
+}
+
+/// Ascending, descending, all days at once, and two shard counts at once: every order of runs leaves, row for
+/// row, the ledger one sequential run leaves — each day at its canonical amount — with a cap that most loans
+/// reach inside the window.
+#[sqlx::test]
+async fn every_order_of_runs_leaves_the_ledger_of_one_sequential_run(pool: PgPool) {
+    library(&pool).await;
+    let policy = FinePolicy::new(100, 1, 550).expect("policy");
+    let job = accrual(policy);
+    let window = days("2026-11-01", "2026-11-25");
+    let expected = owed(&pool, &policy, &window).await;
+    assert!(expected.len() > 250, "the library has work: {}", expected.len());
+
+    run_days(&pool, &job, &window).await;
+    let sequential = charges(&pool).await;
+    assert_eq!(net(&pool).await, expected, "ascending");
+
+    reset(&pool).await;
+    let mut backwards = window.clone();
+    backwards.reverse();
+    run_days(&pool, &job, &backwards).await;
+    assert_eq!(charges(&pool).await, sequential, "descending");
+
+    reset(&pool).await;
+    let all_at_once = window.iter().enumerate().map(|(i, day)| {
+        let (pool, job) = (pool.clone(), job);
+        // Half the days under one shard, half under two shards (whose keys overlap the first count's loans).
+        let key = if i % 2 == 0 {
+            vec![day_key(*day, 0, 1)]
+        } else {
+            vec![day_key(*day, 0, 2), day_key(*day, 1, 2)]
+        };
+        async move {
+            for k in key {
+                let r = runner(&pool, &format!("c{i}"), 5).run(&job, k, false).await;
+                assert_eq!(r.outcome, Outcome::Settled, "{r:?}");
+            }
+        }
+    });
+    futures_util::future::join_all(all_at_once).await;
+    assert_eq!(charges(&pool).await, sequential, "all at once");
+    let corrections: i64 = sqlx::query_scalar("select count(*) from fine_ledger_corrections")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(corrections, 0, "nothing changed, nothing corrected");
+}
+
+/// Changes libraryd makes after days were charged: a return back-dated before them, a due date moved later, a
+/// due date moved earlier (more days owed, and the cap reached sooner), a return removed. Re-running the days
+/// appends corrections — never updating a charge — after which the net ledger is what is owed; running them
+/// again writes nothing more.
+#[sqlx::test]
+async fn corrections_bring_changed_loans_to_what_is_owed_once(pool: PgPool) {
+    insert(
+        &pool,
+        &[
+            loan(1, "2026-11-01", None),               // returned back-dated to 11-04
+            loan(2, "2026-11-01", None),               // due date moved later, to 11-06
+            loan(3, "2026-11-05", None), // due date moved earlier, to 10-31: the cap comes sooner
+            loan(4, "2026-11-01", Some("2026-11-03")), // return removed: out again
+        ],
+    )
+    .await;
+    let policy = FinePolicy::new(100, 0, 450).expect("policy");
+    let job = accrual(policy);
+    let window = days("2026-11-01", "2026-11-10");
+    run_days(&pool, &job, &window).await;
+    let before = charges(&pool).await;
+
+    for change in [
+        "update loans set returned_on = '2026-11-04' where id = 1",
+        "update loans set due_on = '2026-11-06' where id = 2",
+        "update loans set due_on = '2026-10-31' where id = 3",
+        "update loans set returned_on = null where id = 4",
+    ] {
+        sqlx::query(change)
+            .execute(&pool)
+            .await
+            .expect("libraryd's change");
+    }
+    // Two passes: in the first, loan 3's new days come before the days that now owe less, and find the cap
+    // reached (a positive amount never takes the net past it); the second charges them.
+    run_days(&pool, &job, &window).await;
+    run_days(&pool, &job, &window).await;
+    let expected = owed(&pool, &policy, &window).await;
+    assert_eq!(net(&pool).await, expected);
+    let after = charges(&pool).await;
+    assert!(
+        before.iter().all(|c| after.contains(c)),
+        "no charge was changed or removed"
+    );
+
+    let reasons: Vec<(i64, String, i64)> = sqlx::query_as(
+        "select loan_id, reason, count(*) from fine_ledger_corrections group by 1, 2 order by 1, 2",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("reasons");
+    assert_eq!(
+        reasons,
+        vec![
+            (1, "returned".to_string(), 2),
+            (2, "due-date-moved".to_string(), 5),
+            (3, "cap".to_string(), 5),
+        ],
+        "loan 1 was charged up to the cap (11-02..11-06) and owes up to 11-04; loan 2 owes from 11-07; loan 3's \
+         charged days 11-06..11-10 are past the cap once it is due 10-31; loan 4's days from 11-04 were never \
+         charged (it had been returned) and are charged now"
+    );
+
+    // Again: nothing more to correct, and nothing is corrected twice.
+    run_days(&pool, &job, &window).await;
+    let total: i64 = sqlx::query_scalar("select count(*) from fine_ledger_corrections")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(total, 12);
+
+    // The return of loan 1 removed again: its corrected days are owed again.
+    sqlx::query("update loans set returned_on = null where id = 1")
+        .execute(&pool)
+        .await
+        .expect("change");
+    run_days(&pool, &job, &window).await;
+    assert_eq!(net(&pool).await, owed(&pool, &policy, &window).await);
+    let reinstated: i64 =
+        sqlx::query_scalar("select count(*) from fine_ledger_corrections where reason = 'reinstated'")
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+    assert_eq!(
+        reinstated, 2,
+        "11-05 and 11-06 (50 cents: it reaches the cap of 450) again"
+    );
+}
+
+/// Two runs correcting the same day at the same time (the day under one shard count and under two, whose keys
+/// are different) write each correction once: the second finds its number taken.
+#[sqlx::test]
+async fn concurrent_runs_correct_each_day_once(pool: PgPool) {
+    let loans: Vec<_> = (1..=200).map(|id| loan(id, "2026-11-01", None)).collect();
+    insert(&pool, &loans).await;
+    let job = accrual(FinePolicy::new(100, 0, 0).expect("policy"));
+    let window = days("2026-11-02", "2026-11-06");
+    run_days(&pool, &job, &window).await;
+    sqlx::query("update loans set returned_on = '2026-11-02'")
+        .execute(&pool)
+        .await
+        .expect("back-dated returns");
+    for _ in 0..3 {
+        sqlx::query("truncate fine_ledger_corrections")
+            .execute(&pool)
+            .await
+            .expect("reset");
+        let runs = window.iter().flat_map(|day| {
+            [day_key(*day, 0, 1), day_key(*day, 0, 2), day_key(*day, 1, 2)]
+                .into_iter()
+                .map(|k| {
+                    let (pool, job) = (pool.clone(), job);
+                    async move { runner(&pool, "x", 50).run(&job, k, true).await }
+                })
+        });
+        for r in futures_util::future::join_all(runs).await {
+            assert_eq!(r.outcome, Outcome::Settled, "{r:?}");
+        }
+        let dup: i64 = sqlx::query_scalar(
+            "select count(*) from (select loan_id, accrual_date from fine_ledger_corrections
+                                   group by 1, 2 having count(*) > 1) x",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("duplicates");
+        assert_eq!(dup, 0, "a day corrected twice");
+        let left = net(&pool).await;
+        assert_eq!(left.len(), 200, "only 11-02 is owed");
+        assert!(left.keys().all(|(_, day)| *day == d("2026-11-02")));
+    }
+}
+
+/// The re-check reads only the loans libraryd changed: it finds the days a changed loan needs, a run of those
+/// days in the changed scope corrects them, and the next re-check clears the queue. A loan libraryd deleted is
+/// reported, never corrected.
+#[sqlx::test]
+async fn the_recheck_finds_the_changed_loans_and_clears_them_once_corrected(pool: PgPool) {
+    let loans: Vec<_> = (1..=1_000).map(|id| loan(id, "2026-11-01", None)).collect();
+    insert(&pool, &loans).await;
+    let policy = FinePolicy::new(100, 0, 0).expect("policy");
+    let pricing = Pricing::from(&policy);
+    let job = accrual(policy);
+    let window = days("2026-11-02", "2026-11-08");
+    let (first, last) = (window[0], window[window.len() - 1]);
+    run_days(&pool, &job, &window).await;
+    let shard = ShardSpec::SINGLE;
+    // Loans inserted already overdue were queued by the insert trigger; nothing to do for them.
+    let initial = corrections::recheck(&db(&pool), shard, first, last, pricing, 100_000, true)
+        .await
+        .expect("recheck");
+    assert_eq!((initial.days.len(), initial.dirty), (0, 0), "{initial:?}");
+    let idle = corrections::recheck(&db(&pool), shard, first, last, pricing, 100_000, true)
+        .await
+        .expect("recheck");
+    assert_eq!(idle.changed, 0, "{idle:?}");
+
+    sqlx::query("update loans set returned_on = '2026-11-05' where id % 100 = 7")
+        .execute(&pool)
+        .await
+        .expect("back-dated returns");
+    sqlx::query("delete from loans where id = 500")
+        .execute(&pool)
+        .await
+        .expect("deleted");
+    let found = corrections::recheck(&db(&pool), shard, first, last, pricing, 100_000, true)
+        .await
+        .expect("recheck");
+    assert_eq!(found.changed, 11, "{found:?}");
+    assert_eq!(found.dirty, 10, "{found:?}");
+    assert_eq!(found.days, days("2026-11-06", "2026-11-08"));
+    assert_eq!(found.orphaned, vec![500]);
+
+    let changed = accrual(policy).within(Scope::Changed);
+    for day in &found.days {
+        let r = runner(&pool, "r", 100)
+            .run(&changed, day_key(*day, 0, 1), false)
+            .await;
+        assert_eq!(r.outcome, Outcome::Settled, "{r:?}");
+        assert!(r.reopened, "{r:?}");
+        assert_eq!((r.scanned, r.corrections), (10, 10), "{r:?}");
+    }
+    let done = corrections::recheck(&db(&pool), shard, first, last, pricing, 100_000, true)
+        .await
+        .expect("recheck");
+    assert_eq!((done.changed, done.dirty, done.cleared), (10, 0, 10), "{done:?}");
+    let mut left = net(&pool).await;
+    left.retain(|(loan, _), _| *loan != 500);
+    assert_eq!(left, owed(&pool, &policy, &window).await);
+    let kept: i64 = sqlx::query_scalar("select count(*) from fine_ledger_net where loan_id = 500")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(kept, 7, "the deleted loan's ledger stays as charged");
+}
+
+/// `backfill --dry-run`'s count is what the run then writes, cap included: charges and corrections.
+#[sqlx::test]
+async fn the_dry_run_counts_what_the_run_writes(pool: PgPool) {
+    library(&pool).await;
+    let policy = FinePolicy::new(100, 1, 550).expect("policy");
+    let job = accrual(policy);
+    let pricing = Pricing::from(&policy);
+    let window = days("2026-11-01", "2026-11-25");
+    for day in window.iter().rev() {
+        let (charges, corrections) =
+            ledger::count_work(&db(&pool), *day, ShardSpec::SINGLE, pricing, i64::MIN)
+                .await
+                .expect("count");
+        let r = runner(&pool, "a", 7).run(&job, day_key(*day, 0, 1), false).await;
+        assert_eq!((r.updated, r.corrections), (charges, corrections), "{day}: {r:?}");
+    }
+    sqlx::query("update loans set returned_on = due_on + 3 where returned_on is null and id % 2 = 0")
+        .execute(&pool)
+        .await
+        .expect("back-dated returns");
+    let mut corrected = 0;
+    for day in &window {
+        let (charges, corrections) =
+            ledger::count_work(&db(&pool), *day, ShardSpec::SINGLE, pricing, i64::MIN)
+                .await
+                .expect("count");
+        let r = runner(&pool, "a", 7).run(&job, day_key(*day, 0, 1), false).await;
+        assert_eq!((r.updated, r.corrections), (charges, corrections), "{day}: {r:?}");
+        corrected += corrections;
+    }
+    assert!(
+        corrected > 50,
+        "the back-dated returns were corrected: {corrected}"
+    );
+}
