@@ -27,6 +27,10 @@ create table if not exists fine_ledger_corrections (
         check (reason in ('returned', 'due-date-moved', 'cap', 'reinstated', 'canonical'))
 );
 
+-- A run's corrections, for `runs`.
+create index if not exists fine_ledger_corrections_run_idx
+    on fine_ledger_corrections (business_date, job_name, shards, shard, epoch);
+
 -- The ledger as finance reads it: one row per loan and day whose net is not zero.
 create or replace view fine_ledger_net as
 select loan_id, accrual_date, sum(amount_cents)::bigint as net_cents

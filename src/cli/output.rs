@@ -78,7 +78,7 @@ pub fn history_table(rows: &[store::job_runs::Attempt]) -> String {
 
 pub fn runs_table(rows: &[store::job_runs::JobRun]) -> String {
     let mut out = format!(
-        "{:<16} {:<10} {:>6} {:<8} {:>5} {:>8} {:>10} {:>10} {:>12}  {:<30} {}\n",
+        "{:<16} {:<10} {:>6} {:<8} {:>5} {:>8} {:>10} {:>10} {:>10} {:>12}  {:<30} {}\n",
         "JOB",
         "DATE",
         "SHARD",
@@ -87,13 +87,14 @@ pub fn runs_table(rows: &[store::job_runs::JobRun]) -> String {
         "LEASE_S",
         "SCANNED",
         "UPDATED",
+        "CORRECTED",
         "CURSOR",
         "OWNER",
         "LAST_ERROR"
     );
     for r in rows {
         out.push_str(&format!(
-            "{:<16} {:<10} {:>6} {:<8} {:>5} {:>8.1} {:>10} {:>10} {:>12}  {:<30} {}\n",
+            "{:<16} {:<10} {:>6} {:<8} {:>5} {:>8.1} {:>10} {:>10} {:>10} {:>12}  {:<30} {}\n",
             r.job_name,
             r.business_date,
             format!("{}/{}", r.shard, r.shards),
@@ -102,6 +103,7 @@ pub fn runs_table(rows: &[store::job_runs::JobRun]) -> String {
             r.lease_left_s,
             r.scanned,
             r.updated,
+            r.corrected,
             r.cursor.map_or("-".to_string(), |c| c.to_string()),
             r.owner,
             r.last_error.as_deref().unwrap_or("")

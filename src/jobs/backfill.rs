@@ -258,6 +258,8 @@ pub struct DryKey {
     pub action: DryAction,
     /// The rows the run would touch: loans to settle, or loans to charge (0 for a key that would not run).
     pub rows: i64,
+    /// The ledger corrections the run would append (accrual only; 0 otherwise).
+    pub corrections: i64,
 }
 
 /// The last line of a dry run.
@@ -274,6 +276,7 @@ pub struct DrySummary {
     /// Keys that would run (not `skip`).
     pub to_run: usize,
     pub rows: i64,
+    pub corrections: i64,
     /// The pauses that cover keys of the backfill (a real run refuses to start unless `--ignore-pause`), as
     /// `runs --json` prints them.
     pub paused: Vec<serde_json::Value>,
@@ -350,21 +353,23 @@ impl Job {
         }
     }
 
-    /// The rows a run of `key` would touch, walking from `from_id` (`None`: nothing after its cursor).
-    pub(super) async fn rows(&self, pool: &Db, key: &RunKey, from_id: Option<i64>) -> Result<i64, JobError> {
-        let Some(from_id) = from_id else { return Ok(0) };
+    /// The rows a run of `key` would touch, walking from `from_id` (`None`: nothing after its cursor), and the
+    /// ledger corrections it would append.
+    pub(super) async fn rows(
+        &self,
+        pool: &Db,
+        key: &RunKey,
+        from_id: Option<i64>,
+    ) -> Result<(i64, i64), JobError> {
+        let Some(from_id) = from_id else { return Ok((0, 0)) };
         match self {
             Job::Settlement(_) => {
                 let month = calendar::settlement_month(key.business_date)?;
-                Ok(loans::count_unsettled(pool, month, key.shard, from_id).await?)
+                Ok((loans::count_unsettled(pool, month, key.shard, from_id).await?, 0))
             }
-            // A zero rate writes nothing (see the job's write).
-            Job::Accrual(j) if j.policy.daily_rate().get() == 0 => Ok(0),
             Job::Accrual(j) => {
                 let pricing = crate::store::corrections::Pricing::from(&j.policy);
-                let (charges, _) =
-                    ledger::count_work(pool, key.business_date, key.shard, pricing, from_id).await?;
-                Ok(charges)
+                Ok(ledger::count_work(pool, key.business_date, key.shard, pricing, from_id).await?)
             }
         }
     }
@@ -463,7 +468,7 @@ pub async fn dry_run(
     let request = backfill.request;
     let job = Job::of(settings, request.job);
     let keys = keys(pool, backfill).await?;
-    let (mut to_run, mut total) = (0usize, 0i64);
+    let (mut to_run, mut total, mut corrections) = (0usize, 0i64, 0i64);
     for (key, state) in &keys {
         let status = state.as_ref().map(|s| s.status);
         let action = match (request.reprocess.mode(status), state) {
@@ -489,13 +494,14 @@ pub async fn dry_run(
             (DryAction::Takeover, Some(RangeKey { cursor: Some(c), .. })) => c.checked_add(1),
             _ => Some(i64::MIN),
         };
-        let rows = match action {
-            DryAction::Skip => 0,
+        let (rows, corrected) = match action {
+            DryAction::Skip => (0, 0),
             _ => job.rows(pool, key, from_id).await?,
         };
         if action != DryAction::Skip {
             to_run += 1;
             total += rows;
+            corrections += corrected;
         }
         emit(&DryKey {
             job: request.job.as_str(),
@@ -505,6 +511,7 @@ pub async fn dry_run(
             status,
             action,
             rows,
+            corrections: corrected,
         });
     }
     Ok(DrySummary {
@@ -518,6 +525,7 @@ pub async fn dry_run(
         keys: keys.len(),
         to_run,
         rows: total,
+        corrections,
         paused: pauses(pool, backfill).await?.iter().map(Pause::json).collect(),
     })
 }
@@ -655,7 +663,8 @@ async fn compensate_shards(
 async fn bar(job: &Job, pool: &Db, name: JobName, selected: &[(RunKey, ClaimMode)]) -> Bar {
     let mut total = 0;
     for (key, _) in selected {
-        total += job.rows(pool, key, Some(i64::MIN)).await.unwrap_or(0);
+        let (rows, corrections) = job.rows(pool, key, Some(i64::MIN)).await.unwrap_or((0, 0));
+        total += rows + corrections;
     }
     let what = format!("backfill {name} ({} keys)", selected.len());
     Bar::new(&what, u64::try_from(total).unwrap_or(0), "rows")

@@ -30,10 +30,11 @@ async fn bar_for(settings: &Settings, runner: &Runner, key: RunKey, bars: bool) 
     if !bars {
         return None;
     }
-    let total = Job::of(settings, key.job)
+    let (rows, corrections) = Job::of(settings, key.job)
         .rows(&runner.pool, &key, Some(i64::MIN))
         .await
-        .unwrap_or(0);
+        .unwrap_or((0, 0));
+    let total = rows.saturating_add(corrections);
     let what = format!("{} {} {}", key.job, key.business_date, key.shard);
     Some(Bar::new(&what, u64::try_from(total).unwrap_or(0), "rows"))
 }

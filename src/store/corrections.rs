@@ -256,18 +256,3 @@ pub async fn recheck(
         more: row.more,
     })
 }
-
-/// The corrections of one run attempt (`runs` shows them beside the attempt's counts).
-pub async fn of_run(pool: &Db, key: &RunKey, epoch: i64) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar!(
-        r#"select count(*) as "count!" from fine_ledger_corrections
-           where job_name = $1 and business_date = $2 and shards = $3 and shard = $4 and epoch = $5"#,
-        key.job.as_str(),
-        key.business_date,
-        key.shard.shards(),
-        key.shard.shard(),
-        epoch,
-    )
-    .fetch_one(pool)
-    .await
-}

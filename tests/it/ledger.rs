@@ -385,3 +385,87 @@ async fn the_dry_run_counts_what_the_run_writes(pool: PgPool) {
         "the back-dated returns were corrected: {corrected}"
     );
 }
+
+/// An upgrade from a ledger charged in the old order (each charge `least(rate, cap − what the ledger held)`, so
+/// the days charged first took the money): the upgrade queues every loan with a charge, and the re-checks and
+/// the runs of the days they re-open bring the net ledger to the canonical amounts by appending corrections
+/// (reason `canonical`) and the days the old order skipped — never by rewriting a row.
+#[sqlx::test(migrations = false)]
+async fn an_old_order_ledger_is_brought_to_canonical_amounts_by_corrections(pool: PgPool) {
+    use fine_settler::store::migrations::MIGRATOR;
+    let before_upgrade = sqlx::migrate::Migrator {
+        migrations: MIGRATOR
+            .migrations
+            .iter()
+            .filter(|m| m.version < 20261202000012)
+            .cloned()
+            .collect(),
+        ..sqlx::migrate::Migrator::DEFAULT
+    };
+    before_upgrade.run(&pool).await.expect("the previous schema");
+    library(&pool).await;
+    let policy = FinePolicy::new(100, 1, 550).expect("policy");
+    let window = days("2026-11-01", "2026-11-25");
+    // The old charge, newest day first (as concurrent runs or a backfill with concurrency could leave it).
+    for day in window.iter().rev() {
+        sqlx::query(
+            "insert into fine_ledger (loan_id, accrual_date, amount_cents)
+             select c.id, $1, c.amount
+             from (select l.id, least(100, 550 - coalesce((select sum(f.amount_cents) from fine_ledger f
+                                                             where f.loan_id = l.id), 0)) as amount
+                   from loans l
+                   where l.due_on < $1::date - 1 and (l.returned_on is null or l.returned_on >= $1)) c
+             where c.amount > 0
+             on conflict do nothing",
+        )
+        .bind(day)
+        .execute(&pool)
+        .await
+        .expect("old charge");
+    }
+    let old = charges(&pool).await;
+    let expected = owed(&pool, &policy, &window).await;
+    assert_ne!(net_of(&old), expected, "the old order left another ledger");
+
+    let mut upgrade = crate::helpers::fine_settler(&crate::helpers::database_url(&pool));
+    upgrade.arg("migrate");
+    crate::helpers::assert_success(&crate::helpers::output(upgrade));
+
+    let (pricing, shard) = (Pricing::from(&policy), ShardSpec::SINGLE);
+    let changed = accrual(policy).within(Scope::Changed);
+    let mut rounds = 0;
+    loop {
+        let found = corrections::recheck(&db(&pool), shard, window[0], window[24], pricing, 100_000, true)
+            .await
+            .expect("recheck");
+        if found.days.is_empty() {
+            break;
+        }
+        rounds += 1;
+        assert!(rounds <= 3, "converges within a few re-checks: {found:?}");
+        for day in &found.days {
+            let r = runner(&pool, "up", 50)
+                .run(&changed, day_key(*day, 0, 1), false)
+                .await;
+            assert_eq!(r.outcome, Outcome::Settled, "{r:?}");
+        }
+    }
+    assert_eq!(net(&pool).await, expected);
+    let after = charges(&pool).await;
+    assert!(
+        old.iter().all(|c| after.contains(c)),
+        "no charge was changed or removed"
+    );
+    let reasons: Vec<String> =
+        sqlx::query_scalar("select distinct reason from fine_ledger_corrections order by 1")
+            .fetch_all(&pool)
+            .await
+            .expect("reasons");
+    // `canonical` for the old charges; `cap` for a day the old order skipped, charged in the first round only up
+    // to what the cap left while the old days were still being corrected, and completed in the next.
+    assert_eq!(reasons, ["canonical", "cap"]);
+}
+
+fn net_of(rows: &[(i64, NaiveDate, i64)]) -> BTreeMap<(i64, NaiveDate), i64> {
+    rows.iter().map(|(l, day, a)| ((*l, *day), *a)).collect()
+}

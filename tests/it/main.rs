@@ -23,6 +23,7 @@ mod pooled;
 mod pooler;
 mod progress;
 mod read_only;
+mod recheck;
 mod replication;
 mod scripts;
 mod server;

@@ -26,6 +26,8 @@ pub struct JobRun {
     pub cursor: Option<i64>,
     pub scanned: i64,
     pub updated: i64,
+    /// Ledger corrections the key's runs appended, every epoch's.
+    pub corrected: i64,
     pub last_error: Option<String>,
 }
 
@@ -41,8 +43,12 @@ pub async fn list(
                   started_at, heartbeat_at,
                   lease_until,
                   greatest(0, extract(epoch from lease_until - now()))::float8 as "lease_left_s!",
-                  finished_at, cursor, scanned, updated, last_error
-           from job_runs
+                  finished_at, cursor, scanned, updated,
+                  (select count(*) from fine_ledger_corrections c
+                   where c.business_date = r.business_date and c.job_name = r.job_name and c.shards = r.shards
+                     and c.shard = r.shard) as "corrected!",
+                  last_error
+           from job_runs r
            where ($1::text is null or job_name = $1) and ($2::date is null or business_date = $2)
            order by business_date desc, job_name, shards, shard"#,
         job,
