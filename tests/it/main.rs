@@ -16,6 +16,7 @@ mod fencing;
 mod helpers;
 mod lifecycle;
 mod live;
+mod migrate;
 mod multihost;
 mod pause;
 mod pooled;
