@@ -1,25 +1,30 @@
-//! The schema: the embedded migrations ([`MIGRATOR`]) and [`migrate`], which applies them; the indexes a
-//! migration builds `CONCURRENTLY`, the leftovers of an interrupted build, and where a running build stands
+//! The schema: the embedded migrations ([`MIGRATOR`]) and [`migrate`], which applies them, safe from any
+//! number of hosts at once; the indexes fine-settler owns, read from the migrations ([`owned`]); how far a
+//! database is from the schema ([`schema`], which readiness asks too); and where a running index build stands
 //! ([`index_build`], reported to an [`IndexBuildObserver`] while the migrations run).
+//!
+//! `migrate` does everything on one connection, under one lock ([`lock`]): it waits for any index build
+//! another session is running, clears what an interrupted build left ([`repair`]), runs sqlx's migrator, and
+//! checks the result. Two `migrate`s never look at the schema at the same time, so neither takes the other's
+//! build in progress (INVALID until it ends) for a leftover.
+
+mod lock;
+pub mod owned;
+mod repair;
+pub mod schema;
 
 use std::time::Duration;
 
-use sqlx::{postgres::PgPoolOptions, Connection, PgConnection, PgPool};
+use sqlx::{postgres::PgPoolOptions, Connection, PgConnection};
+
+pub use owned::{owned_indexes, OwnedIndex};
+pub use schema::Gaps;
 
 use super::{route::Route, session::Gucs, StoreError};
 use crate::config::DatabaseSettings;
 
 /// The migrations in `migrations/`, embedded in the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
-
-/// Indexes built `CONCURRENTLY` by a migration, with that migration's description; an interrupted build leaves
-/// them INVALID.
-const CONCURRENT_INDEXES: &[(&str, &str)] = &[
-    ("loans_unsettled_returned_idx", "loans unsettled index"),
-    ("loans_unsettled_by_return_idx", "loans unsettled by return index"),
-    ("loans_open_by_due_idx", "loans open by due index"),
-    ("loans_returned_late_idx", "loans returned late index"),
-];
 
 /// Told, a few times a second while the migrations run, which index build their backend is running (`None`
 /// while it runs none). The command line draws it as progress bars; the store knows nothing of them.
@@ -28,10 +33,23 @@ pub type IndexBuildObserver = Box<dyn FnMut(Option<&IndexBuild>) + Send>;
 /// How often a running migration's index build is looked at.
 const INDEX_BUILD_POLL: Duration = Duration::from_millis(200);
 
-/// Applies the migrations; applying them twice is a no-op. Uses one connection without a statement timeout,
-/// because building an index concurrently on millions of loans takes longer than any batch. With an `observer`,
-/// a second connection watches the index builds and tells it where they stand.
-pub async fn migrate(db: &DatabaseSettings, observer: Option<IndexBuildObserver>) -> Result<(), StoreError> {
+/// What [`migrate`] did, and what it found still missing at its end.
+#[derive(Debug)]
+pub struct Migrated {
+    /// Owned indexes that were INVALID or gone, rebuilt by running their migration again.
+    pub rebuilt: Vec<&'static OwnedIndex>,
+    /// How the schema still falls short once the migrations have run (empty: complete).
+    pub gaps: Gaps,
+}
+
+/// Applies the migrations; applying them twice is a no-op, and any number of `migrate`s may run at once (they
+/// take turns). Uses one connection without a statement timeout, because building an index concurrently on
+/// millions of loans takes longer than any batch. With an `observer`, a second connection watches the index
+/// builds and tells it where they stand.
+pub async fn migrate(
+    db: &DatabaseSettings,
+    observer: Option<IndexBuildObserver>,
+) -> Result<Migrated, StoreError> {
     // The first qualifying host of the URL (with one host, that host), without a statement timeout.
     let route = Route::new(db, "fine-settler migrate", &Gucs::none());
     let chosen = match route.hosts.len() {
@@ -39,34 +57,50 @@ pub async fn migrate(db: &DatabaseSettings, observer: Option<IndexBuildObserver>
         _ => route.choose().await?,
     };
     let options = route.hosts[chosen].clone();
+    // A pool of one: it keeps trying to connect until the connect timeout (a server still starting at boot).
     let pool = PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(db.connect_timeout)
         .connect_with(options.clone())
         .await?;
-    drop_invalid_indexes(&pool).await?;
+    let mut conn = pool.acquire().await?;
+    lock::acquire(&mut conn).await?;
     let watcher = match observer {
         Some(observer) => {
-            // The pool's one connection runs the migrations: its backend is the one to watch.
+            // This connection runs the migrations: its backend is the one to watch.
             let pid = sqlx::query_scalar!(r#"select pg_backend_pid() as "pid!""#)
-                .fetch_one(&pool)
+                .fetch_one(&mut *conn)
                 .await?;
-            let conn = PgConnection::connect_with(
+            let progress = PgConnection::connect_with(
                 &options.clone().application_name("fine-settler migrate progress"),
             )
             .await?;
-            Some(tokio::spawn(watch_index_builds(conn, pid, observer)))
+            Some(tokio::spawn(watch_index_builds(progress, pid, observer)))
         }
         None => None,
     };
-    let result = MIGRATOR.run(&pool).await;
+    let result = migrate_locked(&mut conn).await;
     if let Some(watcher) = watcher {
         watcher.abort();
         let _ = watcher.await;
     }
-    result?;
+    let migrated = result?;
+    lock::release(&mut conn).await?;
+    drop(conn);
     pool.close().await;
-    Ok(())
+    Ok(migrated)
+}
+
+/// What `migrate` does once it holds the lock.
+async fn migrate_locked(conn: &mut PgConnection) -> Result<Migrated, StoreError> {
+    let rebuilt = repair::prepare_rebuilds(conn).await?;
+    MIGRATOR.run(&mut *conn).await?;
+    let recorded = schema::recorded(&mut *conn).await?;
+    let indexes = schema::index_states(&mut *conn).await?;
+    Ok(Migrated {
+        rebuilt,
+        gaps: Gaps::of(recorded.as_deref(), &indexes),
+    })
 }
 
 /// Tells `observer` where the index builds of backend `pid` stand, polling on `conn` until aborted (or until the
@@ -110,37 +144,4 @@ pub async fn index_build(conn: &mut PgConnection, pid: i32) -> Result<Option<Ind
     )
     .fetch_optional(conn)
     .await
-}
-
-/// A `create index concurrently` that was interrupted leaves an INVALID index, which `if not exists` would then
-/// accept as done. Drop such leftovers (concurrently, so libraryd keeps writing) so the migration rebuilds them.
-async fn drop_invalid_indexes(pool: &PgPool) -> Result<(), StoreError> {
-    for (name, migration) in CONCURRENT_INDEXES {
-        let invalid = sqlx::query_scalar!(
-            r#"select exists (
-                   select 1 from pg_index i join pg_class c on c.oid = i.indexrelid
-                   where c.relname = $1 and c.relnamespace = current_schema()::regnamespace
-                     and not i.indisvalid
-               ) as "invalid!""#,
-            name
-        )
-        .fetch_one(pool)
-        .await?;
-        if invalid {
-            tracing::warn!(
-                index = name,
-                "dropping an invalid index left by an interrupted build; it is rebuilt next"
-            );
-            sqlx::query(&format!("drop index concurrently if exists {name}"))
-                .execute(pool)
-                .await?;
-            // The migration that builds it is already recorded as applied; forget it so it runs again.
-            // (`_sqlx_migrations` belongs to sqlx, not to our schema, hence an unchecked query.)
-            sqlx::query("delete from _sqlx_migrations where description = $1")
-                .bind(migration)
-                .execute(pool)
-                .await?;
-        }
-    }
-    Ok(())
 }

@@ -11,8 +11,10 @@
 //!   the tick's dedicated [`Session`];
 //! - [`error`]: [`StoreError`], [`ReadOnlyServer`], and [`classify`], the one reader of SQLSTATE codes: what a
 //!   failure means ([`DbFailure`]) decides every retry, skip and queueing;
-//! - [`migrations`]: the schema's migrations, [`migrate`], and the concurrent index builds;
-//! - [`readiness`]: whether the schema is ready for this binary.
+//! - [`migrations`]: the schema's migrations, [`migrate`] (under one lock, safe from many hosts at once), the
+//!   indexes fine-settler owns and how far a database is from the schema;
+//! - [`readiness`]: whether the schema is ready for this binary (every migration recorded, every owned index
+//!   valid).
 //!
 //! What the product stores, one file per responsibility: [`job_runs`] the claim protocol, the fence and the
 //! tick's status statement; [`loans`] settlement; [`ledger`] accrual and the compensation queue; [`pauses`]
@@ -41,6 +43,8 @@ pub mod status;
 pub use connect::{connect, connect_lazy, connect_status};
 pub use db::{Db, Unit};
 pub use error::{classify, lock_not_available, read_only, DbFailure, ReadOnlyServer, StoreError};
-pub use migrations::{index_build, migrate, IndexBuild, IndexBuildObserver, MIGRATOR};
+pub use migrations::{
+    index_build, migrate, owned_indexes, IndexBuild, IndexBuildObserver, Migrated, OwnedIndex, MIGRATOR,
+};
 pub use readiness::readiness;
 pub use session::{database_now, set_local_lock_timeout, Session};

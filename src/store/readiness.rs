@@ -2,40 +2,48 @@
 
 use std::time::Duration;
 
-use super::{classify, migrations::MIGRATOR, Db, DbFailure, ReadOnlyServer};
+use super::{
+    migrations::{schema, Gaps},
+    Db, ReadOnlyServer,
+};
 use crate::redact::secrets_in as redact_secrets_in;
 
-/// Whether the replica can work: the database answers within 2 s and every migration this binary knows is
-/// applied. `Err` carries the reason, for `/readyz` and the startup log.
+/// How long the database has to answer every question of the check.
+const ANSWER_WITHIN: Duration = Duration::from_secs(2);
+
+/// Whether the replica can work: the database answers within 2 s, can write, records every migration this binary
+/// embeds as applied (not only the latest: a migration forgotten in the middle counts), and has every index
+/// fine-settler owns present and valid. `Err` carries the reason, naming each migration or index that falls
+/// short, for `/readyz` and the startup log.
 pub async fn readiness(pool: &Db) -> Result<(), String> {
-    let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
-    // `_sqlx_migrations` is sqlx's own table, not part of the checked schema: an unchecked query.
-    let applied = tokio::time::timeout(
-        Duration::from_secs(2),
-        sqlx::query_as::<_, (Option<i64>, bool, bool)>(
-            "select max(version), pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'
-             from _sqlx_migrations where success",
-        )
-        .fetch_one(pool),
-    )
-    .await;
-    match applied {
+    match tokio::time::timeout(ANSWER_WITHIN, look(pool)).await {
         Err(_) => Err("database did not answer within 2 s".into()),
-        // No `_sqlx_migrations` table: nothing was ever migrated.
-        Ok(Err(e)) if classify(&e) == DbFailure::UndefinedTable => Err(format!(
-            "migrations missing: none applied, binary needs {latest}; run `fine-settler migrate`"
-        )),
         Ok(Err(e)) => Err(format!(
             "database unavailable: {}",
             redact_secrets_in(&e.to_string())
         )),
-        Ok(Ok((v, in_recovery, read_only))) => match ReadOnlyServer::of(in_recovery, read_only) {
-            Some(r) => Err(r.to_string()),
-            None if v.unwrap_or(0) < latest => Err(format!(
-                "migrations missing: database at {}, binary needs {latest}; run `fine-settler migrate`",
-                v.unwrap_or(0)
-            )),
-            None => Ok(()),
-        },
+        Ok(Ok(Err(reason))) => Err(reason),
+        Ok(Ok(Ok(()))) => Ok(()),
     }
+}
+
+/// The check's three questions, each a statement of its own (behind a transaction-mode pooler, each its own
+/// transaction): can the server write, which migrations are recorded, where the owned indexes stand.
+async fn look(pool: &Db) -> Result<Result<(), String>, sqlx::Error> {
+    let (in_recovery, read_only) = sqlx::query_as::<_, (bool, bool)>(
+        "select pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'",
+    )
+    .fetch_one(pool)
+    .await?;
+    if let Some(r) = ReadOnlyServer::of(in_recovery, read_only) {
+        return Ok(Err(r.to_string()));
+    }
+    let recorded = schema::recorded(pool).await?;
+    let indexes = schema::index_states(pool).await?;
+    let gaps = Gaps::of(recorded.as_deref(), &indexes);
+    Ok(if gaps.is_empty() {
+        Ok(())
+    } else {
+        Err(gaps.to_string())
+    })
 }

@@ -17,6 +17,7 @@ mod helpers;
 mod ledger;
 mod lifecycle;
 mod live;
+mod migrate;
 mod multihost;
 mod pause;
 mod pooled;

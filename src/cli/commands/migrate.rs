@@ -8,11 +8,13 @@ use crate::{
     progress, store,
 };
 
-/// Applies every migration not yet applied and prints `{"migrate":"ok","migrations":N}`.
+/// Applies every migration not yet applied, rebuilding any index fine-settler owns that is INVALID or gone, and
+/// prints `{"migrate":"ok","migrations":N,"indexes":M,"rebuilt":[…]}`. Exits 1, naming each migration or index
+/// that falls short, if the schema is still incomplete at the end.
 pub async fn migrate(ctx: &Context) -> Result<ExitCode, CliError> {
     if ctx.settings.database.pooler == Pooler::Transaction {
-        // sqlx's migrator holds a session-level advisory lock, and indexes are built concurrently: both need a
-        // session of their own, which a transaction-mode pool does not give.
+        // `migrate` holds a session-level advisory lock throughout, and indexes are built concurrently: both need
+        // a session of their own, which a transaction-mode pool does not give.
         return Err(CliError::Usage(
             "migrate needs a session of its own, which database.pooler = \"transaction\" does not give: \
              run it against the server directly or through a session-mode pool (e.g. \
@@ -21,10 +23,23 @@ pub async fn migrate(ctx: &Context) -> Result<ExitCode, CliError> {
         ));
     }
     let bars = progress::wanted().then(progress::index_build_bars);
-    store::migrate(&ctx.settings.database, bars).await?;
+    let migrated = store::migrate(&ctx.settings.database, bars).await?;
+    if !migrated.gaps.is_empty() {
+        eprintln!(
+            "fine-settler: the schema is incomplete after migrate: {}",
+            migrated.gaps
+        );
+        return Ok(ExitCode::from(1));
+    }
+    let rebuilt: Vec<&str> = migrated.rebuilt.iter().map(|i| i.name.as_str()).collect();
     println!(
         "{}",
-        serde_json::json!({"migrate": "ok", "migrations": store::MIGRATOR.iter().count()})
+        serde_json::json!({
+            "migrate": "ok",
+            "migrations": store::MIGRATOR.iter().count(),
+            "indexes": store::owned_indexes().len(),
+            "rebuilt": rebuilt,
+        })
     );
     Ok(ExitCode::SUCCESS)
 }
