@@ -350,40 +350,53 @@ async fn the_recheck_finds_the_changed_loans_and_clears_them_once_corrected(pool
     assert_eq!(kept, 7, "the deleted loan's ledger stays as charged");
 }
 
-/// `backfill --dry-run`'s count is what the run then writes, cap included: charges and corrections.
+/// `backfill --dry-run`'s count is what the run then writes, cap included: every day of a range counted up front
+/// (as the dry run does, before anything runs), then the days run newest first — charges, and, after libraryd
+/// back-dates returns, corrections.
 #[sqlx::test]
 async fn the_dry_run_counts_what_the_run_writes(pool: PgPool) {
     library(&pool).await;
     let policy = FinePolicy::new(100, 1, 550).expect("policy");
     let job = accrual(policy);
-    let pricing = Pricing::from(&policy);
     let window = days("2026-11-01", "2026-11-25");
-    for day in window.iter().rev() {
-        let (charges, corrections) =
-            ledger::count_work(&db(&pool), *day, ShardSpec::SINGLE, pricing, i64::MIN)
-                .await
-                .expect("count");
-        let r = runner(&pool, "a", 7).run(&job, day_key(*day, 0, 1), false).await;
-        assert_eq!((r.updated, r.corrections), (charges, corrections), "{day}: {r:?}");
-    }
+    let counted = count_days(&pool, policy, &window).await;
+    let written = run_counting(&pool, &job, &window).await;
+    assert_eq!(written, counted);
+    assert!(counted.iter().map(|c| c.1 .0).sum::<i64>() > 250, "{counted:?}");
+
     sqlx::query("update loans set returned_on = due_on + 3 where returned_on is null and id % 2 = 0")
         .execute(&pool)
         .await
         .expect("back-dated returns");
-    let mut corrected = 0;
-    for day in &window {
-        let (charges, corrections) =
-            ledger::count_work(&db(&pool), *day, ShardSpec::SINGLE, pricing, i64::MIN)
-                .await
-                .expect("count");
-        let r = runner(&pool, "a", 7).run(&job, day_key(*day, 0, 1), false).await;
-        assert_eq!((r.updated, r.corrections), (charges, corrections), "{day}: {r:?}");
-        corrected += corrections;
+    let counted = count_days(&pool, policy, &window).await;
+    let written = run_counting(&pool, &job, &window).await;
+    assert_eq!(written, counted);
+    let corrections: i64 = counted.iter().map(|c| c.1 .1).sum();
+    assert!(corrections > 50, "the back-dated returns were corrected: {corrections}");
+}
+
+/// The dry run's (charges, corrections) of each day, counted before any of them runs.
+async fn count_days(pool: &PgPool, policy: FinePolicy, days: &[NaiveDate]) -> Vec<(NaiveDate, (i64, i64))> {
+    let mut counted = Vec::new();
+    for day in days {
+        let work = ledger::count_work(&db(pool), *day, ShardSpec::SINGLE, Pricing::from(&policy), i64::MIN)
+            .await
+            .expect("count");
+        counted.push((*day, work));
     }
-    assert!(
-        corrected > 50,
-        "the back-dated returns were corrected: {corrected}"
-    );
+    counted
+}
+
+/// Runs `days` newest first (a forced run, as `--reprocess all`); what each wrote, in the order of `days`.
+async fn run_counting(pool: &PgPool, job: &Accrual, days: &[NaiveDate]) -> Vec<(NaiveDate, (i64, i64))> {
+    let mut written = Vec::new();
+    for day in days.iter().rev() {
+        let r = runner(pool, "a", 7).run(job, day_key(*day, 0, 1), true).await;
+        assert_eq!(r.outcome, Outcome::Settled, "{r:?}");
+        written.push((*day, (r.updated, r.corrections)));
+    }
+    written.reverse();
+    written
 }
 
 /// An upgrade from a ledger charged in the old order (each charge `least(rate, cap − what the ledger held)`, so
