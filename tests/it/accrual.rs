@@ -497,6 +497,27 @@ async fn a_month_of_accrual_reconciles_with_its_settlement(pool: PgPool) {
         assert_eq!(r.outcome, Outcome::Settled);
         day += chrono::Duration::days(1);
     }
+    // libraryd records ten returns late, back-dated three days before days already charged: running the days
+    // again re-opens those with corrections to write, and the net ledger agrees with the fines settled after.
+    let backdated = sqlx::query(
+        "update loans set returned_on = returned_on - 3
+         where id in (select id from loans where returned_on - due_on > 5 and returned_on between '2026-09-10' and '2026-09-30'
+                      order by id limit 10)",
+    )
+    .execute(&pool)
+    .await
+    .expect("back-dated returns")
+    .rows_affected();
+    assert_eq!(backdated, 10);
+    let mut day = first_overdue;
+    let mut corrected = 0;
+    while day <= d("2026-09-30") {
+        let r = runner(&pool, "a", 50).run(&job, day_key(day, 0, 1), false).await;
+        assert!(matches!(r.outcome, Outcome::Settled | Outcome::Skipped), "{r:?}");
+        corrected += r.corrections;
+        day += chrono::Duration::days(1);
+    }
+    assert_eq!(corrected, 30, "three days of each back-dated return");
     let s = runner(&pool, "a", 50)
         .run(
             &Settlement {
@@ -535,6 +556,7 @@ async fn a_month_of_accrual_reconciles_with_its_settlement(pool: PgPool) {
         "every late loan reconciled: {audit}"
     );
     assert_eq!(audit["audit"]["ledger_mismatches"].as_i64(), Some(0));
+    assert_eq!(audit["audit"]["over_accrued"].as_i64(), Some(0));
 
     // Tamper with one ledger row of a late loan returned in September.
     sqlx::query(
