@@ -251,12 +251,12 @@ pub async fn due_pending(
     due_only: bool,
     limit: i64,
 ) -> Result<Vec<Pending>, sqlx::Error> {
-    let (shards, index) = shard.map_or((1, 0), |s| (i64::from(s.shards()), i64::from(s.shard())));
+    let (shards, index) = shard.map_or((1, 0), |s| (s.shards(), s.shard()));
     sqlx::query_as!(
         Pending,
         r#"select loan_id, accrual_date, amount_cents, attempts, next_attempt_at, last_error, status
            from fine_pending
-           where status = 'PENDING' and (not $1 or next_attempt_at <= now()) and loan_id % $2 = $3
+           where status = 'PENDING' and (not $1 or next_attempt_at <= now()) and fine_settler_shard_of(loan_id, $2) = $3
            order by next_attempt_at, loan_id, accrual_date
            limit $4"#,
         due_only,
@@ -342,11 +342,11 @@ pub async fn resurrect(pool: &Db) -> Result<u64, sqlx::Error> {
 
 /// (PENDING, DEAD) counts, for one shard or all.
 pub async fn counts(pool: &Db, shard: Option<ShardSpec>) -> Result<(i64, i64), sqlx::Error> {
-    let (shards, index) = shard.map_or((1, 0), |s| (i64::from(s.shards()), i64::from(s.shard())));
+    let (shards, index) = shard.map_or((1, 0), |s| (s.shards(), s.shard()));
     let row = sqlx::query!(
         r#"select count(*) filter (where status = 'PENDING') as "pending!",
                   count(*) filter (where status = 'DEAD') as "dead!"
-           from fine_pending where loan_id % $1 = $2"#,
+           from fine_pending where fine_settler_shard_of(loan_id, $1) = $2"#,
         shards,
         index,
     )

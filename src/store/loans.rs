@@ -40,14 +40,14 @@ pub async fn next_batch(
                  from loans
                  where fine_settled_at is null and returned_on is not null
                    and returned_on between $1 and $2
-                   and id >= $3 and id % $4 = $5
+                   and id >= $3 and fine_settler_shard_of(id, $4) = $5
                  order by id
                  limit $6) batch"#,
         first,
         last,
         from_id,
-        i64::from(shard.shards()),
-        i64::from(shard.shard()),
+        shard.shards(),
+        shard.shard(),
         limit,
     )
     .fetch_one(pool)
@@ -72,13 +72,13 @@ pub async fn month_has_unsettled(
     let any = sqlx::query_scalar!(
         r#"select id from loans
            where fine_settled_at is null and returned_on is not null
-             and returned_on between $1 and $2 and id % $3 = $4
+             and returned_on between $1 and $2 and fine_settler_shard_of(id, $3) = $4
            order by returned_on, id
            limit 1"#,
         first,
         last,
-        i64::from(shard.shards()),
-        i64::from(shard.shard()),
+        shard.shards(),
+        shard.shard(),
     )
     .fetch_optional(pool)
     .await?;
@@ -96,11 +96,11 @@ pub async fn count_unsettled(
     sqlx::query_scalar!(
         r#"select count(*) as "count!" from loans
            where fine_settled_at is null and returned_on is not null
-             and returned_on between $1 and $2 and id >= $5 and id % $3 = $4"#,
+             and returned_on between $1 and $2 and id >= $5 and fine_settler_shard_of(id, $3) = $4"#,
         first,
         last,
-        i64::from(shard.shards()),
-        i64::from(shard.shard()),
+        shard.shards(),
+        shard.shard(),
         from_id,
     )
     .fetch_one(pool)
@@ -125,7 +125,7 @@ pub async fn settle_range(
            set fine_cents = least(nullif($6::bigint, 0),
                                   greatest(0, returned_on - due_on - $7::int)::bigint * $8::bigint),
                fine_settled_at = now()
-           where id between $3 and $4 and id % $5 = $9
+           where id between $3 and $4 and fine_settler_shard_of(id, $5) = $9
              and fine_settled_at is null and returned_on is not null
              and returned_on between $1 and $2
              and isfinite(due_on)"#,
@@ -133,11 +133,11 @@ pub async fn settle_range(
         last,
         batch.from_id,
         batch.last_id,
-        i64::from(shard.shards()),
+        shard.shards(),
         policy.cap().map_or(0, |c| c.get()),
         i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
         policy.daily_rate().get(),
-        i64::from(shard.shard()),
+        shard.shard(),
     )
     .execute(&mut *tx)
     .await?;
@@ -158,7 +158,7 @@ pub async fn settle_unlocked(
     let done = sqlx::query!(
         r#"with free as (
                select id from loans
-               where id between $3 and $4 and id % $5 = $9
+               where id between $3 and $4 and fine_settler_shard_of(id, $5) = $9
                  and fine_settled_at is null and returned_on is not null
                  and returned_on between $1 and $2
                  and isfinite(due_on)
@@ -174,11 +174,11 @@ pub async fn settle_unlocked(
         last,
         batch.from_id,
         batch.last_id,
-        i64::from(shard.shards()),
+        shard.shards(),
         policy.cap().map_or(0, |c| c.get()),
         i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
         policy.daily_rate().get(),
-        i64::from(shard.shard()),
+        shard.shard(),
     )
     .execute(&mut *tx)
     .await?;
