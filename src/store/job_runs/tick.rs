@@ -245,7 +245,7 @@ async fn status_rows(
                             where l.fine_settled_at is null and l.returned_on is not null
                               and l.returned_on between date_trunc('month', r.business_date)::date
                                                     and r.business_date
-                              and fine_settler_shard_of(l.id, $1::int) = $2::int))
+                              and fine_settler_shard_of(l.id, $1::int) = $2::int and isfinite(l.due_on)))
                     or (r.job_name = 'overdue-accrual' and r.business_date in (select d from late_days)))
                   ) as "late?"
            from (select now() as now, pg_is_in_recovery() as in_recovery,
