@@ -85,7 +85,7 @@ pub enum Refused {
     /// `settle` of a month, or `accrue` of a day, that is not over yet.
     #[error(transparent)]
     NotOver(#[from] NotOver),
-    /// A pause covers the key (`fine-settler pause`).
+    /// A pause covers the key (or, for `pending retry`, some shard of the accrual).
     #[error("{0}; resume it with `fine-settler resume`, or pass --ignore-pause to run anyway")]
     Paused(Pause),
 }
@@ -296,6 +296,14 @@ impl RetryReport {
     pub fn exit_code(&self) -> u8 {
         u8::from(self.interrupted)
     }
+}
+
+/// Why `pending retry` may not run: a pause of the accrual, of the whole job or of any one shard (the whole
+/// job's first) — the pass retries every shard's charges, so it would write for a paused shard, which the daemon's
+/// own pass never does. `None` when the accrual is not paused anywhere.
+pub async fn retry_refused(pool: &Db) -> Result<Option<Refused>, StoreError> {
+    let pauses = store::pauses::list(pool, Some(JobName::OverdueAccrual.as_str())).await?;
+    Ok(pauses.into_iter().next().map(Refused::Paused))
 }
 
 /// Retries every PENDING charge of every shard now, whatever its next attempt time (`pending retry`); with
