@@ -329,6 +329,18 @@ pub async fn retry_failed(
     Ok(())
 }
 
+/// Makes a pending charge DEAD without another attempt (it has had them all).
+pub async fn give_up(tx: &mut PgConnection, loan_id: i64, day: NaiveDate) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        "update fine_pending set status = 'DEAD', updated_at = now() where loan_id = $1 and accrual_date = $2",
+        loan_id,
+        day
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
 /// Gives DEAD charges (optionally of one loan) a fresh set of attempts, due now. Returns how many.
 pub async fn resurrect(pool: &Db) -> Result<u64, sqlx::Error> {
     let done = sqlx::query!(
