@@ -307,7 +307,7 @@ impl Protocol {
         };
         match self.setup.keys[key].job {
             // update loans set fine_cents = <policy>, fine_settled_at = now()
-            //   where id between from and last and id % shards = shard and returned_on in the month
+            //   where id between from and last and fine_settler_shard_of(id, shards) = shard and returned_on in the month
             //     and fine_settled_at is null   -- the conditional predicate (dropped by UnconditionalWrite)
             //     and id in (select ... for no key update skip locked)
             Job::Settlement => {
@@ -729,7 +729,7 @@ fn finishing(run: Run, ending: Ending) -> Phase {
 }
 
 /// `id > cursor` (a null cursor is before every id).
-fn after(cursor: Option<u8>, id: u8) -> bool {
+fn after(cursor: Option<i8>, id: i8) -> bool {
     cursor.is_none_or(|c| id > c)
 }
 
@@ -872,7 +872,7 @@ mod tests {
         Protocol::new(Setup::settlement(), None)
     }
 
-    fn running(epoch: u8, lease: i8, cursor: Option<u8>) -> JobRun {
+    fn running(epoch: u8, lease: i8, cursor: Option<i8>) -> JobRun {
         JobRun {
             status: Status::Running,
             epoch,

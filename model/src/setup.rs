@@ -2,9 +2,9 @@
 //! bound, lease and batch timeout in clock steps), and the deliberate mistakes (mutations) the checker must catch.
 //!
 //! Two scenarios share one model. *Settlement* is the claim protocol at full width: three replicas on two shards
-//! (`shard = id % 2`), an operator who may force a rerun or release a key, and four loans, one of them returned
-//! late (back-dated into the month after the cursor passed it or after the key succeeded) and one that libraryd
-//! may hold locked for a while. *Accrual* is two accrual days on one capped loan (cap 250, rate 100, 200 already
+//! (a loan's shard is its id's remainder by 2, taken non-negative: loan -1 is shard 1's), an operator who may
+//! force a rerun or release a key, and four loans, one of them returned late (back-dated into the month after the
+//! cursor passed it or after the key succeeded) and one that libraryd may hold locked for a while. *Accrual* is two accrual days on one capped loan (cap 250, rate 100, 200 already
 //! charged), the case the per-loan lock exists for. Keeping them apart keeps each exhaustive: their state spaces
 //! would multiply, and the two jobs share nothing but the mechanism, which both scenarios check. The bounds are
 //! what runs in about half a minute: two faults per behaviour in settlement (three cost ten times the states),
@@ -29,10 +29,10 @@ pub struct KeySpec {
     pub label: &'static str,
 }
 
-/// One `loans` row. Its shard is `id % shards`.
+/// One `loans` row. Its shard is the non-negative remainder of `id` by `shards` ([`Setup::loan_shard`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LoanSpec {
-    pub id: u8,
+    pub id: i8,
     /// Returned in the month only later: libraryd records the return (back-dated) at a moment of its choosing.
     pub late: bool,
 }
@@ -78,7 +78,7 @@ pub struct Setup {
 }
 
 impl Setup {
-    /// Three replicas on two shards settling one month: loans 1 (shard 1), 2, 4 and 6 (shard 0), where 4 is
+    /// Three replicas on two shards settling one month: loans -1 (shard 1), 2, 4 and 6 (shard 0), where 4 is
     /// returned late — in the month, below 6, so a cursor can have passed it, and above 2, so a re-open's range
     /// update covers an already settled row.
     pub fn settlement() -> Setup {
@@ -99,7 +99,7 @@ impl Setup {
                 },
             ],
             loans: vec![
-                LoanSpec { id: 1, late: false },
+                LoanSpec { id: -1, late: false },
                 LoanSpec { id: 2, late: false },
                 LoanSpec { id: 4, late: true },
                 LoanSpec { id: 6, late: false },
@@ -151,9 +151,11 @@ impl Setup {
         }
     }
 
-    /// The shard of loan `i`.
+    /// The shard of loan `i`: `fine_settler_shard_of(id, shards)`, the remainder taken non-negative, so that a
+    /// negative id (loan -1) belongs to a shard like any other.
     pub fn loan_shard(&self, i: usize) -> u8 {
-        self.loans[i].id % self.shards
+        // In 0..shards, so it fits in u8.
+        i16::from(self.loans[i].id).rem_euclid(i16::from(self.shards)) as u8
     }
 }
 

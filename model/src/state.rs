@@ -31,7 +31,7 @@ pub struct JobRun {
     /// (`lease_until < now()`); it is never stored below -1, since no statement tells -1 from -2.
     pub lease: i8,
     /// The last id a committed batch covered; `None` is null (start from the beginning).
-    pub cursor: Option<u8>,
+    pub cursor: Option<i8>,
 }
 
 impl JobRun {
@@ -102,7 +102,7 @@ pub struct Run {
     pub key: u8,
     pub epoch: u8,
     /// The last id this run knows to be covered; the next batch starts after it.
-    pub cursor: Option<u8>,
+    pub cursor: Option<i8>,
     pub kind: ClaimKind,
 }
 
@@ -110,7 +110,7 @@ pub struct Run {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Batch {
     /// The batch covers ids `cursor < id <= last`.
-    pub last: u8,
+    pub last: i8,
     /// Accrual: what the fetch's read of the ledger total says to charge (used only by the
     /// [`crate::Mutation::CapReadOutsideLock`] mutation; the protocol recomputes it under the lock).
     pub amount: u16,

@@ -291,6 +291,9 @@ pub enum PendingAction {
         /// Also give DEAD charges a fresh set of attempts first.
         #[arg(long)]
         dead: bool,
+        /// Retry even though the accrual (or one of its shards) is paused.
+        #[arg(long)]
+        ignore_pause: bool,
     },
 }
 

@@ -78,7 +78,7 @@ impl CliError {
 impl From<oneshot::Refused> for CliError {
     fn from(e: oneshot::Refused) -> Self {
         match e {
-            oneshot::Refused::NotOver(e) => CliError::Usage(format!("--date: {e}")),
+            oneshot::Refused::NotOver(e) => CliError::Usage(format!("{}: {e}", e.flag())),
             paused => CliError::Paused(paused),
         }
     }

@@ -134,6 +134,7 @@ pub fn print_audit(business_date: NaiveDate, month: (NaiveDate, NaiveDate), audi
         audit.ledger_checked, audit.ledger_mismatches
     );
     println!("  over-accrued loans  {}", audit.over_accrued);
+    println!("  non-finite dates    {}", audit.not_finite);
     println!("  violations          {}", violations.len());
     for v in &violations {
         println!("    - {v}");

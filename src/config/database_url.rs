@@ -1,13 +1,14 @@
 //! `database.url`: libpq's connection URL, parsed once into what every connection is opened with — the host list
 //! (`h1:p1,h2:p2` in the authority or `?host=…&port=…`, IPv6 addresses in brackets, socket directories), the two
 //! libpq parameters sqlx does not know (`target_session_attrs`, `connect_timeout`), and the URL as it may be shown
-//! (password redacted). Everything else in the URL is sqlx's to read, per host.
+//! (password redacted). Everything else in the URL is sqlx's to read, per host. Also the rule that no startup
+//! `options` go through a pooler ([`DatabaseUrl::check_pooler`]).
 
-use std::{fmt, net::Ipv6Addr, str::FromStr, time::Duration};
+use std::{collections::HashMap, fmt, net::Ipv6Addr, str::FromStr, time::Duration};
 
 use sqlx::postgres::PgConnectOptions;
 
-use crate::redact;
+use crate::{config::Pooler, redact};
 
 /// `database.url`, parsed once into the options every connection is opened with: one [`PgConnectOptions`] per
 /// host of libpq's multi-host form, in the URL's order. Its `Debug` and `Display` show the URL with the password
@@ -92,6 +93,26 @@ pub enum DatabaseUrlError {
     /// A `connect_timeout` that is not a whole number of seconds.
     #[error("{url}: connect_timeout={value:?} is not a whole number of seconds")]
     BadTimeout { url: String, value: String },
+}
+
+/// Why `database.url`'s connections cannot go through the configured pooler: they would send the startup
+/// parameter `options`, which PgBouncer refuses with its default settings ("unsupported startup parameter:
+/// options"), so every connection would fail.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoolerOptionsError {
+    /// `PGOPTIONS` is set in the environment: sqlx reads it, as libpq does, and sends it at every login.
+    #[error(
+        "PGOPTIONS is set, but behind a pooler (\"{pooler}\") no startup options may be sent: PgBouncer refuses \
+         them (\"unsupported startup parameter: options\"), and fine-settler sets its session settings itself; \
+         unset PGOPTIONS for fine-settler (env -u PGOPTIONS fine-settler …)"
+    )]
+    Environment { pooler: &'static str },
+    /// The URL has an `options=` parameter.
+    #[error(
+        "database.url has options=…, but behind a pooler (\"{pooler}\") no startup options may be sent: \
+         PgBouncer refuses them (\"unsupported startup parameter: options\"); remove options= from the URL"
+    )]
+    Url { pooler: &'static str },
 }
 
 /// The query parameters read here rather than by sqlx: the host list, its ports, and the two libpq parameters
@@ -191,6 +212,30 @@ impl DatabaseUrl {
     /// The URL with its password replaced by `***`.
     pub fn redacted(&self) -> &str {
         &self.shown
+    }
+
+    /// Refuses connections that would send the startup parameter `options` behind `pooler` (see
+    /// [`PoolerOptionsError`]); `env` is the process's environment, in which sqlx found `PGOPTIONS`.
+    ///
+    /// The parameter cannot be left out instead: sqlx reads `PGOPTIONS` whenever it parses a URL, and its
+    /// options have no way to unset what it read (they only append to it). Removing the variable from the
+    /// process's environment before parsing is not sound once threads run (it is `unsafe` from the 2024
+    /// edition). And a refusal is the safer answer anyway: the variable may carry settings the operator meant for
+    /// fine-settler (a `search_path`), which a silent drop would lose.
+    pub fn check_pooler(
+        &self,
+        pooler: Pooler,
+        env: &HashMap<String, String>,
+    ) -> Result<(), PoolerOptionsError> {
+        if pooler == Pooler::None || self.connect_options().get_options().is_none() {
+            return Ok(());
+        }
+        let pooler = pooler.as_str();
+        Err(if env.contains_key("PGOPTIONS") {
+            PoolerOptionsError::Environment { pooler }
+        } else {
+            PoolerOptionsError::Url { pooler }
+        })
     }
 }
 
@@ -555,6 +600,40 @@ mod tests {
         match DatabaseUrl::parse(url) {
             Ok(parsed) => panic!("{url} was accepted: {:?}", parsed.hosts()),
             Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn no_startup_options_go_through_a_pooler() {
+        let plain = parse("postgres://u@db/libraryd");
+        let with_options = parse("postgres://u@db/libraryd?options=-c%20search_path%3Dlib");
+        let none = crate::testing::env(&[]);
+        let pgoptions = crate::testing::env(&[("PGOPTIONS", "-c statement_timeout=5min")]);
+        // Directly, the options are sent, as libpq sends them.
+        assert_eq!(with_options.check_pooler(Pooler::None, &pgoptions), Ok(()));
+        for pooler in [Pooler::Session, Pooler::Transaction] {
+            // (Unless the test's own environment has PGOPTIONS: sqlx read it when the URL was parsed.)
+            if std::env::var_os("PGOPTIONS").is_none() {
+                assert_eq!(plain.check_pooler(pooler, &none), Ok(()));
+            }
+            let url = with_options.check_pooler(pooler, &none).expect_err("refused");
+            assert_eq!(
+                url,
+                PoolerOptionsError::Url {
+                    pooler: pooler.as_str()
+                }
+            );
+            assert!(url.to_string().contains("remove options="), "{url}");
+            let env = with_options
+                .check_pooler(pooler, &pgoptions)
+                .expect_err("refused");
+            assert_eq!(
+                env,
+                PoolerOptionsError::Environment {
+                    pooler: pooler.as_str()
+                }
+            );
+            assert!(env.to_string().starts_with("PGOPTIONS is set"), "{env}");
         }
     }
 

@@ -19,7 +19,7 @@ pub mod validate;
 
 use std::{collections::HashMap, path::Path};
 
-pub use database_url::{DatabaseUrl, DatabaseUrlError, TargetSessionAttrs};
+pub use database_url::{DatabaseUrl, DatabaseUrlError, PoolerOptionsError, TargetSessionAttrs};
 pub use raw::RawSettings;
 pub use settings::{
     derived_batch_timeout, derived_lock_timeout, AccrualSettings, ClaimSettings, DatabaseSettings, Lease,

@@ -92,10 +92,10 @@ impl Checker {
 
 impl RawSettings {
     /// Validates every value; on failure returns all problems found. `env` is read for the shard when
-    /// `instance.shard_from` names a pod index or pod name variable.
+    /// `instance.shard_from` names a pod index or pod name variable, and for `PGOPTIONS` behind a pooler.
     pub fn validate(&self, env: &HashMap<String, String>) -> Result<Settings, ConfigError> {
         let mut c = Checker { problems: Vec::new() };
-        let database = database(&mut c, &self.database);
+        let database = database(&mut c, &self.database, env);
         let instance = instance(&mut c, &self.instance, env);
         let schedule = schedule(&mut c, &self.schedule);
         let time = time(&mut c, &self.time);
@@ -139,7 +139,7 @@ impl RawSettings {
     }
 }
 
-fn database(c: &mut Checker, raw: &RawDatabase) -> Option<DatabaseSettings> {
+fn database(c: &mut Checker, raw: &RawDatabase, env: &HashMap<String, String>) -> Option<DatabaseSettings> {
     let url = c.check("database.url", DatabaseUrl::parse(&raw.url));
     let max_connections = c.int_in("database.max_connections", raw.max_connections, 1..=100);
     let connect_timeout = c.duration("database.connect_timeout", &raw.connect_timeout);
@@ -155,6 +155,9 @@ fn database(c: &mut Checker, raw: &RawDatabase) -> Option<DatabaseSettings> {
             None
         }
     };
+    if let (Some(url), Some(pooler)) = (&url, pooler) {
+        c.check("database.pooler", url.check_pooler(pooler, env));
+    }
     Some(DatabaseSettings {
         url: url?,
         max_connections: max_connections?,

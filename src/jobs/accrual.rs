@@ -372,6 +372,15 @@ async fn retry_pending(
     let Some(attempts) = ledger::lock_pending(&mut tx, p, due_only).await? else {
         return Ok(None);
     };
+    if spent(attempts, max_attempts) {
+        // Every attempt is used: the batch's own failed charge was the first (`attempts` 1 when queued), so with
+        // `max_attempts = 1` a queued charge is never tried again; so is one whose `max_attempts` was lowered.
+        ledger::give_up(&mut tx, p.loan_id, p.accrual_date).await?;
+        tx.commit().await?;
+        tracing::error!(loan_id = p.loan_id, accrual_date = %p.accrual_date, attempts,
+            "pending charge is DEAD: it had all its attempts; an operator must look at it");
+        return Ok(Some(Retried::Dead));
+    }
     let charge = accrual.try_charge(&mut tx, p.accrual_date, &[p.loan_id]).await?;
     let retried = match charge {
         Ok(written) => {
@@ -391,6 +400,12 @@ async fn retry_pending(
     Ok(Some(retried))
 }
 
+/// Whether a charge tried `attempts` times has had all of `max_attempts` (`accrual.max_attempts` counts every
+/// attempt, the batch's first charge included).
+fn spent(attempts: i32, max_attempts: u32) -> bool {
+    u32::try_from(attempts).unwrap_or(0) >= max_attempts
+}
+
 /// A retried charge was rejected again: counts the attempt and schedules the next, or makes it DEAD after
 /// `max_attempts`; commits `tx`.
 async fn reschedule(
@@ -402,7 +417,7 @@ async fn reschedule(
     max_attempts: u32,
 ) -> Result<Retried, sqlx::Error> {
     let attempts = attempts.saturating_add(1);
-    let dead = u32::try_from(attempts).unwrap_or(u32::MAX) >= max_attempts;
+    let dead = spent(attempts, max_attempts);
     let delay = accrual.backoff.delay(u32::try_from(attempts).unwrap_or(0));
     ledger::retry_failed(
         &mut tx,

@@ -1,8 +1,8 @@
 //! The one-shot commands' runs (`settle`, `accrue`, `pending retry`): connect, run one key (or one
 //! compensation pass) under a fresh owner that hands its key back cleanly when its shutdown token is
 //! cancelled, close. Each always produces a report; an error that keeps a run from starting is the report's
-//! `detail`. A run of a paused job (or shard) is refused before anything is written, unless the operator says
-//! to ignore the pause.
+//! `detail`. A run of a business date that is not over yet is refused before anything is written, and so is a
+//! run of a paused job (or shard), unless the operator says to ignore the pause.
 //!
 //! Shutdown is an input: the command line cancels the token on SIGINT/SIGTERM (it installs the handlers;
 //! nothing here touches signals), and a test can cancel it itself.
@@ -16,7 +16,7 @@ use super::{
     backfill::Job,
     runner::{process_owner, Runner},
     settlement::Settlement,
-    Outcome, RunKey, RunReport,
+    JobName, Outcome, RunKey, RunReport,
 };
 use crate::{
     calendar,
@@ -83,43 +83,76 @@ async fn one_shot_runner(
 /// Why a one-shot run was refused before it started; nothing was written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refused {
-    /// `accrue` of a day that is not over yet.
+    /// `settle` of a month, or `accrue` of a day, that is not over yet.
     #[error(transparent)]
     NotOver(#[from] NotOver),
-    /// A pause covers the key (`fine-settler pause`).
+    /// A pause covers the key (or, for `pending retry`, some shard of the accrual).
     #[error("{0}; resume it with `fine-settler resume`, or pass --ignore-pause to run anyway")]
     Paused(Pause),
 }
 
 /// Why a connected one-shot run does not start.
 enum NotAdmitted {
-    /// A pause covers the key.
-    Paused(Pause),
-    /// The pauses could not be read (the report's detail).
+    /// Refused: the business date is not over, or a pause covers the key.
+    Refused(Refused),
+    /// The clock or the pauses could not be read (the report's detail).
     Error(String),
 }
 
-/// `runner`, if no pause covers `key` — or, with `ignore_pause`, a runner that also goes on through a pause set
-/// while it runs. A refused runner's pool is closed.
-async fn admitted(runner: Runner, key: RunKey, ignore_pause: bool) -> Result<Runner, NotAdmitted> {
-    if ignore_pause {
-        return Ok(runner.ignoring_pauses());
-    }
-    let refused = match store::pauses::covering(&runner.pool, key.job, key.shard).await {
-        Ok(None) => return Ok(runner),
-        Ok(Some(pause)) => NotAdmitted::Paused(pause),
-        Err(e) => {
-            let e = StoreError::from(e);
-            tracing::error!(error = %e, "cannot tell whether the job is paused");
-            NotAdmitted::Error(e.to_string())
-        }
+/// `runner`, if `key`'s business date is over and no pause covers `key` — or, with `ignore_pause`, a runner that
+/// also goes on through a pause set while it runs. A refused runner's pool is closed.
+async fn admitted(
+    settings: &Settings,
+    runner: Runner,
+    key: RunKey,
+    ignore_pause: bool,
+) -> Result<Runner, NotAdmitted> {
+    let refused = match over(settings, &runner.pool, key).await {
+        Err(refused) => refused,
+        Ok(()) if ignore_pause => return Ok(runner.ignoring_pauses()),
+        Ok(()) => match store::pauses::covering(&runner.pool, key.job, key.shard).await {
+            Ok(None) => return Ok(runner),
+            Ok(Some(pause)) => NotAdmitted::Refused(Refused::Paused(pause)),
+            Err(e) => {
+                let e = StoreError::from(e);
+                tracing::error!(error = %e, "cannot tell whether the job is paused");
+                NotAdmitted::Error(e.to_string())
+            }
+        },
     };
     runner.pool.close().await;
     Err(refused)
 }
 
-/// Settles one key (`settle`); refused while a pause covers it, unless `options.ignore_pause` (then the run also
-/// goes on through a pause set while it runs).
+/// Whether `key`'s business date is over by the configured clock (the database's by default, as for the
+/// daemon): a day is accrued, and a month settled, once it is over — a month end from the next day on. A run
+/// before that would record a SUCCESS key for a date still open, which the daemon would then skip.
+async fn over(settings: &Settings, pool: &Db, key: RunKey) -> Result<(), NotAdmitted> {
+    let now = match settings.time_source {
+        TimeSource::System => Ok(Utc::now()),
+        TimeSource::Database => store::database_now(pool).await,
+    };
+    let today = match now {
+        Ok(now) => calendar::local_date(now, settings.zone),
+        Err(e) => {
+            let e = StoreError::from(e);
+            tracing::error!(error = %e, "cannot read the database clock");
+            return Err(NotAdmitted::Error(e.to_string()));
+        }
+    };
+    if key.business_date >= today {
+        return Err(NotAdmitted::Refused(Refused::NotOver(NotOver {
+            job: key.job,
+            date: key.business_date,
+            today,
+            zone: settings.zone.name(),
+        })));
+    }
+    Ok(())
+}
+
+/// Settles one key (`settle`); refused for a month that is not over yet and, unless `options.ignore_pause`,
+/// while a pause covers it (with it, the run also goes on through a pause set while it runs).
 pub async fn settle(settings: &Settings, key: RunKey, options: Options) -> Result<RunReport, Refused> {
     let started = tokio::time::Instant::now();
     let batch_size = settings.settlement.batch_size;
@@ -127,9 +160,9 @@ pub async fn settle(settings: &Settings, key: RunKey, options: Options) -> Resul
         Ok(runner) => runner,
         Err(e) => return Ok(not_started(key, started, e)),
     };
-    let runner = match admitted(runner, key, options.ignore_pause).await {
+    let runner = match admitted(settings, runner, key, options.ignore_pause).await {
         Ok(runner) => runner,
-        Err(NotAdmitted::Paused(pause)) => return Err(Refused::Paused(pause)),
+        Err(NotAdmitted::Refused(refused)) => return Err(refused),
         Err(NotAdmitted::Error(e)) => return Ok(not_started(key, started, e)),
     };
     let settlement = Settlement {
@@ -162,13 +195,32 @@ pub struct AccrualReport {
     pub dead: Option<i64>,
 }
 
-/// The day asked for is not over yet; nothing was written.
+/// The business date asked for is not over yet; nothing was written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{date} is not before today ({today} in {zone}); a day is accrued once it is over")]
+#[error("{date} is not before today ({today} in {zone}); {}", once_over(*.job))]
 pub struct NotOver {
+    pub job: JobName,
     pub date: chrono::NaiveDate,
     pub today: chrono::NaiveDate,
     pub zone: &'static str,
+}
+
+/// When `job` runs a business date.
+fn once_over(job: JobName) -> &'static str {
+    match job {
+        JobName::FineSettlement => "a month is settled once it is over",
+        JobName::OverdueAccrual => "a day is accrued once it is over",
+    }
+}
+
+impl NotOver {
+    /// The command line's flag that named the date (`settle --business-date`, `accrue --date`).
+    pub fn flag(&self) -> &'static str {
+        match self.job {
+            JobName::FineSettlement => "--business-date",
+            JobName::OverdueAccrual => "--date",
+        }
+    }
 }
 
 /// Accrues one day for one shard (`accrue`), after retrying the shard's due pending charges. Refuses a day that
@@ -188,30 +240,9 @@ pub async fn accrue(settings: &Settings, key: RunKey, options: Options) -> Resul
         Ok(runner) => runner,
         Err(e) => return Ok(not_started(e)),
     };
-    let now = match settings.time_source {
-        TimeSource::System => Ok(Utc::now()),
-        TimeSource::Database => store::database_now(&runner.pool).await,
-    };
-    let today = match now {
-        Ok(now) => calendar::local_date(now, settings.zone),
-        Err(e) => {
-            let e = StoreError::from(e);
-            tracing::error!(error = %e, "cannot read the database clock");
-            runner.pool.close().await;
-            return Ok(not_started(e.to_string()));
-        }
-    };
-    if key.business_date >= today {
-        runner.pool.close().await;
-        return Err(Refused::NotOver(NotOver {
-            date: key.business_date,
-            today,
-            zone: settings.zone.name(),
-        }));
-    }
-    let runner = match admitted(runner, key, options.ignore_pause).await {
+    let runner = match admitted(settings, runner, key, options.ignore_pause).await {
         Ok(runner) => runner,
-        Err(NotAdmitted::Paused(pause)) => return Err(Refused::Paused(pause)),
+        Err(NotAdmitted::Refused(refused)) => return Err(refused),
         Err(NotAdmitted::Error(e)) => return Ok(not_started(e)),
     };
     let job = Accrual::from_settings(settings);
@@ -266,6 +297,14 @@ impl RetryReport {
     pub fn exit_code(&self) -> u8 {
         u8::from(self.interrupted)
     }
+}
+
+/// Why `pending retry` may not run: a pause of the accrual, of the whole job or of any one shard (the whole
+/// job's first) — the pass retries every shard's charges, so it would write for a paused shard, which the daemon's
+/// own pass never does. `None` when the accrual is not paused anywhere.
+pub async fn retry_refused(pool: &Db) -> Result<Option<Refused>, StoreError> {
+    let pauses = store::pauses::list(pool, Some(JobName::OverdueAccrual.as_str())).await?;
+    Ok(pauses.into_iter().next().map(Refused::Paused))
 }
 
 /// Retries every PENDING charge of every shard now, whatever its next attempt time (`pending retry`); with

@@ -112,9 +112,6 @@ pub enum JobError {
     /// A statement failed (connection lost, statement timeout, constraint).
     #[error("database error: {}", redact_secrets_in(&.0.to_string()))]
     Sql(#[from] sqlx::Error),
-    /// A row's data cannot be processed; the run stops so that an operator can look at it.
-    #[error("loan {id}: {problem}")]
-    Data { id: i64, problem: String },
     /// A batch transaction did not complete in time (claim.batch_timeout).
     #[error("a batch did not complete within {}", humantime::format_duration(*.0))]
     BatchTimeout(Duration),

@@ -1,4 +1,5 @@
-//! The audit behind `verify`: recomputes a settled month in plain SQL, independently of the settlement code.
+//! The audit behind `verify`: recomputes a settled month in plain SQL, independently of the settlement code, and
+//! reports the loans neither job touches because a date of theirs is not finite.
 
 use crate::store::Db;
 use chrono::NaiveDate;
@@ -30,7 +31,16 @@ pub struct MonthAudit {
     /// Loans returned in the month with a day whose net exceeds what is owed for it (a return back-dated after
     /// the day was charged, a due date moved later, not yet corrected).
     pub over_accrued: i64,
+    /// Loans with a due or return date that is not finite (`infinity`, `-infinity`), which neither job settles
+    /// or accrues: every such loan not settled, whatever its month, and the settled ones returned in this month.
+    /// They are not counted in `returned` (no fine can be computed for them).
+    pub not_finite: i64,
+    /// The first of them by id, at most [`NOT_FINITE_SHOWN`].
+    pub not_finite_ids: Vec<i64>,
 }
+
+/// How many loan ids [`MonthAudit::not_finite_ids`] lists at most.
+pub const NOT_FINITE_SHOWN: usize = 20;
 
 /// Audits the loans returned in `[first, last]` against `policy`. The expected fine is computed by the database
 /// (`least` ignores a null cap), a second implementation of the policy that the Rust code does not share.
@@ -39,29 +49,7 @@ pub async fn month(
     (first, last): (NaiveDate, NaiveDate),
     policy: &FinePolicy,
 ) -> Result<MonthAudit, sqlx::Error> {
-    let row = sqlx::query!(
-        r#"with l as (
-               select fine_cents, fine_settled_at,
-                      least(nullif($3::bigint, 0),
-                            greatest(0, returned_on - due_on - $4::bigint) * $5::bigint) as expected
-               from loans
-               where returned_on between $1 and $2
-           )
-           select count(*) as "returned!",
-                  count(fine_settled_at) as "settled!",
-                  count(*) filter (where fine_settled_at is not null and fine_cents <> expected) as "wrong_fine!",
-                  coalesce(sum(fine_cents) filter (where fine_settled_at is not null), 0)::bigint as "total_cents!",
-                  coalesce(sum(expected), 0)::bigint as "expected_cents!"
-           from l"#,
-        first,
-        last,
-        policy.cap().map_or(0, |c| c.get()),
-        policy.grace_days(),
-        policy.daily_rate().get(),
-    )
-    .fetch_one(pool)
-    .await?;
-
+    let fines = fines(pool, (first, last), policy).await?;
     let complete = sqlx::query_scalar!(
         r#"select shards as "shards!" from job_runs
            where job_name = 'fine-settlement' and business_date = $1
@@ -72,12 +60,103 @@ pub async fn month(
     )
     .fetch_all(pool)
     .await?;
+    let ledger = ledger(pool, (first, last), policy).await?;
+    let (unsettled_not_finite, mut not_finite_ids) = unsettled_not_finite(pool).await?;
+    // Disjoint sets (settled, not settled): their counts add up, and the first ids of both are the first ids.
+    not_finite_ids.extend(&fines.settled_not_finite);
+    not_finite_ids.sort_unstable();
+    not_finite_ids.truncate(NOT_FINITE_SHOWN);
+    Ok(MonthAudit {
+        returned: fines.returned,
+        settled: fines.settled,
+        unsettled: fines.returned - fines.settled,
+        wrong_fine: fines.wrong_fine,
+        total_cents: fines.total_cents,
+        expected_cents: fines.expected_cents,
+        complete_shard_counts: complete,
+        ledger_checked: ledger.checked,
+        ledger_mismatches: ledger.mismatches,
+        over_accrued: ledger.over_accrued,
+        not_finite: unsettled_not_finite + fines.settled_not_finite.len() as i64,
+        not_finite_ids,
+    })
+}
 
-    // Reconciliation with the ledger as finance reads it (fine_ledger_net: first charges plus corrections). A
-    // day whose net exceeds its canonical amount (a day not owed at all, or owed less) is over-accrued. A settled
-    // loan whose every owed day was accrued (an accrual key of the day SUCCESS for the loan's shard, under some
-    // shard count) must have a net total equal to its fine.
-    let ledger = sqlx::query!(
+/// The month's fines against the policy's.
+struct Fines {
+    returned: i64,
+    settled: i64,
+    wrong_fine: i64,
+    total_cents: i64,
+    expected_cents: i64,
+    /// The month's settled loans whose due date is not finite (settled before the rule, or their due date
+    /// changed since): their fine cannot be checked.
+    settled_not_finite: Vec<i64>,
+}
+
+/// The loans returned in the month with a finite due date; those without one are counted apart (no fine can be
+/// computed for them: `returned_on - due_on` would fail the statement), the settled ones listed here, in the same
+/// pass over the month, and the others by [`unsettled_not_finite`].
+async fn fines(
+    pool: &Db,
+    (first, last): (NaiveDate, NaiveDate),
+    policy: &FinePolicy,
+) -> Result<Fines, sqlx::Error> {
+    let row = sqlx::query!(
+        r#"with l as (
+               select id, fine_cents, fine_settled_at, isfinite(due_on) as finite,
+                      case when isfinite(due_on)
+                           then least(nullif($3::bigint, 0),
+                                      greatest(0, returned_on - due_on - $4::bigint) * $5::bigint)
+                      end as expected
+               from loans
+               where returned_on between $1 and $2
+           )
+           select count(*) filter (where finite) as "returned!",
+                  count(fine_settled_at) filter (where finite) as "settled!",
+                  count(*) filter (where fine_settled_at is not null and fine_cents <> expected) as "wrong_fine!",
+                  coalesce(sum(fine_cents) filter (where fine_settled_at is not null and finite), 0)::bigint
+                      as "total_cents!",
+                  coalesce(sum(expected), 0)::bigint as "expected_cents!",
+                  coalesce(array_agg(id order by id) filter (where fine_settled_at is not null and not finite),
+                           '{}') as "settled_not_finite!"
+           from l"#,
+        first,
+        last,
+        policy.cap().map_or(0, |c| c.get()),
+        policy.grace_days(),
+        policy.daily_rate().get(),
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Fines {
+        returned: row.returned,
+        settled: row.settled,
+        wrong_fine: row.wrong_fine,
+        total_cents: row.total_cents,
+        expected_cents: row.expected_cents,
+        settled_not_finite: row.settled_not_finite,
+    })
+}
+
+/// The month's loans reconciled with the ledger.
+struct Reconciled {
+    checked: i64,
+    mismatches: i64,
+    over_accrued: i64,
+}
+
+/// Reconciliation with the ledger as finance reads it (`fine_ledger_net`: first charges plus corrections). A day
+/// whose net exceeds its canonical amount (a day not owed at all, or owed less) is over-accrued. A settled loan
+/// whose every owed day was accrued (an accrual key of the day SUCCESS for the loan's shard, under some shard
+/// count) must have a net total equal to its fine. Loans with a non-finite due date are left out (see
+/// [`fines`]).
+async fn ledger(
+    pool: &Db,
+    (first, last): (NaiveDate, NaiveDate),
+    policy: &FinePolicy,
+) -> Result<Reconciled, sqlx::Error> {
+    let row = sqlx::query!(
         r#"with r as (
                select l.id, l.fine_cents, l.fine_settled_at, l.due_on, l.returned_on,
                       coalesce((select sum(n.net_cents) from fine_ledger_net n where n.loan_id = l.id), 0)::bigint
@@ -111,19 +190,34 @@ pub async fn month(
     )
     .fetch_one(pool)
     .await?;
-
-    Ok(MonthAudit {
-        returned: row.returned,
-        settled: row.settled,
-        unsettled: row.returned - row.settled,
-        wrong_fine: row.wrong_fine,
-        total_cents: row.total_cents,
-        expected_cents: row.expected_cents,
-        complete_shard_counts: complete,
-        ledger_checked: ledger.checked,
-        ledger_mismatches: ledger.mismatches,
-        over_accrued: ledger.over_accrued,
+    Ok(Reconciled {
+        checked: row.checked,
+        mismatches: row.mismatches,
+        over_accrued: row.over_accrued,
     })
+}
+
+/// Loans not settled with a due or return date that is not finite (`infinity`, `-infinity`), which neither job
+/// touches, whatever their month (such a date is in no month): returned or still out; how many, and the first
+/// [`NOT_FINITE_SHOWN`] ids.
+///
+/// Each branch is one of the partial indexes' predicates (`loans_unsettled_returned_idx`, which includes the due
+/// date; `loans_open_by_due_idx`, probed at its two ends), so the audit reads no settled loan. `d in
+/// ('-infinity', 'infinity')` is `not isfinite(d)`, in a form an index can search.
+async fn unsettled_not_finite(pool: &Db) -> Result<(i64, Vec<i64>), sqlx::Error> {
+    let row = sqlx::query!(
+        r#"select count(*) as "count!", coalesce((array_agg(id order by id))[1:$1], '{}') as "ids!"
+           from (select id from loans
+                 where fine_settled_at is null and returned_on is not null
+                   and (due_on in ('-infinity', 'infinity') or returned_on in ('-infinity', 'infinity'))
+                 union all
+                 select id from loans
+                 where returned_on is null and due_on in ('-infinity', 'infinity')) bad"#,
+        NOT_FINITE_SHOWN as i32,
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok((row.count, row.ids))
 }
 
 impl MonthAudit {
@@ -152,6 +246,20 @@ impl MonthAudit {
             v.push(format!(
                 "{} loans are over-accrued: the ledger charges them for days on which they were not overdue",
                 self.over_accrued
+            ));
+        }
+        if self.not_finite > 0 {
+            let ids: Vec<String> = self.not_finite_ids.iter().map(i64::to_string).collect();
+            let more = if self.not_finite > self.not_finite_ids.len() as i64 {
+                ", …"
+            } else {
+                ""
+            };
+            v.push(format!(
+                "{} loans have a due or return date that is not finite, so neither job settles or accrues them \
+                 (fix the dates in libraryd): loans {}{more}",
+                self.not_finite,
+                ids.join(", ")
             ));
         }
         if self.returned > 0 && self.complete_shard_counts.is_empty() {

@@ -131,7 +131,8 @@ pub async fn correct(
                                                       where x.loan_id = f.loan_id), 0)
                                           + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
                                                       where y.loan_id = f.loan_id), 0) as total) t
-                 where f.accrual_date = $1 and f.loan_id = any($2::bigint[])) w
+                 where f.accrual_date = $1 and f.loan_id = any($2::bigint[])
+                   and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)) w
            where w.delta <> 0
            on conflict on constraint fine_ledger_corrections_pkey do nothing
            returning reason"#,
@@ -216,6 +217,7 @@ pub async fn recheck(
                                        where p.loan_id = t.loan_id and p.accrual_date = d.day)
                        and ($7::bigint = 0 or t.total < $7::bigint))
                    or (f.loan_id is not null and a.target <> n.net
+                       and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
                        and (a.target < n.net or $7::bigint = 0 or t.total < $7::bigint)))
            ), dirty as (
                select distinct loan_id from work

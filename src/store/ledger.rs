@@ -87,7 +87,7 @@ async fn full_batch(
                                     from fine_ledger_corrections c
                                     where c.loan_id = f.loan_id and c.accrual_date = $5) n
                 where f.accrual_date = $5 and f.loan_id >= $1 and fine_settler_shard_of(f.loan_id, $2) = $3
-                  and a.target <> n.net
+                  and a.target <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
                   and (a.target < n.net or $7::bigint = 0
                        or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = f.loan_id), 0)
                         + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
@@ -138,6 +138,7 @@ async fn changed_batch(
                   and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $5)
                   and ($7::bigint = 0 or t.total < $7::bigint))
               or (f.loan_id is not null and a.target <> n.net
+                  and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
                   and (a.target < n.net or $7::bigint = 0 or t.total < $7::bigint))
            order by l.id
            limit $8"#,
@@ -190,7 +191,7 @@ pub async fn count_work(
                                   from fine_ledger_corrections c
                                   where c.loan_id = f.loan_id and c.accrual_date = $5) n
               where f.accrual_date = $5 and f.loan_id >= $1 and fine_settler_shard_of(f.loan_id, $2) = $3
-                and a.target <> n.net
+                and a.target <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
                 and (a.target < n.net or $7::bigint = 0
                      or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = f.loan_id), 0)
                       + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
@@ -340,7 +341,7 @@ pub async fn day_has_work(
                                       from fine_ledger_corrections c
                                       where c.loan_id = f.loan_id and c.accrual_date = $1) n
                   where f.accrual_date = $1 and fine_settler_shard_of(f.loan_id, $2) = $3
-                    and a.target <> n.net
+                    and a.target <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
                     and (a.target < n.net or $6::bigint = 0
                          or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = f.loan_id), 0)
                           + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
@@ -399,12 +400,12 @@ pub async fn due_pending(
     due_only: bool,
     limit: i64,
 ) -> Result<Vec<Pending>, sqlx::Error> {
-    let (shards, index) = shard.map_or((1, 0), |s| (i64::from(s.shards()), i64::from(s.shard())));
+    let (shards, index) = shard.map_or((1, 0), |s| (s.shards(), s.shard()));
     sqlx::query_as!(
         Pending,
         r#"select loan_id, accrual_date, amount_cents, attempts, next_attempt_at, last_error, status
            from fine_pending
-           where status = 'PENDING' and (not $1 or next_attempt_at <= now()) and loan_id % $2 = $3
+           where status = 'PENDING' and (not $1 or next_attempt_at <= now()) and fine_settler_shard_of(loan_id, $2) = $3
            order by next_attempt_at, loan_id, accrual_date
            limit $4"#,
         due_only,
@@ -477,6 +478,18 @@ pub async fn retry_failed(
     Ok(())
 }
 
+/// Makes a pending charge DEAD without another attempt (it has had them all).
+pub async fn give_up(tx: &mut PgConnection, loan_id: i64, day: NaiveDate) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        "update fine_pending set status = 'DEAD', updated_at = now() where loan_id = $1 and accrual_date = $2",
+        loan_id,
+        day
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
 /// Gives DEAD charges (optionally of one loan) a fresh set of attempts, due now. Returns how many.
 pub async fn resurrect(pool: &Db) -> Result<u64, sqlx::Error> {
     let done = sqlx::query!(
@@ -490,11 +503,11 @@ pub async fn resurrect(pool: &Db) -> Result<u64, sqlx::Error> {
 
 /// (PENDING, DEAD) counts, for one shard or all.
 pub async fn counts(pool: &Db, shard: Option<ShardSpec>) -> Result<(i64, i64), sqlx::Error> {
-    let (shards, index) = shard.map_or((1, 0), |s| (i64::from(s.shards()), i64::from(s.shard())));
+    let (shards, index) = shard.map_or((1, 0), |s| (s.shards(), s.shard()));
     let row = sqlx::query!(
         r#"select count(*) filter (where status = 'PENDING') as "pending!",
                   count(*) filter (where status = 'DEAD') as "dead!"
-           from fine_pending where loan_id % $1 = $2"#,
+           from fine_pending where fine_settler_shard_of(loan_id, $1) = $2"#,
         shards,
         index,
     )

@@ -1,5 +1,12 @@
 //! `loans`: the settlement scan and the conditional settlement write. The daemon writes only `fine_cents` and
 //! `fine_settled_at`, and only on rows whose `fine_settled_at` is still null.
+//!
+//! A loan whose `due_on` is not a finite date (`infinity`, `-infinity`: PostgreSQL stores them, no calendar has
+//! them) is not the settlement's: every statement here leaves it out (`isfinite(due_on)`), as the accrual leaves
+//! out a loan with a non-finite `due_on` or `returned_on`, and `verify` reports it (`store::audit`). Failing the
+//! run instead would hold back the whole shard's month for one row; leaving it out settles the rest and keeps
+//! the key from re-opening for a row it will never settle. (A non-finite `returned_on` is in no month, so the
+//! month's `between` already leaves it out.)
 
 use chrono::NaiveDate;
 use sqlx::PgConnection;
@@ -16,8 +23,6 @@ pub struct SettleBatch {
     pub last_id: i64,
     /// Loans in the batch.
     pub count: i64,
-    /// The first loan of the batch whose `due_on` is not a finite date (libraryd should never store one).
-    pub bad_due: Option<i64>,
 }
 
 /// Finds the next batch: the first `limit` unsettled loans of the shard returned in `[first, last]` with
@@ -34,20 +39,19 @@ pub async fn next_batch(
     limit: i64,
 ) -> Result<Option<SettleBatch>, sqlx::Error> {
     let row = sqlx::query!(
-        r#"select max(id) as last_id, count(*) as "count!",
-                  min(id) filter (where not isfinite(due_on)) as bad_due
-           from (select id, due_on
+        r#"select max(id) as last_id, count(*) as "count!"
+           from (select id
                  from loans
                  where fine_settled_at is null and returned_on is not null
-                   and returned_on between $1 and $2
-                   and id >= $3 and id % $4 = $5
+                   and returned_on between $1 and $2 and isfinite(due_on)
+                   and id >= $3 and fine_settler_shard_of(id, $4) = $5
                  order by id
                  limit $6) batch"#,
         first,
         last,
         from_id,
-        i64::from(shard.shards()),
-        i64::from(shard.shard()),
+        shard.shards(),
+        shard.shard(),
         limit,
     )
     .fetch_one(pool)
@@ -56,14 +60,14 @@ pub async fn next_batch(
         from_id,
         last_id,
         count: row.count,
-        bad_due: row.bad_due,
     }))
 }
 
 /// Whether the shard has any unsettled loan returned in `[first, last]`, through the index ordered by return
 /// date (`loans_unsettled_by_return_idx`): the ordered scan stops at the first entry of the month, and a settled
 /// month has none, so either answer takes a fraction of a millisecond — whereas the batch scan, walking ids,
-/// would read every other month's unsettled loans before concluding that this month has none.
+/// would read every other month's unsettled loans before concluding that this month has none. (The due date is
+/// not in that index: the first entries' rows are read for it, one row in all but a month of non-finite dates.)
 pub async fn month_has_unsettled(
     pool: &Db,
     (first, last): (NaiveDate, NaiveDate),
@@ -72,13 +76,13 @@ pub async fn month_has_unsettled(
     let any = sqlx::query_scalar!(
         r#"select id from loans
            where fine_settled_at is null and returned_on is not null
-             and returned_on between $1 and $2 and id % $3 = $4
+             and returned_on between $1 and $2 and fine_settler_shard_of(id, $3) = $4 and isfinite(due_on)
            order by returned_on, id
            limit 1"#,
         first,
         last,
-        i64::from(shard.shards()),
-        i64::from(shard.shard()),
+        shard.shards(),
+        shard.shard(),
     )
     .fetch_optional(pool)
     .await?;
@@ -96,11 +100,12 @@ pub async fn count_unsettled(
     sqlx::query_scalar!(
         r#"select count(*) as "count!" from loans
            where fine_settled_at is null and returned_on is not null
-             and returned_on between $1 and $2 and id >= $5 and id % $3 = $4"#,
+             and returned_on between $1 and $2 and id >= $5 and fine_settler_shard_of(id, $3) = $4
+             and isfinite(due_on)"#,
         first,
         last,
-        i64::from(shard.shards()),
-        i64::from(shard.shard()),
+        shard.shards(),
+        shard.shard(),
         from_id,
     )
     .fetch_one(pool)
@@ -125,7 +130,7 @@ pub async fn settle_range(
            set fine_cents = least(nullif($6::bigint, 0),
                                   greatest(0, returned_on - due_on - $7::int)::bigint * $8::bigint),
                fine_settled_at = now()
-           where id between $3 and $4 and id % $5 = $9
+           where id between $3 and $4 and fine_settler_shard_of(id, $5) = $9
              and fine_settled_at is null and returned_on is not null
              and returned_on between $1 and $2
              and isfinite(due_on)"#,
@@ -133,11 +138,11 @@ pub async fn settle_range(
         last,
         batch.from_id,
         batch.last_id,
-        i64::from(shard.shards()),
+        shard.shards(),
         policy.cap().map_or(0, |c| c.get()),
         i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
         policy.daily_rate().get(),
-        i64::from(shard.shard()),
+        shard.shard(),
     )
     .execute(&mut *tx)
     .await?;
@@ -158,7 +163,7 @@ pub async fn settle_unlocked(
     let done = sqlx::query!(
         r#"with free as (
                select id from loans
-               where id between $3 and $4 and id % $5 = $9
+               where id between $3 and $4 and fine_settler_shard_of(id, $5) = $9
                  and fine_settled_at is null and returned_on is not null
                  and returned_on between $1 and $2
                  and isfinite(due_on)
@@ -174,11 +179,11 @@ pub async fn settle_unlocked(
         last,
         batch.from_id,
         batch.last_id,
-        i64::from(shard.shards()),
+        shard.shards(),
         policy.cap().map_or(0, |c| c.get()),
         i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
         policy.daily_rate().get(),
-        i64::from(shard.shard()),
+        shard.shard(),
     )
     .execute(&mut *tx)
     .await?;

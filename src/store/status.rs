@@ -68,10 +68,10 @@ pub async fn keys(pool: &Db, since: NaiveDate, policy: AccrualPolicy) -> Result<
                               and l.returned_on between date_trunc('month', r.business_date)::date
                                                     and r.business_date
                               and l.id > coalesce(r.cursor, -9223372036854775808)
-                              and l.id % r.shards = r.shard)
+                              and fine_settler_shard_of(l.id, r.shards) = r.shard and isfinite(l.due_on))
                        when r.status = 'RUNNING' and r.job_name = 'overdue-accrual' then
                            (select count(*) from loans l
-                            where l.id > coalesce(r.cursor, -9223372036854775808) and l.id % r.shards = r.shard
+                            where l.id > coalesce(r.cursor, -9223372036854775808) and fine_settler_shard_of(l.id, r.shards) = r.shard
                               and l.due_on < r.business_date - $2::int
                               and (l.returned_on is null or l.returned_on >= r.business_date)
                               and not exists (select 1 from fine_ledger f

@@ -323,6 +323,42 @@ async fn a_charge_that_keeps_failing_goes_dead_with_growing_capped_backoff(pool:
     assert_eq!(ledger(&pool).await, vec![(1, day, 100), (2, day, 100)]);
 }
 
+/// `accrual.max_attempts = N` is N attempts in all, the batch's own failed charge being the first: with 1 a queued
+/// charge is DEAD at the first pass without being tried again; with 2 it is tried once more.
+#[sqlx::test]
+async fn max_attempts_counts_every_attempt_the_batchs_charge_included(pool: PgPool) {
+    let day = d("2026-10-10");
+    insert(&pool, &[loan(1, "2026-10-01", None)]).await;
+    block_charges(&pool, &[1]).await;
+    let job = accrual(FinePolicy::DEFAULT);
+    runner(&pool, "a", 10).run(&job, day_key(day, 0, 1), false).await;
+    let row = || async {
+        sqlx::query_as::<_, (String, i32)>("select status, attempts from fine_pending")
+            .fetch_one(&pool)
+            .await
+            .expect("row")
+    };
+    assert_eq!(
+        row().await,
+        ("PENDING".into(), 1),
+        "the batch's charge was attempt 1"
+    );
+    for (max_attempts, attempts) in [(1, 1), (2, 2)] {
+        sqlx::query("update fine_pending set status = 'PENDING', attempts = 1, next_attempt_at = now()")
+            .execute(&pool)
+            .await
+            .expect("queued again");
+        let pass = compensate(&db(&pool), &job, None, true, max_attempts)
+            .await
+            .expect("pass");
+        assert_eq!(
+            (row().await, pass.dead, pass.charged),
+            (("DEAD".into(), attempts), 1, 0),
+            "max_attempts = {max_attempts}"
+        );
+    }
+}
+
 #[sqlx::test]
 async fn a_killed_accrual_is_taken_over_and_charges_every_loan_once(pool: PgPool) {
     let day = past_day();

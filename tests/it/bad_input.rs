@@ -177,8 +177,8 @@ async fn a_wrong_password_is_named_once_and_never_printed() {
 /// - ids at the top of the range: settled and accrued, the cursor ends at i64::MAX;
 /// - a negative fine_cents left by libraryd on an unsettled loan: replaced by the policy's fine; on a settled
 ///   loan: never rewritten, and `verify` reports it (exit 3);
-/// - a negative id: settled with one shard (`id % 1 = 0`); with more, owned by no shard (`id % shards < 0`),
-///   never settled, and counted as unsettled by `verify` (exit 3).
+/// - a negative id: settled with one shard, and with more by the one shard that owns it (the remainder taken
+///   non-negative: -9 is shard 1 of 2), so `verify` finds the month complete.
 #[sqlx::test]
 async fn odd_data_has_a_defined_outcome(pool: PgPool) {
     sqlx::raw_sql(
@@ -280,9 +280,9 @@ async fn odd_data_has_a_defined_outcome(pool: PgPool) {
         "{audit}"
     );
 
-    // A negative id: with one shard `id % 1 = 0` owns it (settled above); with more, no shard does
-    // (`-9 % 2 = -1`): both shards settle August without it, and `verify` counts it as unsettled.
-    for shard in ["0", "1"] {
+    // A negative id: with one shard it is settled (above); with two, shard 1 owns -9 (-9 = -5 × 2 + 1; in SQL
+    // `-9 % 2` is -1, which no shard is) and settles it, shard 0 does not, and `verify` finds August complete.
+    for (shard, updated) in [("0", 0), ("1", 1)] {
         let mut settle = fine_settler(&url);
         settle.args([
             "settle",
@@ -294,11 +294,23 @@ async fn odd_data_has_a_defined_outcome(pool: PgPool) {
             shard,
         ]);
         let out = output(settle);
-        assert_eq!(report(&out)["updated"].as_i64(), Some(0), "shard {shard}");
+        assert_eq!(report(&out)["updated"].as_i64(), Some(updated), "shard {shard}");
     }
     let mut verify = fine_settler(&url);
     verify.args(["verify", "--business-date", "2026-08-31", "--json"]);
     let out = output(verify);
-    assert_eq!(out.status.code(), Some(3));
-    assert_eq!(report(&out)["audit"]["unsettled"].as_i64(), Some(1));
+    let audit = report(&out);
+    assert_eq!(out.status.code(), Some(0), "{audit}");
+    assert_eq!(
+        (
+            audit["audit"]["settled"].as_i64(),
+            audit["audit"]["unsettled"].as_i64()
+        ),
+        (Some(1), Some(0))
+    );
+    let fine: i64 = sqlx::query_scalar("select fine_cents from loans where id = -9")
+        .fetch_one(&pool)
+        .await
+        .expect("fine");
+    assert_eq!(fine, 13 * 100);
 }

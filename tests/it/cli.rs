@@ -285,6 +285,43 @@ async fn accrue_refuses_a_day_that_is_not_over_and_pending_list_shows_the_queue(
     }
 }
 
+/// `settle` refuses a month that is not over yet, as `accrue` refuses such a day: this month (a loan returned in it
+/// already) and the calendar's last month end, exit 2, one line naming `--business-date`, nothing written — no
+/// SUCCESS key that would make the daemon skip the month once it is over.
+#[sqlx::test]
+async fn settle_refuses_a_month_that_is_not_over(pool: PgPool) {
+    use chrono::Datelike;
+
+    let url = database_url(&pool);
+    let today = fine_settler::calendar::local_date(chrono::Utc::now(), chrono_tz::Asia::Shanghai);
+    let this_month_end = fine_settler::calendar::previous_month_end(
+        (today.with_day(1).expect("first") + chrono::Duration::days(32))
+            .with_day(1)
+            .expect("first of next month"),
+    );
+    sqlx::query("insert into loans values (1, 1, 1, $1, $1, $1, 0, null)")
+        .bind(today.with_day(1).expect("first"))
+        .execute(&pool)
+        .await
+        .expect("a loan returned this month");
+    for date in [this_month_end, d("9999-12-31")] {
+        let mut cmd = fine_settler(&url);
+        cmd.args(["settle", "--business-date", &date.to_string()]);
+        let out = output(cmd);
+        let lines = stderr_lines(&out);
+        assert_eq!(out.status.code(), Some(2), "{date}: {lines:?}");
+        assert!(
+            lines.len() == 1
+                && lines[0].contains("--business-date")
+                && lines[0].contains(&format!("{date} is not before today"))
+                && lines[0].contains("a month is settled once it is over"),
+            "{lines:?}"
+        );
+        assert!(out.stdout.is_empty(), "{date}: no report");
+    }
+    nothing_written(&pool).await;
+}
+
 #[sqlx::test]
 async fn release_ends_a_stuck_claim_and_the_next_run_fences_the_old_owner(pool: PgPool) {
     sqlx::query("insert into loans values (1, 1, 1, '2026-09-01', '2026-10-01', '2026-10-04', 0, null)")

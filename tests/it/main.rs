@@ -29,6 +29,7 @@ mod replication;
 mod scripts;
 mod server;
 mod settlement;
+mod shards;
 mod status;
 mod systemd;
 mod throttle;

@@ -520,6 +520,101 @@ async fn settle_and_accrue_refuse_a_paused_job_unless_told_to_ignore_the_pause(p
     );
 }
 
+/// `pending retry` retries every shard's charges, so a pause of the accrual — of the whole job or of one shard —
+/// refuses it: exit 1, one line naming the pause and `--ignore-pause`, nothing written (not even `--dead`'s fresh
+/// attempts). With `--ignore-pause` it charges the queue. A pause of the settlement does not stop it.
+#[sqlx::test]
+async fn pending_retry_refuses_a_paused_accrual_unless_told_to_ignore_the_pause(pool: PgPool) {
+    insert(&pool, &[loan(1, "2026-10-01", None), loan(2, "2026-10-01", None)]).await;
+    sqlx::query(
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at, status)
+         values (1, '2026-10-28', 100, 1, 'lock timeout', now() + interval '1 hour', 'PENDING'),
+                (2, '2026-10-28', 100, 10, 'lock timeout', now(), 'DEAD')",
+    )
+    .execute(&pool)
+    .await
+    .expect("pending");
+    let url = database_url(&pool);
+    let queue = || async {
+        sqlx::query_as::<_, (i64, String, i32)>(
+            "select loan_id, status, attempts from fine_pending order by loan_id",
+        )
+        .fetch_all(&pool)
+        .await
+        .expect("queue")
+    };
+    let untouched = queue().await;
+    assert_success(&cli(
+        &url,
+        &["pause", "--job", "fine-settlement", "--by", "ops@test"],
+    ));
+    let pause = |scope: &[&str]| {
+        let mut args = vec![
+            "pause",
+            "--job",
+            "overdue-accrual",
+            "--reason",
+            "ledger audit",
+            "--by",
+            "ops@test",
+        ];
+        args.extend_from_slice(scope);
+        assert_success(&cli(&url, &args));
+    };
+    let resume = |scope: &[&str]| {
+        let mut args = vec!["resume", "--job", "overdue-accrual", "--by", "ops@test"];
+        args.extend_from_slice(scope);
+        assert_success(&cli(&url, &args));
+    };
+    let shard: &[&str] = &["--shards", "2", "--shard", "1"];
+    for scope in [&[][..], shard] {
+        pause(scope);
+        for retry in [&["pending", "retry"][..], &["pending", "retry", "--dead"][..]] {
+            let out = cli(&url, retry);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let lines: Vec<&str> = stderr.lines().collect();
+            assert_eq!(out.status.code(), Some(1), "{scope:?} {retry:?}: {stderr}");
+            assert!(out.stdout.is_empty(), "{scope:?} {retry:?}: no report");
+            assert_eq!(lines.len(), 1, "{scope:?} {retry:?}: {stderr}");
+            for part in [
+                "overdue-accrual",
+                "is paused by ops@test",
+                ": ledger audit",
+                "--ignore-pause",
+            ] {
+                assert!(lines[0].contains(part), "{part:?} missing from {:?}", lines[0]);
+            }
+            assert_eq!(queue().await, untouched, "{scope:?} {retry:?} wrote nothing");
+        }
+        resume(scope);
+    }
+
+    pause(shard);
+    let out = cli(&url, &["pending", "retry", "--ignore-pause"]);
+    assert_success(&out);
+    let r = report(&out);
+    assert_eq!(
+        (r["charged"].as_u64(), r["pending"].as_i64()),
+        (Some(1), Some(0)),
+        "{r}"
+    );
+    resume(shard);
+    // Only the settlement is paused now.
+    let out = cli(&url, &["pending", "retry", "--dead"]);
+    assert_success(&out);
+    let r = report(&out);
+    assert_eq!(
+        (r["resurrected"].as_u64(), r["charged"].as_u64()),
+        (Some(1), Some(1)),
+        "{r}"
+    );
+    let charged: Vec<i64> = sqlx::query_scalar("select loan_id from fine_ledger order by loan_id")
+        .fetch_all(&pool)
+        .await
+        .expect("ledger");
+    assert_eq!(charged, vec![1, 2]);
+}
+
 /// `pause` twice changes nothing the second time (same who, why, since; one history row); `resume` says what it
 /// lifted, and a second `resume` that nothing was paused (exit 0); `--by` defaults to $USER@host; `runs` shows
 /// the pause above its table and as a `record: pause` JSON line; bad scopes are refused with exit 2 and nothing

@@ -1,6 +1,7 @@
 //! The PgBouncer harness is real: a per-test database is reached through it by name, each pool mode does what
 //! PgBouncer's documentation says, and PgBouncer's default settings reject what sqlx sends at login unless told
-//! otherwise — the behaviour the product has to live with behind a pooler.
+//! otherwise — the behaviour the product has to live with behind a pooler (and a `PGOPTIONS` in the environment,
+//! which the product refuses behind one).
 
 use std::str::FromStr;
 
@@ -9,7 +10,7 @@ use sqlx::{
     Connection, PgPool, Row,
 };
 
-use crate::helpers::{database_url, PgBouncer, PoolMode};
+use crate::helpers::{assert_success, database_url, fine_settler, output, PgBouncer, PoolMode};
 
 /// A sqlx login that PgBouncer's defaults admit: without the `extra_float_digits` sqlx sends by default (and
 /// without `options`, which sqlx sends only when asked).
@@ -146,4 +147,49 @@ async fn transaction_mode_shares_a_server_connection_and_session_mode_does_not(p
             "{mode:?}: the second client sees {seen}"
         );
     }
+}
+
+/// With `PGOPTIONS` in the environment (a shell that sets `-c statement_timeout=…`), sqlx would send it as the
+/// startup parameter `options`, which PgBouncer refuses at every login. Behind a pooler in either mode a command
+/// refuses at once instead: exit 2, one line naming `PGOPTIONS`, no connection, nothing written. Directly, the
+/// variable is sqlx's to send, as libpq's users expect.
+#[sqlx::test]
+async fn pgoptions_behind_a_pooler_is_refused_in_one_line_naming_it(pool: PgPool) {
+    for mode in [PoolMode::Transaction, PoolMode::Session] {
+        let bouncer = PgBouncer::start(mode).await;
+        let mut cmd = fine_settler(&bouncer.url_for(&database_url(&pool)));
+        cmd.env("PGOPTIONS", "-c statement_timeout=5min")
+            .env(
+                "FINE_SETTLER__DATABASE__POOLER",
+                match mode {
+                    PoolMode::Transaction => "transaction",
+                    PoolMode::Session => "session",
+                },
+            )
+            .args(["settle", "--business-date", "2026-10-31"]);
+        let out = output(cmd);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(out.status.code(), Some(2), "{mode:?}: {stderr}");
+        assert_eq!(lines.len(), 1, "{mode:?}: {stderr}");
+        assert!(
+            lines[0].contains("database.pooler") && lines[0].contains("PGOPTIONS"),
+            "{mode:?}: {stderr}"
+        );
+        assert!(out.stdout.is_empty(), "{mode:?}: no report");
+        let log = bouncer.log();
+        assert!(!log.contains("unsupported startup parameter"), "{mode:?}: {log}");
+    }
+    let runs: i64 = sqlx::query_scalar("select count(*) from job_runs")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(runs, 0, "nothing written");
+
+    let mut direct = fine_settler(&database_url(&pool));
+    direct
+        .env("PGOPTIONS", "-c statement_timeout=5min")
+        .args(["settle", "--business-date", "2026-10-31"]);
+    let out = output(direct);
+    assert_success(&out);
 }

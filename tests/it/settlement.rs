@@ -305,8 +305,12 @@ async fn ids_at_the_top_of_the_range_terminate(pool: PgPool) {
     assert_eq!(cursor, Some(i64::MAX));
 }
 
+/// A loan whose due date is not finite (`-infinity`, `infinity`: PostgreSQL stores them, no calendar has them)
+/// is left out: the run settles the rest of the month and succeeds, the key does not re-open for it, and
+/// `verify` names it (exit 3) — as it names one with a non-finite return date, which is in no month. Once the
+/// date is fixed, `settle` re-opens the key and settles it.
 #[sqlx::test]
-async fn bad_data_fails_the_run_naming_the_loan_and_a_later_run_resumes(pool: PgPool) {
+async fn a_loan_with_a_date_that_is_not_finite_is_left_out_and_named_by_verify(pool: PgPool) {
     insert(
         &pool,
         &[
@@ -315,37 +319,84 @@ async fn bad_data_fails_the_run_naming_the_loan_and_a_later_run_resumes(pool: Pg
         ],
     )
     .await;
-    sqlx::query(
-        "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
-         values (2, 1, 1, '2026-09-01', '-infinity', '2026-10-05')",
+    sqlx::raw_sql(
+        "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on) values
+           (2, 1, 1, '2026-09-01', '-infinity', '2026-10-05'),
+           (4, 1, 1, '2026-09-01', 'infinity', '2026-10-06'),
+           (5, 1, 1, '2026-09-01', '2026-09-20', 'infinity'),
+           (6, 1, 1, '2026-09-01', '-infinity', null)",
     )
     .execute(&pool)
     .await
-    .expect("bad loan");
+    .expect("loans with dates that are not finite");
     let k = key("2026-10-31", 0, 1);
-    let failed = runner(&pool, "a", 1).run(&POLICY, k, false).await;
-    assert_eq!(failed.outcome, Outcome::Failed);
-    assert_eq!(failed.scanned, 1, "the batch before the bad loan committed");
-    let detail = failed.detail.unwrap_or_default();
-    assert!(detail.contains("loan 2"), "{detail}");
-    let (status, last_error): (String, Option<String>) =
-        sqlx::query_as("select status, last_error from job_runs")
-            .fetch_one(&pool)
-            .await
-            .expect("row");
-    assert_eq!(status, "FAILED");
-    assert!(last_error.unwrap_or_default().contains("loan 2"));
+    let run = runner(&pool, "a", 1).run(&POLICY, k, false).await;
+    assert_eq!(
+        (run.outcome, run.scanned, run.updated),
+        (Outcome::Settled, 2, 2),
+        "{run:?}"
+    );
+    assert_eq!(settled(&pool, "2026-10-31").await, (2, 100 + 200));
+    let again = runner(&pool, "b", 1).run(&POLICY, k, false).await;
+    assert_eq!(
+        again.outcome,
+        Outcome::Skipped,
+        "no re-open for a loan it cannot settle"
+    );
+
+    let url = database_url(&pool);
+    let verify = || {
+        let mut cmd = fine_settler(&url);
+        cmd.args(["verify", "--business-date", "2026-10-31", "--json"]);
+        output(cmd)
+    };
+    let out = verify();
+    let audit = report(&out);
+    assert_eq!(out.status.code(), Some(3), "{audit}");
+    assert_eq!(
+        (
+            audit["audit"]["not_finite"].as_i64(),
+            audit["audit"]["not_finite_ids"].clone(),
+            audit["audit"]["returned"].as_i64(),
+            audit["audit"]["unsettled"].as_i64(),
+        ),
+        (Some(4), serde_json::json!([2, 4, 5, 6]), Some(2), Some(0)),
+        "{audit}"
+    );
+    let violations = audit["violations"].to_string();
+    assert!(
+        violations.contains("not finite") && violations.contains("loans 2, 4, 5, 6"),
+        "{violations}"
+    );
 
     sqlx::query("update loans set due_on = '2026-09-30' where id = 2")
         .execute(&pool)
         .await
         .expect("fix");
-    let resumed = runner(&pool, "b", 1).run(&POLICY, k, false).await;
+    let mut settle = fine_settler(&url);
+    settle.args(["settle", "--business-date", "2026-10-31"]);
+    let out = output(settle);
+    let r = report(&out);
     assert_eq!(
-        (resumed.outcome, resumed.epoch, resumed.scanned),
-        (Outcome::Settled, Some(2), 2)
+        (
+            r["outcome"].as_str(),
+            r["reopened"].as_bool(),
+            r["updated"].as_i64()
+        ),
+        (Some("settled"), Some(true), Some(1)),
+        "{r}"
     );
     assert_eq!(settled(&pool, "2026-10-31").await, (3, 100 + 500 + 200));
+    sqlx::raw_sql(
+        "update loans set due_on = '2026-10-01' where id in (4, 6);
+         update loans set returned_on = null where id = 5",
+    )
+    .execute(&pool)
+    .await
+    .expect("fix the rest");
+    let out = verify();
+    assert_eq!(out.status.code(), Some(3), "loan 4 is unsettled now");
+    assert_eq!(report(&out)["audit"]["not_finite"].as_i64(), Some(0));
 }
 
 #[sqlx::test]

@@ -10,7 +10,8 @@ use crate::{
 };
 
 /// Lists the queue, or retries every PENDING charge now (stopping between two charges on SIGINT/SIGTERM, then
-/// exit 1).
+/// exit 1). A retry is refused while a pause covers the accrual, unless `--ignore-pause`: exit 1, one line
+/// naming the pause, nothing written.
 pub async fn pending(ctx: &Context, action: PendingAction) -> Result<ExitCode, CliError> {
     let pool = ctx.connect("fine-settler pending").await?;
     let code = match action {
@@ -18,7 +19,13 @@ pub async fn pending(ctx: &Context, action: PendingAction) -> Result<ExitCode, C
             output::print_rows(&store::ledger::list(&pool).await?, json, output::pending_table);
             ExitCode::SUCCESS
         }
-        PendingAction::Retry { dead } => {
+        PendingAction::Retry { dead, ignore_pause } => {
+            if !ignore_pause {
+                if let Some(refused) = oneshot::retry_refused(&pool).await? {
+                    pool.close().await;
+                    return Err(refused.into());
+                }
+            }
             let shutdown = one_shot_shutdown();
             let report =
                 oneshot::retry_pending(&ctx.settings, &pool, dead, progress::wanted(), shutdown).await?;

@@ -228,17 +228,17 @@ async fn status_rows(
                        select 1 from loans l
                        where l.fine_settled_at is null and l.returned_on is not null
                          and l.returned_on between date_trunc('month', r.business_date)::date and r.business_date
-                         and fine_settler_shard_of(l.id, $1::int) = $2::int)
+                         and fine_settler_shard_of(l.id, $1::int) = $2::int and isfinite(l.due_on))
                   ) as "late?"
            from (select now() as now, pg_is_in_recovery() as in_recovery,
                         current_setting('transaction_read_only') = 'on' as read_only,
                         (select count(*) from fine_pending p
                          where p.status = 'PENDING' and p.next_attempt_at <= now()
-                           and p.loan_id % $1::int = $2::int) as due_pending,
+                           and fine_settler_shard_of(p.loan_id, $1::int) = $2::int) as due_pending,
                         (select count(*) filter (where p.status = 'PENDING') from fine_pending p
-                         where p.loan_id % $1::int = $2::int) as pending,
+                         where fine_settler_shard_of(p.loan_id, $1::int) = $2::int) as pending,
                         (select count(*) filter (where p.status = 'DEAD') from fine_pending p
-                         where p.loan_id % $1::int = $2::int) as dead) t
+                         where fine_settler_shard_of(p.loan_id, $1::int) = $2::int) as dead) t
            cross join (select coalesce(array_agg(p.job_name order by p.job_name, p.shards), '{}') as jobs,
                               coalesce(array_agg(p.shards order by p.job_name, p.shards), '{}') as shards,
                               coalesce(array_agg(p.paused_by order by p.job_name, p.shards), '{}') as bys,
