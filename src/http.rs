@@ -2,9 +2,10 @@
 //! `/status.json`, routed by `axum` and served by hyper's HTTP/1.1 connection, one request per connection.
 //!
 //! - `/healthz` (liveness): 200 while the replica makes progress — a tick, a committed batch or an outage retry —
-//!   at least every `window`; 503 when the loop has stalled (see [`crate::health`]).
-//! - `/readyz` (readiness): 200 when the database answers and every migration this binary knows is applied; 503
-//!   with the reason otherwise.
+//!   at least every `window`, and its ticks have not been failing for longer than `window` for a reason other
+//!   than an outage; 503 with the reason otherwise (see [`crate::health`]).
+//! - `/readyz` (readiness): 200 when the replica's ticks are not failing, the database answers and every
+//!   migration this binary knows is applied; 503 with the reason otherwise.
 //! - `/metrics`: the Prometheus text format (see [`crate::metrics`]).
 //! - `/status` (HTML) and `/status.json`: where every shard of every job stands (see [`crate::status`]); 503
 //!   with the reason when the database cannot be read within a few seconds.
@@ -72,10 +73,10 @@ const TEXT: &str = "text/plain";
 #[derive(Debug, Clone)]
 pub struct Probes {
     pub metrics: Arc<Metrics>,
-    /// The replica's liveness, for `/healthz`.
+    /// The replica's liveness, for `/healthz` and `/readyz`.
     pub heartbeat: Arc<Heartbeat>,
     pub pool: Db,
-    /// `/healthz` fails when the last progress is older than this.
+    /// `/healthz` fails when the last progress is older than this, or ticks have been failing for longer.
     pub window: Duration,
     /// When the replica started (unix ms): before its first progress it counts as progress.
     pub started_ms: i64,
@@ -207,10 +208,25 @@ async fn health(State(probes): State<Probes>) -> Response {
                 window.as_millis()
             ),
         ),
+        Health::Failing { failing, window } => reply(
+            StatusCode::SERVICE_UNAVAILABLE,
+            TEXT,
+            format!(
+                "failing: ticks failing for {} ms, longer than {} ms ({} attempts); last error: {}\n",
+                failing.age.as_millis(),
+                window.as_millis(),
+                failing.attempts,
+                failing.reason
+            ),
+        ),
     }
 }
 
 async fn ready(State(probes): State<Probes>) -> Response {
+    // Ticks failing on a server that answers: not ready, whatever the database says to the check below.
+    if let Some(failing) = probes.heartbeat.failing(unix_now_ms()) {
+        return reply(StatusCode::SERVICE_UNAVAILABLE, TEXT, format!("{failing}\n"));
+    }
     match crate::store::readiness(&probes.pool).await {
         Ok(()) => reply(StatusCode::OK, TEXT, "ready\n".into()),
         Err(reason) => reply(StatusCode::SERVICE_UNAVAILABLE, TEXT, format!("{reason}\n")),
@@ -251,29 +267,38 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+    use crate::health::TickFailure;
 
-    /// A listener on a free loopback port with a replica's probes (the database is never reached: no route
-    /// these tests ask reads it), and the token that stops it.
-    async fn listening() -> (u16, CancellationToken, tokio::task::JoinHandle<()>) {
+    /// A replica's probes (the database, at a port nothing listens on, answers no route but `/readyz`, which
+    /// says so).
+    fn probes() -> Probes {
         let env = crate::testing::env(&[("DATABASE_URL", "postgres://u@127.0.0.1:1/db")]);
         let settings = crate::config::load(None, &env)
             .and_then(|raw| raw.validate(&env))
             .expect("valid");
         let metrics = Arc::new(Metrics::new("0/1".into()).with_watched_series_at_zero());
         let heartbeat = Arc::new(Heartbeat::exporting(metrics.last_progress()));
-        let probes = Probes {
+        Probes {
             metrics: metrics.clone(),
             heartbeat: heartbeat.clone(),
             pool: crate::store::connect_lazy(&settings.database, "test", Duration::from_secs(1)),
             window: Duration::from_secs(60),
             started_ms: unix_now_ms(),
             status: StatusSource::new(&settings, "test", metrics, heartbeat),
-        };
+        }
+    }
+
+    /// A listener on a free loopback port serving `probes`, and the token that stops it.
+    async fn listening_with(probes: Probes) -> (u16, CancellationToken, tokio::task::JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let port = listener.local_addr().expect("addr").port();
         let shutdown = CancellationToken::new();
         let served = tokio::spawn(serve(listener, probes, shutdown.clone()));
         (port, shutdown, served)
+    }
+
+    async fn listening() -> (u16, CancellationToken, tokio::task::JoinHandle<()>) {
+        listening_with(probes()).await
     }
 
     /// Sends `request` on a new connection and reads the response until the server closes it.
@@ -342,6 +367,51 @@ mod tests {
         // HEAD is not GET here either (its response has no body).
         let head = exchange(port, b"HEAD /healthz HTTP/1.1\r\nhost: x\r\n\r\n").await;
         assert!(head.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"), "{head}");
+        shutdown.cancel();
+        served.await.expect("served");
+    }
+
+    #[tokio::test]
+    async fn ticks_failing_on_a_server_that_answers_fail_readyz_at_once_and_healthz_after_the_window() {
+        let probes = probes();
+        let heartbeat = probes.heartbeat.clone();
+        let (port, shutdown, served) = listening_with(probes).await;
+        let timeout = "cannot read the tick status: canceling statement due to statement timeout";
+        heartbeat.tick_failed(unix_now_ms(), TickFailure::Error(timeout.into()));
+        let ready = exchange(port, &get("/readyz")).await;
+        let (status, _, body) = parts(&ready);
+        assert_eq!(status, "HTTP/1.1 503 Service Unavailable", "{ready}");
+        assert!(body.starts_with("ticks failing for "), "{body}");
+        assert!(
+            body.ends_with(&format!("(1 attempts); last error: {timeout}\n")),
+            "{body}"
+        );
+        // Within the window (60 s), liveness holds ...
+        let health = exchange(port, &get("/healthz")).await;
+        assert!(health.starts_with("HTTP/1.1 200 OK\r\n"), "{health}");
+        // ... past it, it fails and says why.
+        heartbeat.tick_failed(unix_now_ms() - 61_000, TickFailure::Outage);
+        heartbeat.tick_failed(unix_now_ms() - 61_000, TickFailure::Error(timeout.into()));
+        heartbeat.tick_failed(unix_now_ms(), TickFailure::Error(timeout.into()));
+        heartbeat.progress_now();
+        let health = exchange(port, &get("/healthz")).await;
+        let (status, _, body) = parts(&health);
+        assert_eq!(status, "HTTP/1.1 503 Service Unavailable", "{health}");
+        assert!(body.starts_with("failing: ticks failing for 6"), "{body}");
+        assert!(
+            body.ends_with(&format!(
+                " ms, longer than 60000 ms (2 attempts); last error: {timeout}\n"
+            )),
+            "{body}"
+        );
+        // An outage is waited out: live, and /readyz says the database is unavailable.
+        heartbeat.tick_failed(unix_now_ms(), TickFailure::Outage);
+        let health = exchange(port, &get("/healthz")).await;
+        assert!(health.starts_with("HTTP/1.1 200 OK\r\n"), "{health}");
+        let ready = exchange(port, &get("/readyz")).await;
+        let (status, _, body) = parts(&ready);
+        assert_eq!(status, "HTTP/1.1 503 Service Unavailable", "{ready}");
+        assert!(body.starts_with("database "), "{body}");
         shutdown.cancel();
         served.await.expect("served");
     }
