@@ -1,14 +1,23 @@
 //! The replica's liveness: when it last made progress (a tick, a committed batch, an outage retry), when a tick
-//! last read its status, and the systemd watchdog it feeds. The daemon, the runner and the scheduler report to
-//! one [`Heartbeat`]; `/healthz`, the status page and the watchdog read it.
+//! last read its status, whether its ticks are failing, and the systemd watchdog it feeds. The daemon, the runner
+//! and the scheduler report to one [`Heartbeat`]; `/healthz`, `/readyz`, the status page and the watchdog read it.
 //!
 //! Two kinds of report, kept apart on purpose: *progress* ([`Heartbeat::progress_now`]) is what `/healthz`
 //! judges, and it pets the watchdog too; *alive* ([`Heartbeat::alive`]) — a wake of an idle loop, a throttled
 //! batch waiting — only pets the watchdog: a loop that wakes but never gets anything done is still stalled for
 //! `/healthz`, while restarting a process that is merely waiting (for its slot, a lagging standby) would not help.
+//!
+//! Progress alone does not make a replica healthy: a tick that fails and is retried is progress for the loop,
+//! yet nothing gets settled. So every tick attempt also reports how it ended ([`Heartbeat::tick_succeeded`],
+//! [`Heartbeat::tick_failed`]). A failure because the database is unreachable or read-only is an outage
+//! ([`TickFailure::Outage`]): the replica waits it out with backoff, restarting it would not help, and `/healthz`
+//! stays green (`/readyz` says the database is unavailable). Any other failure — the database answered and the
+//! tick failed anyway: a statement timeout, a missing table — starts a *failing* spell, which only a
+//! successful tick (or an outage, which is excused) ends: `/readyz` fails at once, and `/healthz` once the spell
+//! is older than the liveness window ([`Health::Failing`]).
 
 use std::{
-    sync::{Arc, OnceLock},
+    sync::{Arc, Mutex, OnceLock},
     time::Duration,
 };
 
@@ -24,17 +33,62 @@ pub struct Heartbeat {
     progress: UnixTime,
     /// When the last tick read its status (for the status page).
     tick: UnixTime,
+    /// The failing spell in progress, if the last tick attempt failed for a reason other than an outage.
+    failing: Mutex<Option<Spell>>,
     /// The systemd watchdog, petted on every report.
     watchdog: OnceLock<Arc<Watchdog>>,
 }
 
+/// Why a tick attempt failed, as far as liveness is concerned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TickFailure {
+    /// The database is unreachable, or the server cannot write: an outage the replica waits out by itself.
+    Outage,
+    /// The database answered and the tick failed anyway (a statement timeout, a missing table): the reason, as
+    /// logged.
+    Error(String),
+}
+
+/// A failing spell: since when tick attempts fail for a reason other than an outage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Spell {
+    since_ms: i64,
+    attempts: u32,
+    reason: String,
+}
+
+/// Ticks that keep failing for a reason other than an outage, as `/readyz` and `/healthz` report them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failing {
+    /// Since the first failed attempt of the spell.
+    pub age: Duration,
+    /// Failed attempts in the spell.
+    pub attempts: u32,
+    /// The last attempt's error.
+    pub reason: String,
+}
+
+impl std::fmt::Display for Failing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ticks failing for {} ms ({} attempts); last error: {}",
+            self.age.as_millis(),
+            self.attempts,
+            self.reason
+        )
+    }
+}
+
 /// What `/healthz` answers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Health {
-    /// The last progress is `age` old, within the window.
+    /// The last progress is `age` old, within the window, and ticks are not failing for longer than it.
     Live { age: Duration },
     /// No progress for `age`, longer than `window`.
     Stalled { age: Duration, window: Duration },
+    /// Ticks have failed, for a reason other than an outage, for longer than `window`.
+    Failing { failing: Failing, window: Duration },
 }
 
 impl Heartbeat {
@@ -86,17 +140,64 @@ impl Heartbeat {
         self.tick.unix_ms()
     }
 
+    /// Notes that a tick attempt succeeded: a failing spell, if any, is over.
+    pub fn tick_succeeded(&self) {
+        *self.spell() = None;
+    }
+
+    /// Notes that a tick attempt failed at `unix_ms`. An outage ends a failing spell (the replica is waiting for
+    /// the database, as it should); any other failure starts one, or lengthens the one in progress.
+    pub fn tick_failed(&self, unix_ms: i64, failure: TickFailure) {
+        let mut spell = self.spell();
+        *spell = match failure {
+            TickFailure::Outage => None,
+            TickFailure::Error(reason) => Some(match spell.take() {
+                Some(s) => Spell {
+                    attempts: s.attempts.saturating_add(1),
+                    reason,
+                    ..s
+                },
+                None => Spell {
+                    since_ms: unix_ms,
+                    attempts: 1,
+                    reason,
+                },
+            }),
+        };
+    }
+
+    /// The failing spell in progress at `now_ms`, if the last tick attempt failed for a reason other than an
+    /// outage (what `/readyz` reports).
+    pub fn failing(&self, now_ms: i64) -> Option<Failing> {
+        self.spell().as_ref().map(|s| Failing {
+            age: millis_between(s.since_ms, now_ms),
+            attempts: s.attempts,
+            reason: s.reason.clone(),
+        })
+    }
+
     /// `/healthz` at `now_ms`: live while the last progress — or the start, `started_ms`, before the first — is
-    /// at most `window` old.
+    /// at most `window` old, and ticks have not been failing (other than by an outage) for longer than `window`.
     pub fn health(&self, now_ms: i64, started_ms: i64, window: Duration) -> Health {
-        let last = self.last_progress_ms().max(started_ms);
-        let age = Duration::from_millis(u64::try_from(now_ms.saturating_sub(last)).unwrap_or(0));
-        if age <= window {
-            Health::Live { age }
-        } else {
-            Health::Stalled { age, window }
+        let age = millis_between(self.last_progress_ms().max(started_ms), now_ms);
+        if age > window {
+            return Health::Stalled { age, window };
+        }
+        match self.failing(now_ms) {
+            Some(failing) if failing.age > window => Health::Failing { failing, window },
+            _ => Health::Live { age },
         }
     }
+
+    fn spell(&self) -> std::sync::MutexGuard<'_, Option<Spell>> {
+        // A reporter that panicked left a whole value behind: the spell is still what it says.
+        self.failing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The time from `from_ms` to `to_ms` (zero if `to_ms` is earlier: two clocks read out of order).
+fn millis_between(from_ms: i64, to_ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(to_ms.saturating_sub(from_ms)).unwrap_or(0))
 }
 
 #[cfg(test)]
@@ -128,6 +229,80 @@ mod tests {
         assert_eq!(beat.last_tick_ms(), 0);
         beat.ticked_now();
         assert!(beat.last_tick_ms() > 1_700_000_000_000);
+    }
+
+    #[test]
+    fn ticks_failing_on_a_server_that_answers_fail_readiness_at_once_and_liveness_after_the_window() {
+        let beat = Heartbeat::default();
+        let window = Duration::from_secs(60);
+        let timeout = || TickFailure::Error("canceling statement due to statement timeout".into());
+        // Healthy: ticks succeed.
+        beat.tick_succeeded();
+        beat.progress(1_000_000);
+        assert_eq!(beat.failing(1_000_000), None);
+        // Failing, retried with backoff: each retry is progress for the loop, so it never stalls ...
+        for at in [1_001_000, 1_030_000, 1_060_000] {
+            beat.tick_failed(at, timeout());
+            beat.progress(at);
+        }
+        let failing = beat.failing(1_061_000).expect("failing");
+        assert_eq!((failing.age, failing.attempts), (Duration::from_secs(60), 3));
+        assert!(
+            failing.to_string()
+                == "ticks failing for 60000 ms (3 attempts); last error: canceling statement due to statement timeout",
+            "{failing}"
+        );
+        // ... and it is live until the spell is older than the window ...
+        assert_eq!(
+            beat.health(1_061_000, 0, window),
+            Health::Live {
+                age: Duration::from_secs(1)
+            }
+        );
+        // ... then it fails, saying why.
+        beat.progress(1_061_500);
+        assert_eq!(
+            beat.health(1_061_500, 0, window),
+            Health::Failing {
+                failing: Failing {
+                    age: Duration::from_millis(60_500),
+                    attempts: 3,
+                    reason: "canceling statement due to statement timeout".into()
+                },
+                window
+            }
+        );
+        // One successful tick ends the spell.
+        beat.tick_succeeded();
+        assert_eq!(beat.failing(1_062_000), None);
+        assert!(matches!(beat.health(1_062_000, 0, window), Health::Live { .. }));
+    }
+
+    #[test]
+    fn an_outage_is_waited_out_live_and_ends_a_failing_spell() {
+        let beat = Heartbeat::default();
+        let window = Duration::from_secs(60);
+        // The database unreachable for ten minutes: every retry is progress, none is a failure.
+        for at in (0..=600).map(|s| 1_000_000 + s * 1_000) {
+            beat.tick_failed(at, TickFailure::Outage);
+            beat.progress(at);
+        }
+        assert_eq!(beat.failing(1_600_000), None);
+        assert!(matches!(
+            beat.health(1_600_000, 1_000_000, window),
+            Health::Live { .. }
+        ));
+        // A failure, then an outage: the spell is over; a failure after it starts a new one.
+        beat.tick_failed(1_600_000, TickFailure::Error("boom".into()));
+        beat.tick_failed(1_700_000, TickFailure::Outage);
+        assert_eq!(beat.failing(1_700_000), None);
+        beat.tick_failed(1_701_000, TickFailure::Error("boom".into()));
+        beat.progress(1_760_000);
+        assert_eq!(
+            beat.failing(1_760_000).map(|f| (f.age, f.attempts)),
+            Some((Duration::from_secs(59), 1))
+        );
+        assert!(matches!(beat.health(1_760_000, 0, window), Health::Live { .. }));
     }
 
     #[test]

@@ -1,10 +1,14 @@
 //! The status page (`/status`, HTML) and its data (`/status.json`): where every shard of every job stands, the
 //! compensation queue, and this replica's own schedule, last tick and clock skew.
 //!
-//! One page load reads the database once, with three short statements ([`crate::store::status`]) through a pool
-//! of one connection of its own under a statement timeout, so a flood of page loads can neither take a
-//! connection from the jobs nor hold one for long. Everything else comes from the replica's [`Heartbeat`] (its last
-//! tick and progress) and [`Metrics`] (its clock skew).
+//! A read of the database is three short statements ([`crate::store::status`]) through a pool of one connection
+//! of its own under a statement timeout, so page loads can neither take a connection from the jobs nor hold one
+//! for long. Page loads share one read at a time ([`flight`]): a load that arrives while a read runs waits for
+//! its answer, at most [`MAX_WAITING`] loads wait at once and the next is answered at once that the page is busy,
+//! and after a failed read one search for the next qualifying host of `database.url` runs at a time — so a flood
+//! of page loads opens no more database sessions than one load, and leaves the listener's other places to the
+//! probes. Everything else comes from the replica's [`Heartbeat`] (its last tick and progress) and [`Metrics`]
+//! (its clock skew).
 //!
 //! Per job, the grid is every business date of this replica's catch-up window, plus every older key that is
 //! not SUCCESS (abandoned by the window), × every shard count and shard found in `job_runs` (and this
@@ -14,7 +18,16 @@
 //! The HTML is built with `maud`, which escapes every value it interpolates: an owner or an error message is
 //! text, never markup. The page has no script; it reloads itself every [`RELOAD_SECONDS`].
 
-use std::{collections::BTreeSet, sync::Arc, time::Duration};
+mod flight;
+
+use std::{
+    collections::BTreeSet,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use crate::store::Db;
 use chrono::{DateTime, NaiveDate, TimeZone, Utc};
@@ -40,9 +53,12 @@ pub const DATABASE_TIMEOUT: Duration = Duration::from_secs(2);
 pub const RELOAD_SECONDS: u32 = 5;
 /// DEAD charges listed (the oldest).
 const DEAD_SHOWN: i64 = 5;
+/// Page loads that may wait for the read in flight at once (each holds one of the listener's places); the next
+/// is answered 503 "status busy" at once.
+pub const MAX_WAITING: usize = 8;
 
 /// Where the status data comes from: the replica's settings and identity, its heartbeat and metrics, and the
-/// page's own pool.
+/// page's own pool, with the read in flight and the search for a host in flight.
 #[derive(Debug, Clone)]
 pub struct StatusSource {
     settings: Arc<Settings>,
@@ -50,6 +66,9 @@ pub struct StatusSource {
     metrics: Arc<Metrics>,
     heartbeat: Arc<Heartbeat>,
     pool: Db,
+    reads: Arc<flight::Flight<Result<Status, StatusError>>>,
+    /// A search for the next qualifying host runs.
+    searching: Arc<AtomicBool>,
 }
 
 impl StatusSource {
@@ -66,11 +85,23 @@ impl StatusSource {
             metrics,
             heartbeat,
             pool,
+            reads: Arc::new(flight::Flight::new(MAX_WAITING)),
+            searching: Arc::new(AtomicBool::new(false)),
         }
     }
 
-    /// Reads the status now: [`StatusError`] if the database does not answer within a few seconds.
+    /// The status, as the read in flight (or a new one) finds it: [`StatusError`] if the database does not answer
+    /// within a few seconds, or [`StatusError::Busy`] at once when [`MAX_WAITING`] page loads wait already.
     pub async fn read(&self) -> Result<Status, StatusError> {
+        let source = self.clone();
+        self.reads
+            .join(move || async move { source.read_now().await })
+            .await
+            .unwrap_or_else(|missed| Err(missed.into()))
+    }
+
+    /// Reads the status from the database now.
+    async fn read_now(&self) -> Result<Status, StatusError> {
         let settings = &self.settings;
         let policy = AccrualPolicy {
             grace_days: i32::try_from(settings.fine.grace_days()).unwrap_or(i32::MAX),
@@ -86,10 +117,8 @@ impl StatusSource {
             Ok::<_, sqlx::Error>((keys, dead, pauses))
         };
         let read = tokio::time::timeout(DATABASE_TIMEOUT * 2, read).await;
-        if !matches!(read, Ok(Ok(_))) && self.pool.follows_hosts() {
-            // The next load looks for the next qualifying host of the URL (a failover), without waiting here.
-            let pool = self.pool.clone();
-            tokio::spawn(async move { pool.reconnect().await });
+        if !matches!(read, Ok(Ok(_))) {
+            self.search_for_a_host();
         }
         let (keys, dead, pauses) = read
             .map_err(|_| StatusError::Timeout)?
@@ -106,6 +135,22 @@ impl StatusSource {
         };
         Ok(assemble(settings, keys, dead, &pauses, replica))
     }
+
+    /// After a failed read, when `database.url` lists several hosts: looks for the next qualifying one (a
+    /// failover) in the background, so that a later read finds it — unless a search runs already. Each search
+    /// opens a connection to a host, and a flood of failed loads must not open one each.
+    fn search_for_a_host(&self) {
+        if !self.pool.follows_hosts() || self.searching.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (pool, searching) = (self.pool.clone(), self.searching.clone());
+        tokio::spawn(async move {
+            if let Err(e) = pool.reconnect().await {
+                tracing::debug!(error = %crate::store::StoreError::from(e), "status page: no qualifying host yet");
+            }
+            searching.store(false, Ordering::SeqCst);
+        });
+    }
 }
 
 /// Why the status could not be read (the routes answer 503 with this).
@@ -117,6 +162,18 @@ pub enum StatusError {
     /// A statement or the connection failed (the message has the password redacted).
     #[error("status unavailable: {0}")]
     Database(String),
+    /// [`MAX_WAITING`] page loads were waiting for the database already.
+    #[error("status busy: {0}; try again shortly")]
+    Busy(String),
+}
+
+impl From<flight::Missed> for StatusError {
+    fn from(missed: flight::Missed) -> Self {
+        match missed {
+            flight::Missed::Busy(_) => StatusError::Busy(missed.to_string()),
+            flight::Missed::Lost => StatusError::Database(missed.to_string()),
+        }
+    }
 }
 
 fn unix_ms(ms: i64) -> Option<DateTime<Utc>> {

@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     backoff::Backoff,
     config::Settings,
-    health::Heartbeat,
+    health::{Heartbeat, TickFailure},
     jobs::{
         runner::{process_owner, Runner},
         throttle::Throttle,
@@ -83,6 +83,16 @@ impl TickError {
             })
         } else {
             TickError::Database(e)
+        }
+    }
+
+    /// What the failure means for liveness: a database that cannot be reached (or a connection lost) or cannot
+    /// write is an outage the replica waits out; anything else failed on a server that answered.
+    pub fn liveness(&self) -> TickFailure {
+        match self {
+            TickError::ReadOnly(_) | TickError::Connection(_) => TickFailure::Outage,
+            TickError::Database(e) if store::classify(e).transient() => TickFailure::Outage,
+            TickError::Database(_) => TickFailure::Error(self.to_string()),
         }
     }
 }
@@ -271,6 +281,21 @@ mod tests {
             !shown.contains("hunter2") && !shown.contains("hunter3") && shown.contains("u:***@h/db"),
             "{shown}"
         );
+    }
+
+    #[test]
+    fn an_unreachable_or_read_only_database_is_an_outage_and_any_other_tick_error_is_not() {
+        let refused = || sqlx::Error::Io(std::io::ErrorKind::ConnectionRefused.into());
+        for e in [
+            TickError::Database(refused()),
+            TickError::Database(sqlx::Error::PoolTimedOut),
+            TickError::classify(crate::store::ReadOnlyServer::InRecovery.into()),
+            TickError::Connection("connection reset".into()),
+        ] {
+            assert_eq!(e.liveness(), TickFailure::Outage, "{e}");
+        }
+        let missing = TickError::Database(sqlx::Error::RowNotFound);
+        assert_eq!(missing.liveness(), TickFailure::Error(missing.to_string()));
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::{Daemon, TickError, TICK_BACKOFF};
 use crate::{
     jobs::RunReport,
+    metrics::unix_now_ms,
     schedule::scheduler::Tick,
     store::{self, StoreError},
 };
@@ -82,6 +83,7 @@ impl Daemon {
             self.heartbeat.progress_now();
             match result {
                 Ok(reports) => {
+                    self.heartbeat.tick_succeeded();
                     self.metrics.count_tick();
                     if let Some(outage) = outage {
                         self.outage_ended(outage, failures);
@@ -89,6 +91,7 @@ impl Daemon {
                     return reports;
                 }
                 Err(e) => {
+                    self.heartbeat.tick_failed(unix_now_ms(), e.liveness());
                     self.metrics.count_tick_error();
                     failures += 1;
                     if outage.is_none() {

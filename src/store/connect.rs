@@ -48,9 +48,9 @@ pub fn connect_lazy(db: &DatabaseSettings, application_name: &str, batch_timeout
 /// The status page's own pool: one connection at most, opened when a page is first loaded and closed after a
 /// minute without one, every statement under `statement_timeout = timeout`, and a wait for the connection of at
 /// most `timeout` too. It is separate from the jobs' pool so that page loads never take a connection a batch or
-/// a claim is waiting for: however many arrive, they queue for this one connection (and give up after
-/// `timeout`), and the replica holds at most one connection more than `database.max_connections` and the
-/// tick's.
+/// a claim is waiting for, and the replica holds at most one connection more than `database.max_connections`
+/// and the tick's. (However many page loads arrive, the page runs one read at a time through it, and one search
+/// for a host after a failed read: see [`crate::status`].)
 pub fn connect_status(db: &DatabaseSettings, application_name: &str, timeout: Duration) -> Db {
     let pool = PgPoolOptions::new()
         .max_connections(1)

@@ -1,5 +1,6 @@
-//! A replica's lifecycle in-process, through `daemon::run`: a clean drain that also stops the HTTP listener, and
-//! the drain timeout cutting a batch short.
+//! A replica's lifecycle: in-process, through `daemon::run`, a clean drain that also stops the HTTP listener, and
+//! the drain timeout cutting a batch short; as a process, what its probes say while its ticks fail on a server
+//! that answers, and once they succeed again.
 
 use std::time::{Duration, Instant};
 
@@ -10,7 +11,13 @@ use fine_settler::{
 use sqlx::PgPool;
 use tokio::{io::AsyncWriteExt, net::TcpStream};
 
-use crate::helpers::{database_url, free_port, insert, loan, slow_down, wait_until};
+use crate::{
+    daemon::http_get,
+    helpers::{
+        daemon as replica_process, database_url, free_port, insert, loan, signal, slow_down, stop,
+        wait_until, StderrLog,
+    },
+};
 
 fn settings(pool: &PgPool, extra: &[(&str, &str)]) -> Settings {
     let mut env: std::collections::HashMap<String, String> = [
@@ -122,4 +129,68 @@ async fn a_drain_longer_than_the_drain_timeout_exits_with_the_batch_in_flight(po
     assert_eq!(stopped.exit_code(), 1);
     // It did not wait for the batch (5 s): it left after the drain timeout.
     assert!(took < Duration::from_secs(3), "took {took:?}");
+}
+
+/// Ticks that fail on a server that answers — here the tick's status statement waits for an operator's lock on
+/// `job_runs` until its statement timeout (1 s) cancels it, attempt after attempt — make `/readyz` fail at once
+/// and `/healthz` once they have failed for longer than the liveness window (two 300 ms periods plus the 1 s
+/// batch timeout, at least a minute), each saying why; a tick that succeeds again makes both green.
+#[sqlx::test]
+async fn ticks_failing_on_a_server_that_answers_fail_readyz_then_healthz_until_one_succeeds(pool: PgPool) {
+    let url = database_url(&pool);
+    let port = free_port();
+    let mut replica = replica_process(
+        &url,
+        0,
+        1,
+        &[("FINE_SETTLER__HTTP__LISTEN", &format!("127.0.0.1:{port}"))],
+    );
+    let log = StderrLog::collect(&mut replica);
+    wait_until("ready", Duration::from_secs(20), || async {
+        http_get(port, "/readyz").await.0 == 200
+    })
+    .await;
+    assert_eq!(http_get(port, "/healthz").await.0, 200);
+
+    let mut lock = pool.begin().await.expect("begin");
+    sqlx::query("lock table job_runs in access exclusive mode")
+        .execute(&mut *lock)
+        .await
+        .expect("lock");
+    let failing_since = Instant::now();
+    wait_until("/readyz fails", Duration::from_secs(20), || async {
+        http_get(port, "/readyz").await.0 == 503
+    })
+    .await;
+    let (code, body) = http_get(port, "/readyz").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.starts_with("ticks failing for "), "{body}");
+    assert!(body.contains("statement timeout"), "{body}");
+    let (code, body) = http_get(port, "/healthz").await;
+    assert_eq!(code, 200, "within the window, still live: {body}");
+
+    wait_until("/healthz fails", Duration::from_secs(120), || async {
+        http_get(port, "/healthz").await.0 == 503
+    })
+    .await;
+    let took = failing_since.elapsed();
+    let (code, body) = http_get(port, "/healthz").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.starts_with("failing: ticks failing for ") && body.contains(", longer than 60000 ms ("),
+        "{body}"
+    );
+    assert!(body.contains("statement timeout"), "{body}");
+    assert!(took >= Duration::from_secs(60), "failed after {took:?}");
+
+    // The lock goes; a tick now (SIGHUP) succeeds, and both probes are green again.
+    lock.rollback().await.expect("unlock");
+    signal(&replica, "HUP");
+    wait_until("green again", Duration::from_secs(40), || async {
+        http_get(port, "/healthz").await.0 == 200 && http_get(port, "/readyz").await.0 == 200
+    })
+    .await;
+    assert_eq!(stop(replica).await.0, Some(0));
+    let log = log.finish();
+    assert!(log.contains("statement timeout"), "{log}");
 }

@@ -1,9 +1,13 @@
 //! The status page of running replicas: `/status.json` as keys go from RUNNING (with their progress) to SUCCESS
-//! across shards, 503 when the database cannot be read, and `/status` rendered by a real headless Chromium.
+//! across shards, 503 when the database cannot be read, `/status` rendered by a real headless Chromium, and page
+//! loads by the hundred: the probes still answer, the page opens one database session, and with no qualifying
+//! host one search for a host runs at a time.
 
 use std::{
+    collections::HashMap,
     path::{Path, PathBuf},
     process::Command,
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -14,7 +18,8 @@ use sqlx::PgPool;
 use crate::{
     daemon::http_get,
     helpers::{
-        d, daemon, database_url, db, due_now, free_port, insert, loan, seed_run, slow_down, stop, wait_until,
+        d, daemon, database_url, db, due_now, fine_settler, free_port, insert, loan, seed_run, slow_down,
+        spawn, stop, wait_until, StderrLog,
     },
 };
 
@@ -224,6 +229,280 @@ async fn the_status_routes_answer_503_within_seconds_when_the_database_cannot_be
     tx.rollback().await.expect("unlock");
     assert_eq!(http_get(port, "/status").await.0, 200);
     assert_eq!(stop(replica).await.0, Some(0));
+}
+
+/// GET `path` on a new connection: the status code (0 when the connection failed) and how long the answer took.
+async fn timed_get(port: u16, path: &str) -> (u16, Duration) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let started = Instant::now();
+    let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return (0, started.elapsed());
+    };
+    let request = format!("GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n");
+    let mut response = Vec::new();
+    if stream.write_all(request.as_bytes()).await.is_err() || stream.read_to_end(&mut response).await.is_err()
+    {
+        return (0, started.elapsed());
+    }
+    let code = String::from_utf8_lossy(&response)
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, started.elapsed())
+}
+
+/// `n` connections to `port` that never send a byte.
+async fn idle_connections(port: u16, n: usize) -> Vec<tokio::net::TcpStream> {
+    let mut idle = Vec::with_capacity(n);
+    for _ in 0..n {
+        idle.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .expect("connect"),
+        );
+    }
+    idle
+}
+
+/// `n` page loads at once; the status codes they got.
+fn page_loads(port: u16, n: usize) -> tokio::task::JoinHandle<Vec<u16>> {
+    tokio::spawn(async move {
+        let loads: Vec<_> = (0..n)
+            .map(|_| tokio::spawn(async move { timed_get(port, "/status.json").await.0 }))
+            .collect();
+        let mut codes = Vec::with_capacity(n);
+        for load in loads {
+            codes.push(load.await.expect("load"));
+        }
+        codes
+    })
+}
+
+/// The probes, one after the other, until `done`: each one's status code and the longest answer.
+async fn probe_until(
+    port: u16,
+    done: &tokio::task::JoinHandle<Vec<u16>>,
+) -> (Vec<(&'static str, u16)>, Duration) {
+    let (mut answers, mut longest) = (Vec::new(), Duration::ZERO);
+    while !done.is_finished() || answers.len() < 9 {
+        for path in ["/healthz", "/readyz", "/metrics"] {
+            let (code, took) = timed_get(port, path).await;
+            answers.push((path, code));
+            longest = longest.max(took);
+        }
+    }
+    (answers, longest)
+}
+
+/// `fine-settler run` (300 ms period) under `ulimit -n limit`, with the environment [`fine_settler`] gives it and
+/// `extra`; stderr piped.
+fn with_file_limit(url: &str, limit: u32, extra: &[(&str, &str)]) -> crate::helpers::Running {
+    let binary = fine_settler(url);
+    let mut cmd = std::process::Command::new("sh");
+    cmd.args(["-c", &format!("ulimit -n {limit} && exec \"$0\" run")])
+        .arg(binary.get_program());
+    for (k, v) in binary.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    cmd.env("FINE_SETTLER__SCHEDULE__PERIOD", "300ms")
+        .envs(extra.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    spawn(&mut cmd)
+}
+
+/// Samples of (the status page's database sessions, the replica's open file descriptors).
+type Samples = Arc<Mutex<Vec<(i64, usize)>>>;
+
+/// Every 20 ms until aborted: the status page's database sessions (in `pg_stat_activity`) and the open file
+/// descriptors of process `pid`.
+fn sample_sessions_and_files(pool: &PgPool, pid: u32) -> (tokio::task::JoinHandle<()>, Samples) {
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let (pool, sink, fds) = (pool.clone(), samples.clone(), format!("/proc/{pid}/fd"));
+    let sampler = tokio::spawn(async move {
+        loop {
+            let sessions: i64 = sqlx::query_scalar(
+                "select count(*) from pg_stat_activity where application_name = 'fine-settler run 0/1 status'",
+            )
+            .fetch_one(&pool)
+            .await
+            .expect("sessions");
+            let open = std::fs::read_dir(&fds).map_or(0, |d| d.count());
+            sink.lock().expect("lock").push((sessions, open));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    (sampler, samples)
+}
+
+/// A bounded flood on loopback — 100 connections that never send a byte and 300 page loads at once — against a
+/// replica whose file descriptors are limited to 256: the probes keep answering within 3 s (the Kubernetes
+/// probes' timeout), every page load gets the page or a quick "busy", the page never holds more than its one
+/// database session, the replica's open file descriptors stay under what its systemd unit's `LimitNOFILE` is
+/// sized for, and nothing fails to be accepted for want of a file descriptor.
+#[sqlx::test]
+async fn a_flooded_page_leaves_the_probes_answering_and_opens_one_database_session(pool: PgPool) {
+    let url = database_url(&pool);
+    let port = free_port();
+    let mut replica = with_file_limit(&url, 256, &[("FINE_SETTLER__HTTP__LISTEN", &listen(port))]);
+    let log = StderrLog::collect(&mut replica);
+    wait_until("the page answers", Duration::from_secs(20), || async {
+        http_get(port, "/status.json").await.0 == 200
+    })
+    .await;
+
+    let (sampler, samples) = sample_sessions_and_files(&pool, replica.id());
+    let idle = idle_connections(port, 100).await;
+    let loads = page_loads(port, 300);
+    let (answers, longest) = probe_until(port, &loads).await;
+    let codes = loads.await.expect("loads");
+    sampler.abort();
+    drop(idle);
+
+    let failed: Vec<_> = answers.iter().filter(|(_, code)| *code != 200).collect();
+    assert!(failed.is_empty(), "probes that failed: {failed:?}");
+    assert!(longest < Duration::from_secs(3), "a probe took {longest:?}");
+    let count = |code: u16| codes.iter().filter(|c| **c == code).count();
+    assert_eq!(count(200) + count(503), 300, "page loads: {codes:?}");
+    assert!(count(200) > 0, "no page load got the page");
+    let samples = samples.lock().expect("lock").clone();
+    let most = samples.iter().map(|s| s.0).max().unwrap_or(0);
+    assert!(most <= 1, "the page held {most} database sessions at once");
+    let most_fds = samples.iter().map(|s| s.1).max().unwrap_or(0);
+    // The listener's places and one newcomer, the listener, four jobs' connections and four others (the tick's,
+    // the page's, a host search of each pool), and at most 16 of the process's own.
+    let bound = fine_settler::http::MAX_CONNECTIONS + 2 + 8 + 16;
+    assert!(
+        most_fds <= bound,
+        "{most_fds} file descriptors open (bound {bound})"
+    );
+    println!(
+        "flood: {} probes, longest {longest:?}; page loads: {} 200, {} 503; status sessions at most {most}; \
+         open file descriptors at most {most_fds}",
+        answers.len(),
+        count(200),
+        count(503)
+    );
+    assert_eq!(stop(replica).await.0, Some(0));
+    let log = log.finish();
+    assert!(
+        !log.contains("http accept failed") && !log.contains("Too many open files"),
+        "{log}"
+    );
+}
+
+/// A PostgreSQL host that never answers: it reads each connection's startup message (declining TLS), keeps the
+/// connection open without a word until the client gives up, and counts the connections by application name —
+/// those open now, the most open at once, and all.
+#[derive(Debug, Default)]
+struct SilentHost {
+    /// Per application name: (open now, most open at once, all).
+    seen: Mutex<HashMap<String, (u32, u32, u32)>>,
+}
+
+impl SilentHost {
+    async fn start() -> (Arc<SilentHost>, u16) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let host = Arc::new(SilentHost::default());
+        let counts = host.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(counts.clone().hold(stream));
+            }
+        });
+        (host, port)
+    }
+
+    async fn hold(self: Arc<Self>, mut stream: tokio::net::TcpStream) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let Some(application) = startup_application_name(&mut stream).await else {
+            return;
+        };
+        self.count(&application, |(open, most, all)| {
+            (open + 1, most.max(open + 1), all + 1)
+        });
+        let mut rest = [0u8; 256];
+        while matches!(stream.read(&mut rest).await, Ok(1..)) {}
+        let _ = stream.shutdown().await;
+        self.count(&application, |(open, most, all)| (open - 1, most, all));
+    }
+
+    fn count(&self, application: &str, f: impl FnOnce((u32, u32, u32)) -> (u32, u32, u32)) {
+        let mut seen = self.seen.lock().expect("lock");
+        let entry = seen.entry(application.to_string()).or_default();
+        *entry = f(*entry);
+    }
+
+    /// (most open at once, all) of `application`'s connections.
+    fn of(&self, application: &str) -> (u32, u32) {
+        let seen = self.seen.lock().expect("lock");
+        seen.get(application)
+            .map_or((0, 0), |(_, most, all)| (*most, *all))
+    }
+}
+
+/// The `application_name` of a connection's startup message, after declining an SSLRequest.
+async fn startup_application_name(stream: &mut tokio::net::TcpStream) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let len = usize::try_from(stream.read_u32().await.ok()?).ok()?;
+        let mut message = vec![0u8; len.checked_sub(4)?];
+        stream.read_exact(&mut message).await.ok()?;
+        if message.get(..4)? == 80877103u32.to_be_bytes() {
+            stream.write_all(b"N").await.ok()?;
+            continue;
+        }
+        let fields: Vec<&[u8]> = message.get(4..)?.split(|b| *b == 0).collect();
+        let at = fields.iter().position(|f| *f == b"application_name")?;
+        return Some(String::from_utf8_lossy(fields.get(at + 1)?).into_owned());
+    }
+}
+
+/// No qualifying host (a failover window: the first host down, the second not answering): 200 page loads at
+/// once and then 200 more get a quick 503, the replica waiting for its database is live but not ready, and the
+/// page's searches for a host reach the hosts one at a time — not one search per failed load.
+#[tokio::test]
+async fn with_no_qualifying_host_page_loads_search_for_one_one_at_a_time() {
+    let (silent, silent_port) = SilentHost::start().await;
+    let url = format!(
+        "postgres://fine_settler@127.0.0.1:{},127.0.0.1:{silent_port}/libraryd?target_session_attrs=read-write&connect_timeout=1",
+        free_port()
+    );
+    let port = free_port();
+    let mut replica = daemon(&url, 0, 1, &[("FINE_SETTLER__HTTP__LISTEN", &listen(port))]);
+    let log = StderrLog::collect(&mut replica);
+    wait_until("the listener answers", Duration::from_secs(20), || async {
+        http_get(port, "/healthz").await.0 == 200
+    })
+    .await;
+    let started = Instant::now();
+    for _ in 0..2 {
+        let loads = page_loads(port, 200);
+        let (answers, longest) = probe_until(port, &loads).await;
+        let codes = loads.await.expect("loads");
+        assert!(codes.iter().all(|c| *c == 503), "page loads: {codes:?}");
+        for (path, code) in answers {
+            let expected = if path == "/readyz" { 503 } else { 200 };
+            assert_eq!(code, expected, "{path} while the replica waits for its database");
+        }
+        // `/readyz` asks the database, 2 s at most.
+        assert!(longest < Duration::from_secs(5), "a probe took {longest:?}");
+    }
+    let took = started.elapsed();
+    let (most, all) = silent.of("fine-settler run 0/1 status");
+    println!("no qualifying host: 400 page loads in {took:?}; the page's connections to the silent host: {all}, at most {most} at once");
+    assert!(all >= 1, "the page looked for a host");
+    assert!(most <= 1, "{most} searches for a host at once");
+    // One read at a time, each failing after the first host's timeout (1 s): at most one search per second.
+    assert!(u64::from(all) <= took.as_secs() + 1, "{all} searches in {took:?}");
+    assert_eq!(stop(replica).await.0, Some(0));
+    drop(log);
 }
 
 /// Loads `url` in headless Chromium; returns the DOM after load and the page's console messages. Fails, naming

@@ -1,5 +1,5 @@
-//! The systemd side of a replica: the notification protocol against a real `NOTIFY_SOCKET`, and the unit file
-//! checked by `systemd-analyze verify` when the tool is installed.
+//! The systemd side of a replica: the notification protocol against a real `NOTIFY_SOCKET`, and the unit file's
+//! file-descriptor limit against what a replica holds open.
 
 use std::{
     sync::{Arc, Mutex},
@@ -165,4 +165,38 @@ async fn a_watchdog_shorter_than_two_batch_timeouts_is_refused() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("WatchdogSec (50s)"), "{stderr}");
     assert!(!stderr.contains("secret"), "{stderr}");
+}
+
+/// `LimitNOFILE` of the replica's unit leaves headroom (four times) over what a replica holds open at most: the
+/// HTTP listener's client sockets (its places and one newcomer) and itself, `database.max_connections` of the
+/// shipped configuration plus the tick's session, the status page's connection and a host search of each pool,
+/// and at most 16 of its own (stdio, the runtime's).
+#[test]
+fn the_unit_s_file_descriptor_limit_leaves_headroom_over_what_a_replica_holds() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let read = |rel: &str| std::fs::read_to_string(root.join(rel)).expect(rel);
+    let unit = read("deploy/systemd/fine-settler@.service");
+    let limits: Vec<&str> = unit
+        .lines()
+        .filter_map(|l| l.strip_prefix("LimitNOFILE="))
+        .collect();
+    assert_eq!(limits.len(), 1, "one LimitNOFILE: {limits:?}");
+    let limit: usize = limits[0]
+        .parse()
+        .expect("one number: the same soft and hard limit");
+    let max_connections = |rel: &str| {
+        let toml: toml::Value = toml::from_str(&read(rel)).expect(rel);
+        toml.get("database")
+            .and_then(|d| d.get("max_connections"))
+            .and_then(toml::Value::as_integer)
+    };
+    let database = max_connections("deploy/systemd/fine-settler.toml")
+        .or_else(|| max_connections("config/default.toml"))
+        .expect("database.max_connections");
+    let need =
+        (fine_settler::http::MAX_CONNECTIONS + 2) + (usize::try_from(database).expect("size") + 4) + 16;
+    assert!(
+        limit >= 4 * need,
+        "LimitNOFILE={limit}, a replica holds up to {need} file descriptors"
+    );
 }
