@@ -153,7 +153,8 @@ async fn ledger_checks(pool: &PgPool, oracle: &Oracle, skip: &[i64]) -> Vec<(&'s
             "net ledger row of a loan that no longer exists",
             scalar(
                 pool,
-                "select count(*) from fine_ledger_net n where not exists (select 1 from loans l where l.id = n.loan_id)",
+                "select count(*) from fine_ledger_net n
+                 where not exists (select 1 from loans l where l.id = n.loan_id)",
             )
             .await,
         ),
