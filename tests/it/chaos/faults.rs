@@ -1,7 +1,8 @@
 //! The fault schedule, drawn from the seed, and its injection: SIGKILLs (each replica restarted after a random
 //! pause), zombies (SIGSTOP past the lease, SIGCONT once a peer took over), PostgreSQL restarts, connection cuts
-//! through the proxy, forced reruns and manual `settle`/`accrue`, rounds of late rows, and the shard-count change;
-//! then the wait for the replicas to finish, with a last round of late rows once every key is SUCCESS.
+//! through the proxy, forced reruns and manual `settle`/`accrue`, rounds of late rows, rounds of changes to loans
+//! already charged, and the shard-count change; then the wait for the replicas to finish, with a last round of
+//! both once every key is SUCCESS. The ledger is snapshotted with every progress report and around every round.
 
 use std::{
     collections::BTreeMap,
@@ -16,6 +17,7 @@ use sqlx::PgPool;
 use tokio::task::JoinHandle;
 
 use super::{
+    edits::Edits,
     late::LateRows,
     replica::{deployment, log_tail, Candidate, Fleet},
     Mode, Scene, LATE_LIMIT,
@@ -30,6 +32,7 @@ enum Fault {
     Cut,
     Manual,
     Late,
+    Edit,
 }
 
 /// When each fault lands, as an offset from the start, in order.
@@ -44,6 +47,7 @@ fn schedule(mode: &Mode, rng: &mut SplitMix64) -> Vec<(Duration, Fault)> {
         (Fault::Cut, mode.cuts),
         (Fault::Manual, mode.manual),
         (Fault::Late, mode.late_rounds),
+        (Fault::Edit, mode.edit_rounds),
     ] {
         for _ in 0..n {
             // Zombies and restarts land in the first half, while work is certainly in flight; zombies after the
@@ -122,6 +126,7 @@ pub struct Faults<'a> {
     reported: Instant,
     pub injected: Injected,
     pub late: LateRows,
+    pub edits: Edits,
     manual: Vec<(String, Child)>,
     zombie_tasks: Vec<JoinHandle<Option<Zombie>>>,
     /// The pid of the replica a zombie act has frozen, which no SIGKILL may pick.
@@ -142,6 +147,7 @@ impl<'a> Faults<'a> {
             reported: Instant::now(),
             injected: Injected::default(),
             late: LateRows::default(),
+            edits: Edits::default(),
             manual: Vec::new(),
             zombie_tasks: Vec::new(),
             frozen: Arc::default(),
@@ -224,6 +230,13 @@ impl<'a> Faults<'a> {
                 }
             }
             Fault::Manual => self.start_manual_run(),
+            Fault::Edit => {
+                if self.edit_round().await == 0 && now < mode.window.1 {
+                    // Nothing charged yet: try again a little later.
+                    self.schedule.push((now + Duration::from_secs(1), Fault::Edit));
+                    self.schedule[self.next..].sort();
+                }
+            }
             Fault::Late => {
                 let shards = if self.resharded { 4 } else { 3 };
                 if self.late.inject(pool, &mut self.rng, shards, world).await {
@@ -240,6 +253,25 @@ impl<'a> Faults<'a> {
                 }
             }
         }
+    }
+
+    /// One round of changes to loans already charged, between two snapshots of the ledger; how many landed.
+    async fn edit_round(&mut self) -> u64 {
+        let Scene {
+            pool, world, history, ..
+        } = self.scene;
+        history.snapshot(pool).await;
+        let landed = self.edits.inject(pool, &mut self.rng, world).await;
+        history.snapshot(pool).await;
+        if landed > 0 {
+            eprintln!(
+                "chaos: {:>6.1}s  charged loans changed: {:?}",
+                self.scene.started.elapsed().as_secs_f64(),
+                self.edits.by_kind()
+            );
+            self.injected.add("changes to charged loans (rounds)", 1);
+        }
+        landed
     }
 
     /// A manual `settle` or `accrue` (forced or not) of a random key of the current shard count, left running.
@@ -296,8 +328,11 @@ impl<'a> Faults<'a> {
     }
 
     /// Lets the replicas finish (restarting any still paused). Once every key is SUCCESS, a last round of late
-    /// rows lands in keys that are all done; the replicas must re-open them and settle and charge every late row.
-    /// Returns how many late loans are still outstanding: 0, or what was left LATE_LIMIT after the last round.
+    /// rows and of changes to charged loans lands in keys that are all done; the replicas must re-open them,
+    /// settle and charge every late row and correct every changed loan's days (a correction clamped under the cap
+    /// waits for a later re-check: the wait polls until the ledger of every late or changed loan is the
+    /// sequential run's). Returns how many late or changed loans are still outstanding: 0, or what was left
+    /// LATE_LIMIT after the last round.
     /// Panics if the keys are not all SUCCESS within the mode's settle limit.
     pub async fn wait_for_the_end(&mut self, fleet: &mut Fleet) -> i64 {
         let Scene {
@@ -321,6 +356,7 @@ impl<'a> Faults<'a> {
                     self.scene.started.elapsed().as_secs_f64(),
                     self.late
                 );
+                assert!(self.edit_round().await > 0, "no charged loan to change");
                 last_round = Some(Instant::now());
                 continue;
             }
@@ -330,7 +366,7 @@ impl<'a> Faults<'a> {
             }
             if last_round.is_some_and(|t| t.elapsed() > LATE_LIMIT) {
                 eprintln!(
-                    "chaos: late rows left {LATE_LIMIT:?} after the last round: {:#?}",
+                    "chaos: late or changed loans left {LATE_LIMIT:?} after the last round: {:#?}",
                     oracle.late_report(pool).await
                 );
                 return late_left;
@@ -373,12 +409,14 @@ impl<'a> Faults<'a> {
         outcomes
     }
 
-    /// One line of progress every 10 s: keys by status (final count), live claims, pending charges.
+    /// One line of progress every 10 s: keys by status (final count), live claims, pending charges; and a
+    /// snapshot of the ledger.
     async fn progress(&mut self) {
         if self.reported.elapsed() < Duration::from_secs(10) {
             return;
         }
         self.reported = Instant::now();
+        self.scene.history.snapshot(self.scene.pool).await;
         let row: Result<(i64, i64, i64, i64), _> = sqlx::query_as(
             "select (select count(*) from job_runs where shards = 4 and status = 'SUCCESS'),
                     (select count(*) from job_runs where status = 'RUNNING' and lease_until > now()),

@@ -7,14 +7,14 @@ use chrono::{Datelike, NaiveDate};
 use fine_settler::demo::SplitMix64;
 use sqlx::{PgConnection, PgPool};
 
-use super::{World, CAP};
+use super::World;
 
 /// The late rows written so far, by kind. The daemon must re-open the keys they fall into.
 #[derive(Debug, Default)]
 pub struct LateRows {
     /// New loans returned inside a settled due month.
     pub returned: u64,
-    /// Open loans updated to returned, the return back-dated into a settled due month.
+    /// Open loans never overdue in the window updated to returned, the return back-dated into a settled due month.
     pub back_dated: u64,
     /// New unreturned loans, overdue inside the accrual window.
     pub overdue: u64,
@@ -41,7 +41,7 @@ impl LateRows {
 
     /// One round of late rows aimed at keys of the `shards` count that are SUCCESS, in one libraryd transaction:
     /// four loans returned inside settled months, two loans overdue since before a day whose accrual succeeded,
-    /// and up to two back-dated returns of open loans into the last due month. Writes nothing and returns false
+    /// and a back-dated return of an open loan into the last due month. Writes nothing and returns false
     /// while no settlement key of that count has succeeded yet.
     pub async fn inject(&mut self, pool: &PgPool, rng: &mut SplitMix64, shards: i32, world: &World) -> bool {
         let window_start = world.days[0];
@@ -157,12 +157,10 @@ async fn new_late_loan(
     .expect("insert a late loan");
 }
 
-/// Records the return of up to two open loans, back-dated into `last_month`, the last settled month (`yesterday`
-/// ends the accrual window). The ledger is append-only: a charge already written for a day after the back-dated
-/// return stays (nothing is refunded, by design), so only returns that leave no such charge are back-dated: a
-/// loan never overdue inside the window, returned between its borrowing and its due date (fine 0), and a loan
-/// whose ledger has reached the cap on days up to its new return date (fine: the cap), for which no further
-/// charge can be written. Returns how many.
+/// Records the return of an open loan never overdue inside the window, back-dated into `last_month`, the last
+/// settled month (`yesterday` ends the accrual window), between its borrowing and its due date (fine 0): the
+/// settlement key must re-open for it. (Returns back-dated to a day already charged are among the changes of
+/// [`super::edits`].) A loan libraryd changed after it was settled is left alone. Returns how many: 0 or 1.
 async fn back_date_returns(
     tx: &mut PgConnection,
     rng: &mut SplitMix64,
@@ -173,8 +171,8 @@ async fn back_date_returns(
     let salt = rng.next_u64().to_string();
     let never_overdue: Option<(i64, NaiveDate, NaiveDate)> = sqlx::query_as(
         "select id, borrowed_on, least(due_on, $2) from loans
-         where returned_on is null and due_on >= $1 and borrowed_on <= $2 and id <> all($3)
-           and id not in (select id from late_loans)
+         where returned_on is null and fine_settled_at is null and due_on >= $1 and borrowed_on <= $2
+           and id <> all($3) and id not in (select id from late_loans)
          order by md5(id::text || $4) limit 1",
     )
     .bind(yesterday)
@@ -184,38 +182,24 @@ async fn back_date_returns(
     .fetch_optional(&mut *tx)
     .await
     .expect("an open loan never overdue in the window");
-    let at_the_cap: Option<(i64, NaiveDate, NaiveDate)> = sqlx::query_as(
-        "select l.id, max(f.accrual_date), $2 from loans l join fine_ledger f on f.loan_id = l.id
-         where l.returned_on is null and l.id <> all($3) and l.id not in (select id from late_loans)
-         group by l.id having sum(f.amount_cents) >= $1 and max(f.accrual_date) <= $2
-         order by md5(l.id::text || $4) limit 1",
+    let Some((id, from, to)) = never_overdue else {
+        return 0;
+    };
+    let returned = from + days(rng.below((to - from).num_days() as u64 + 1));
+    sqlx::query(
+        "with u as (update loans set returned_on = $2 where id = $1 and returned_on is null returning id)
+         insert into late_loans select id, 'back-dated' from u",
     )
-    .bind(CAP)
-    .bind(last_month)
-    .bind(poisoned)
-    .bind(&salt)
-    .fetch_optional(&mut *tx)
+    .bind(id)
+    .bind(returned)
+    .execute(&mut *tx)
     .await
-    .expect("an open loan at the cap");
-    let mut n = 0;
-    for (id, from, to) in [never_overdue, at_the_cap].into_iter().flatten() {
-        let returned = from + days(rng.below((to - from).num_days() as u64 + 1));
-        sqlx::query(
-            "with u as (update loans set returned_on = $2 where id = $1 and returned_on is null returning id)
-             insert into late_loans select id, 'back-dated' from u",
-        )
+    .expect("back-date a return");
+    // The audit counts fine-settler's updates of a loan; this one is libraryd's.
+    sqlx::query("update loan_updates set n = n - 1 where loan_id = $1")
         .bind(id)
-        .bind(returned)
         .execute(&mut *tx)
         .await
-        .expect("back-date a return");
-        // The audit counts fine-settler's updates of a loan; this one is libraryd's.
-        sqlx::query("update loan_updates set n = n - 1 where loan_id = $1")
-            .bind(id)
-            .execute(&mut *tx)
-            .await
-            .expect("audit");
-        n += 1;
-    }
-    n
+        .expect("audit");
+    1
 }

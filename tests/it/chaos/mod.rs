@@ -5,13 +5,18 @@
 //! keys. Everything runs under a fine cap that most late loans reach. Meanwhile libraryd's live writes land in
 //! keys that already succeeded — new loans returned inside a settled month, open loans whose return is recorded
 //! late and back-dated into one, loans entered late that are overdue inside the accrual window — and the
-//! replicas must re-open those keys. Afterwards an oracle written in plain SQL checks that nothing was lost,
-//! charged twice or charged past the cap.
+//! replicas must re-open those keys; and libraryd changes loans whose days were charged already — returns
+//! back-dated to a charged day, due dates moved later and earlier, returns removed — and the replicas must
+//! correct those days by themselves. Snapshots of the ledger taken while they run must find it append-only and
+//! under the cap. Afterwards an oracle written in plain SQL checks that nothing was lost, charged twice or
+//! charged past the cap, and that the net ledger of every (loan, day) is what a clean sequential run leaves.
 //!
 //! `scripts/test.sh --test it chaos` runs the short mode (CI). The long mode:
 //! `FINE_SETTLER_CHAOS=long FINE_SETTLER_CHAOS_SEED=7 scripts/test.sh --test it chaos -- --nocapture`.
 
+mod edits;
 mod faults;
+mod history;
 mod late;
 mod oracle;
 mod proxy;
@@ -28,6 +33,7 @@ use sqlx::{postgres::PgPoolOptions, PgPool};
 
 use self::{
     faults::Faults,
+    history::History,
     oracle::{assert_zombies_recorded_lost_leases, Figures, Oracle, Verdict},
     proxy::Proxy,
     replica::{deployment, Fleet},
@@ -57,6 +63,7 @@ async fn chaos() {
         .await
         .expect("connect");
     let world = World::load(&pool, &mode, seed).await;
+    let history = History::install(&pool).await;
     let oracle = Oracle::new(&world.months, world.days[0], world.current);
     let proxy = Proxy::start(server.port()).await;
     let mut fleet = Fleet::new(&url, &proxy, mode.accrual_days);
@@ -69,6 +76,7 @@ async fn chaos() {
         mode: &mode,
         world: &world,
         oracle: &oracle,
+        history: &history,
         seed,
         started,
     };
@@ -84,11 +92,11 @@ async fn chaos() {
 
     // Check: the zombies' lost leases, and the oracle before and after the operator retries the DEAD charges.
     assert_zombies_recorded_lost_leases(&pool, &zombies).await;
-    let mut verdict = Verdict::check(&pool, &oracle, &world.poisoned, late_left).await;
+    let mut verdict = Verdict::check(&pool, &oracle, &history, &world.poisoned, late_left).await;
     operator_retries_dead_charges(&pool, &url).await;
-    verdict.check_after_the_retry(&pool, &oracle).await;
+    verdict.check_after_the_retry(&pool, &oracle, &history).await;
 
-    let figures = Figures::read(&pool, &oracle).await;
+    let figures = Figures::read(&pool).await;
     report(
         &scene,
         &faults,
@@ -110,7 +118,12 @@ async fn chaos() {
         figures.reopened.iter().map(|(_, n)| n).sum::<i64>() >= 1,
         "no key was re-opened for the late rows"
     );
+    assert!(
+        figures.corrections.iter().map(|(_, n)| n).sum::<i64>() >= 1,
+        "no correction was written for the loans libraryd changed"
+    );
     faults.injected.assert_all_landed(&mode);
+    faults.edits.assert_all_landed();
 }
 
 /// How hard to shake.
@@ -129,6 +142,9 @@ struct Mode {
     /// Rounds of late rows (see [`late::LateRows`]) while the replicas run, besides the last one once every key is
     /// SUCCESS.
     late_rounds: usize,
+    /// Rounds of changes to loans already charged (see [`edits::Edits`]) while the replicas run, besides the last
+    /// one once every key is SUCCESS.
+    edit_rounds: usize,
     /// Faults land between these offsets from the start.
     window: (Duration, Duration),
     /// The shard count changes 3 -> 4 at this offset.
@@ -151,6 +167,7 @@ impl Mode {
                 cuts: 10,
                 manual: 24,
                 late_rounds: 8,
+                edit_rounds: 10,
                 window: (Duration::from_secs(8), Duration::from_secs(300)),
                 reshard_at: Duration::from_secs(20),
                 settle_limit: Duration::from_secs(900),
@@ -166,6 +183,7 @@ impl Mode {
                 cuts: 3,
                 manual: 6,
                 late_rounds: 3,
+                edit_rounds: 4,
                 window: (Duration::from_secs(6), Duration::from_secs(45)),
                 reshard_at: Duration::from_secs(8),
                 settle_limit: Duration::from_secs(240),
@@ -181,6 +199,8 @@ const RATE: i64 = 100;
 const CAP: i64 = 3 * RATE + RATE / 2;
 /// Loans whose ledger inserts a trigger rejects: their charges must end in fine_pending (DEAD), nowhere else.
 const POISONED: usize = 4;
+/// The shard count the replicas end with; its keys are the ones that must all end SUCCESS.
+const FINAL_SHARDS: i32 = 4;
 /// How long the replicas get, after the last round of late rows, to settle and charge every late row (a re-open
 /// takes a tick or two; the replicas may be busy with others).
 const LATE_LIMIT: Duration = Duration::from_secs(60);
@@ -194,6 +214,7 @@ struct Scene<'a> {
     mode: &'a Mode,
     world: &'a World,
     oracle: &'a Oracle,
+    history: &'a History,
     seed: u64,
     started: Instant,
 }
@@ -228,6 +249,14 @@ impl World {
             };
             insert(pool, &demo::loans(spec).collect::<Vec<_>>()).await;
         }
+        // These loans stand for libraryd's history, there before fine-settler was installed. The triggers that
+        // queue the loans libraryd changes for the accrual's re-check (fine_loan_changes) saw them inserted
+        // overdue, as if every one had been recorded late: that queue starts empty, as after an upgrade, and
+        // holds only what libraryd writes from here on.
+        sqlx::raw_sql("delete from fine_loan_changes")
+            .execute(pool)
+            .await
+            .expect("the loans' history is not a change");
         sqlx::raw_sql(
             "create table loans_before as select id, fine_cents from loans;
              create table late_loans (id bigint primary key, kind text not null);",
@@ -236,11 +265,14 @@ impl World {
         .await
         .expect("snapshot");
         install_update_audit(pool).await;
-        // Poison a few loans that are overdue every accrual day (unreturned, due before the window).
+        edits::install(pool).await;
+        // Poison a few open loans that owe on every day up to the cap inside the window: due the day before it
+        // starts or later, at least as many days before its end as it takes to reach the cap.
         let poisoned: Vec<i64> = sqlx::query_scalar(
-            "select id from loans where returned_on is null and due_on < $1 order by id limit $2",
+            "select id from loans where returned_on is null and due_on between $1 and $2 order by id limit $3",
         )
         .bind(days[0] - chrono::Duration::days(1))
+        .bind(current - chrono::Duration::days((CAP + RATE - 1) / RATE))
         .bind(POISONED as i64)
         .fetch_all(pool)
         .await
@@ -341,9 +373,11 @@ fn report(
         settled,
         settled_at_cap,
         ledger,
+        net,
         ledger_loans,
         charged_to_cap,
-        out_of_order,
+        corrections,
+        seen,
         checked,
         keys,
         takeovers,
@@ -351,6 +385,7 @@ fn report(
         reopened,
     } = figures;
     let (late, dead) = (&faults.late, verdict.dead);
+    let (snapshots, skipped) = scene.history.counts();
     eprintln!(
         "chaos: {} mode, seed {}: work done after {work_done:.1?}, total {:.1?}",
         scene.mode.name,
@@ -368,10 +403,16 @@ fn report(
         late.overdue
     );
     eprintln!(
-        "chaos: checked {checked} loans ({settled} settled, {settled_at_cap} at the cap of {CAP}), {ledger} ledger \
-         rows of {ledger_loans} loans ({charged_to_cap} charged up to the cap, {out_of_order} of them with days \
-         charged out of date order), {dead} DEAD charges of {POISONED} poisoned loans, {keys} job_runs keys; \
-         {takeovers} takeovers, {lost} lost leases"
+        "chaos: charged loans changed: {} {:?}; corrections by reason: {corrections:?}",
+        faults.edits.total(),
+        faults.edits.by_kind()
+    );
+    eprintln!(
+        "chaos: checked {checked} loans ({settled} settled, {settled_at_cap} at the cap of {CAP}), {ledger} first \
+         charges, {net} (loan, day) nets of {ledger_loans} loans compared with a sequential run ({charged_to_cap} \
+         loans at the cap), {dead} DEAD charges of {POISONED} poisoned loans, {keys} job_runs keys; {takeovers} \
+         takeovers, {lost} lost leases; {snapshots} ledger snapshots ({skipped} skipped by a fault) followed \
+         {seen} rows"
     );
     eprintln!("chaos: invariants: {:?}", verdict.violations);
 }
