@@ -10,7 +10,7 @@ use std::{
 use stateright::{Checker, CheckerVisitor, Expectation, HasDiscoveries, Model, Path};
 
 use crate::{
-    properties::{self, Turns},
+    properties::{self, Goal, Turns},
     protocol::{Action, Protocol},
     setup::{Mutation, Setup},
     state::State,
@@ -75,27 +75,31 @@ impl MutationReport {
 pub struct Trace {
     /// The steps from the initial state.
     pub steps: Vec<String>,
-    /// For a state from which the daemon does not settle everything: the fault-free run that gets stuck (and in
+    /// For a state from which the daemon does not reach the goal: the fault-free run that gets stuck (and in
     /// which order the processes took turns).
     pub stuck: Option<(Turns, Vec<String>)>,
+    /// With accrual: the loan and its ledger where the path (or the stuck run, if any) ends.
+    pub ledger: Option<String>,
 }
 
-/// A path in words. A path of a [`Protocol::symmetric`] model is first replayed without the symmetry, so that
-/// each replica keeps its name from step to step.
-pub fn describe(model: &Protocol, path: Path<State, Action>) -> Trace {
+/// A path in words, and where a fault-free run from its end falls short of `goal`. A path of a
+/// [`Protocol::symmetric`] model is first replayed without the symmetry, so that each replica keeps its name from
+/// step to step.
+pub fn describe(model: &Protocol, path: Path<State, Action>, goal: Goal) -> Trace {
     let (steps, last) = replay(model, path);
     let stuck = [Turns::Ascending, Turns::Descending]
         .into_iter()
-        .find_map(|turns| {
-            let run = properties::fault_free_run(model, &last, turns);
-            (!run.settled).then(|| {
-                (
-                    turns,
-                    run.steps.iter().map(|(s, a)| model.describe(s, *a)).collect(),
-                )
-            })
-        });
-    Trace { steps, stuck }
+        .map(|turns| (turns, properties::fault_free_run(model, &last, turns, goal)))
+        .find(|(_, run)| !run.reached);
+    let end = stuck.as_ref().map_or(last, |(_, run)| run.end);
+    let ledger = model.setup.accrual.map(|_| model.describe_ledger(&end));
+    let stuck = stuck.map(|(turns, run)| {
+        (
+            turns,
+            run.steps.iter().map(|(s, a)| model.describe(s, *a)).collect(),
+        )
+    });
+    Trace { steps, stuck, ledger }
 }
 
 /// The path's steps in words, and its last state with every replica under its own name.
@@ -150,7 +154,9 @@ pub fn check_scenario(setup: Setup, threads: usize) -> ScenarioReport {
         .map(|p| PropertyReport {
             name: p.name,
             expectation: p.expectation,
-            path: found.remove(p.name).map(|path| describe(&model, path)),
+            path: found
+                .remove(p.name)
+                .map(|path| describe(&model, path, Goal::of(p.name))),
         })
         .collect();
     ScenarioReport {
@@ -204,7 +210,7 @@ pub fn shortest(model: &Protocol, property: &'static str) -> (Option<Trace>, usi
         .unwrap_or_else(|poisoned| poisoned.into_inner())
         .take();
     (
-        first.map(|path| describe(model, path)),
+        first.map(|path| describe(model, path, Goal::of(property))),
         checker.unique_state_count(),
     )
 }
@@ -232,10 +238,10 @@ pub struct Summary {
 impl Summary {
     pub fn run(threads: usize) -> Summary {
         Summary {
-            scenarios: vec![
-                check_scenario(Setup::settlement(), threads),
-                check_scenario(Setup::accrual(), threads),
-            ],
+            scenarios: Setup::all()
+                .into_iter()
+                .map(|setup| check_scenario(setup, threads))
+                .collect(),
             mutations: Mutation::ALL.into_iter().map(check_mutation).collect(),
         }
     }

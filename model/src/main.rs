@@ -75,7 +75,7 @@ fn main() -> ExitCode {
 
 fn show(property: &str) -> ExitCode {
     let mut shown = false;
-    for setup in [Setup::settlement(), Setup::accrual()] {
+    for setup in Setup::all() {
         let model = Protocol::new(setup, None);
         let Some(name) = model.properties().iter().map(|p| p.name).find(|n| *n == property) else {
             continue;
@@ -129,5 +129,8 @@ fn print_trace(trace: &Trace) {
         for step in run {
             println!("          {step}");
         }
+    }
+    if let Some(ledger) = &trace.ledger {
+        println!("      ending with the {ledger}");
     }
 }

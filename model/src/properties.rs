@@ -1,8 +1,9 @@
 //! What must hold. Safety properties are invariants of every reachable state. Liveness is checked as an invariant
 //! too: from every reachable state, a run of the daemon's own steps with no more faults (frozen processes thawed,
-//! libraryd's lock released, each process stepping in turn, the clock advancing when none can) must reach the
-//! goal. That is the fairness the daemon provides — every live replica ticks again, and a dead owner's lease
-//! runs out — and, unlike stateright's `eventually`, it is sound on a state graph with cycles.
+//! libraryd's lock released and no more changes from it, each process stepping in turn, the clock advancing when
+//! none can) must reach the goal. That is the fairness the daemon provides — every live replica ticks again, a
+//! dead owner's lease runs out, the re-check re-opens a day with work until it has none — and, unlike
+//! stateright's `eventually`, it is sound on a state graph with cycles.
 //!
 //! Each scenario also names situations the model must reach (`sometimes`): a property nobody ever put to the
 //! test proves nothing, so an example that is never found counts as a violation.
@@ -11,8 +12,8 @@ use stateright::Property;
 
 use crate::{
     protocol::{Action, Protocol},
-    setup::Setup,
-    state::{ClaimKind, Ending, Libraryd, Phase, State, Status, ACTORS, OPERATOR},
+    setup::{Change, Job, Partition, Setup},
+    state::{ClaimKind, Ending, Libraryd, Phase, Run, State, Status, ACTORS, OPERATOR},
 };
 
 pub const WRITTEN_ONCE: &str = "no loan is written twice";
@@ -20,6 +21,9 @@ pub const CURRENT_EPOCH: &str = "a write commits only under the key's current ep
 pub const CURSOR: &str = "the committed cursor passes no unsettled eligible row but one left for the re-open";
 pub const CAP: &str = "the ledger never holds more than the cap for a loan";
 pub const SETTLES: &str = "once the faults stop, every key reaches SUCCESS with every row done";
+pub const NET_OWED: &str =
+    "once the faults and libraryd's changes stop, every day's net is what the loan owes";
+pub const CORRECTED_ONCE: &str = "no correction is written twice";
 
 pub const REOPENED_LATE: &str = "a late return is settled by a re-open";
 pub const RESUMED: &str = "a takeover resumes from a dead owner's cursor";
@@ -30,8 +34,12 @@ pub const FORCED_SUCCESS: &str = "a forced rerun takes a SUCCESS key";
 pub const LIBRARYD_SKIP: &str = "a row libraryd holds locked is left for the re-open";
 pub const STALE_LOCK_SKIP: &str = "a row locked by a batch that lost its key is left for the re-open";
 pub const OUTLIVES_LEASE: &str = "a frozen transaction is still open after its lease ran out";
-pub const CAP_LIMITS: &str = "the cap leaves the other day nothing";
 pub const LOCK_WAIT: &str = "a charge waits for the per-loan lock";
+pub const RETURN_CORRECTED: &str = "a day charged before a back-dated return is corrected to what is owed";
+pub const DUE_CORRECTED: &str = "a day charged before its due date moved is corrected to what is owed";
+pub const HELD_BACK: &str = "what the cap held back while another day owed less is written by a later run";
+pub const SAME_CORRECTION_WAITS: &str =
+    "a correction waits for the same correction of another shard count's run";
 
 /// How many steps a fault-free run may take to reach the goal. Far more than needed: every run of the
 /// scenarios is a handful of batches, and the clock needs at most `lease + 1` steps to expire a lease.
@@ -45,6 +53,7 @@ pub fn properties(setup: &Setup) -> Vec<Property<Protocol>> {
         Property::always(CURSOR, cursor_leaves_nothing_behind),
         Property::always(CAP, within_cap),
         Property::always(SETTLES, settles_without_faults),
+        Property::always(CORRECTED_ONCE, corrected_once),
         Property::sometimes(RESUMED, resumed),
         Property::sometimes(FENCED_OUT, fenced_out),
         Property::sometimes(ABORTED, aborted),
@@ -61,9 +70,21 @@ pub fn properties(setup: &Setup) -> Vec<Property<Protocol>> {
     if setup.libraryd_row.is_some() {
         all.push(Property::sometimes(LIBRARYD_SKIP, libraryd_skip));
     }
-    if setup.accrual.is_some() {
-        all.push(Property::sometimes(CAP_LIMITS, cap_limits));
-        all.push(Property::sometimes(LOCK_WAIT, lock_wait));
+    if let Some(a) = setup.accrual {
+        all.push(Property::always(NET_OWED, net_owed_without_faults));
+        if a.cap > 0 {
+            all.push(Property::sometimes(LOCK_WAIT, lock_wait));
+            all.push(Property::sometimes(HELD_BACK, held_back));
+        }
+        if a.changes.iter().any(|c| matches!(c, Change::Return { .. })) {
+            all.push(Property::sometimes(RETURN_CORRECTED, return_corrected));
+        }
+        if a.changes.iter().any(|c| matches!(c, Change::MoveDue { .. })) {
+            all.push(Property::sometimes(DUE_CORRECTED, due_corrected));
+        }
+    }
+    if setup.keys.iter().any(|k| k.partition == Partition::Whole) {
+        all.push(Property::sometimes(SAME_CORRECTION_WAITS, same_correction_waits));
     }
     all
 }
@@ -78,24 +99,78 @@ fn current_epoch(_: &Protocol, s: &State) -> bool {
     !s.stale_commit
 }
 
-/// No row at or below a key's committed cursor still needs work, unless a batch left it for the re-open (it was
-/// not yet returned in the month, or was locked, when the batch's update ran).
+/// No row at or below a key's committed cursor still needs work, unless it was left for the re-open: a settlement
+/// batch had to leave it (not yet returned in the month, or locked, when the batch's update ran); an accrual loan
+/// libraryd changed, which the re-check reads.
 fn cursor_leaves_nothing_behind(m: &Protocol, s: &State) -> bool {
     (0..m.setup.keys.len()).all(|k| match s.db.runs[k].cursor {
         None => true,
-        Some(c) => m
-            .loans_of(k)
-            .all(|i| m.setup.loans[i].id > c || !m.to_do(&s.db, k, i) || s.db.loans[i].left_for_reopen),
+        Some(c) => m.loans_of(k).all(|i| {
+            let left = match m.setup.keys[k].job {
+                Job::Settlement => s.db.loans[i].left_for_reopen,
+                Job::Accrual { .. } => s.db.dates.changed,
+            };
+            m.setup.loans[i].id > c || !m.to_do(&s.db, k, i) || left
+        }),
     })
 }
 
+/// The loan's net — every charge and correction of it — never exceeds the cap, in any committed state.
 fn within_cap(m: &Protocol, s: &State) -> bool {
-    m.setup.accrual.is_none_or(|a| m.ledger_total(&s.db) <= a.cap)
+    m.setup
+        .accrual
+        .is_none_or(|a| a.cap == 0 || m.ledger_total(&s.db) <= a.cap)
 }
 
-/// The goal: every key SUCCESS, nothing left to do.
+/// Each correction is written once: no committed correction took a `seq` another of its day already had.
+fn corrected_once(m: &Protocol, s: &State) -> bool {
+    m.days().all(|d| !s.db.ledger[d].twice)
+}
+
+/// The goal: every key the fleet runs SUCCESS, nothing left that would re-open it. (The operator's keys of
+/// another shard count are the operator's to run; nothing runs them again by itself.)
 pub fn settled(m: &Protocol, s: &State) -> bool {
-    (0..m.setup.keys.len()).all(|k| s.db.runs[k].status == Status::Success && !m.undone(&s.db, k))
+    (0..m.setup.keys.len())
+        .filter(|&k| matches!(m.setup.keys[k].partition, Partition::Shard(_)))
+        .all(|k| s.db.runs[k].status == Status::Success && !m.reopens(&s.db, k))
+}
+
+/// At rest: settled, and no process in a run.
+pub fn quiescent(m: &Protocol, s: &State) -> bool {
+    settled(m, s) && s.actors.iter().all(|a| a.phase == Phase::Idle)
+}
+
+/// Every modelled day's net is its canonical amount.
+pub fn nets_owed(m: &Protocol, s: &State) -> bool {
+    m.days()
+        .all(|d| s.db.ledger[d].net() == m.day_amount(&s.db.dates, d))
+}
+
+/// Where a fault-free run must arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Goal {
+    /// [`settled`].
+    Settled,
+    /// [`quiescent`], with every day's net what is owed.
+    NetOwed,
+}
+
+impl Goal {
+    /// The goal whose failure is a counterexample to `property` (the settled goal for every other property).
+    pub fn of(property: &str) -> Goal {
+        if property == NET_OWED {
+            Goal::NetOwed
+        } else {
+            Goal::Settled
+        }
+    }
+
+    pub fn reached(self, m: &Protocol, s: &State) -> bool {
+        match self {
+            Goal::Settled => settled(m, s),
+            Goal::NetOwed => quiescent(m, s) && nets_owed(m, s),
+        }
+    }
 }
 
 /// The order processes take turns in during a fault-free run.
@@ -112,22 +187,32 @@ pub enum Turns {
 pub fn settles_without_faults(m: &Protocol, s: &State) -> bool {
     [Turns::Ascending, Turns::Descending]
         .into_iter()
-        .all(|turns| fault_free_run(m, s, turns).settled)
+        .all(|turns| fault_free_run(m, s, turns, Goal::Settled).reached)
+}
+
+/// From `s`, the faults and libraryd's changes stop: the runs the re-check re-opens, repeated until none has
+/// anything left to write, come to rest with every day's net what the loan owes.
+fn net_owed_without_faults(m: &Protocol, s: &State) -> bool {
+    [Turns::Ascending, Turns::Descending]
+        .into_iter()
+        .all(|turns| fault_free_run(m, s, turns, Goal::NetOwed).reached)
 }
 
 /// Where a fault-free run went.
 #[derive(Debug, Clone)]
 pub struct FaultFreeRun {
     /// Whether it reached the goal.
-    pub settled: bool,
+    pub reached: bool,
     /// The steps it took (to the goal, or until nothing could move or the step limit), each with the state it
     /// was taken in.
     pub steps: Vec<(State, Action)>,
+    /// The state it ended in.
+    pub end: State,
 }
 
-/// The fault-free run from `s`: every frozen process thawed, libraryd's lock released, then each process in turn
-/// takes its next daemon step; when none can, the clock advances.
-pub fn fault_free_run(m: &Protocol, s: &State, turns: Turns) -> FaultFreeRun {
+/// The fault-free run from `s` towards `goal`: every frozen process thawed, libraryd's lock released, then each
+/// process in turn takes its next daemon step; when none can, the clock advances.
+pub fn fault_free_run(m: &Protocol, s: &State, turns: Turns, goal: Goal) -> FaultFreeRun {
     let mut s = *s;
     for actor in &mut s.actors {
         actor.frozen = false;
@@ -139,8 +224,12 @@ pub fn fault_free_run(m: &Protocol, s: &State, turns: Turns) -> FaultFreeRun {
     let mut steps = Vec::new();
     let mut next = 0;
     for _ in 0..FAULT_FREE_STEPS {
-        if settled(m, &s) {
-            return FaultFreeRun { settled: true, steps };
+        if goal.reached(m, &s) {
+            return FaultFreeRun {
+                reached: true,
+                steps,
+                end: s,
+            };
         }
         let turn = (0..ACTORS)
             .map(|i| (next + i) % ACTORS)
@@ -168,8 +257,9 @@ pub fn fault_free_run(m: &Protocol, s: &State, turns: Turns) -> FaultFreeRun {
         s = after;
     }
     FaultFreeRun {
-        settled: false,
+        reached: false,
         steps,
+        end: s,
     }
 }
 
@@ -265,12 +355,51 @@ fn stale_lock_skip(m: &Protocol, s: &State) -> bool {
     })
 }
 
-fn cap_limits(m: &Protocol, s: &State) -> bool {
-    settled(m, s)
-        && m.setup.accrual.is_some_and(|a| m.ledger_total(&s.db) == a.cap)
-        && s.db.ledger.iter().take(m.setup.keys.len()).any(Option::is_none)
-}
-
 fn lock_wait(m: &Protocol, s: &State) -> bool {
     (0..ACTORS).any(|a| m.waits_for_lock(s, a))
+}
+
+/// Settled with every day's net owed, after a correction of a day charged before libraryd's change.
+fn corrected_at_rest(m: &Protocol, s: &State) -> bool {
+    settled(m, s) && nets_owed(m, s) && m.days().any(|d| s.db.ledger[d].seq > 0)
+}
+
+fn return_corrected(m: &Protocol, s: &State) -> bool {
+    let moved = m.setup.accrual.is_some_and(|a| s.db.dates.due_on != a.due_on);
+    s.db.dates.returned_on.is_some() && !moved && corrected_at_rest(m, s)
+}
+
+fn due_corrected(m: &Protocol, s: &State) -> bool {
+    let moved = m.setup.accrual.is_some_and(|a| s.db.dates.due_on != a.due_on);
+    moved && s.db.dates.returned_on.is_none() && corrected_at_rest(m, s)
+}
+
+/// A run committed a day short of what it owed because the cap left no room while another day still owed less,
+/// and the days are now as owed.
+fn held_back(m: &Protocol, s: &State) -> bool {
+    s.held_back && settled(m, s) && nets_owed(m, s)
+}
+
+/// A run's correction waits for the same correction, uncommitted, of a run of the same day under another shard
+/// count.
+fn same_correction_waits(m: &Protocol, s: &State) -> bool {
+    let waiting = |run: &Run| {
+        let key = usize::from(run.key);
+        let day = m.day_of(key);
+        let wants = day.is_some_and(|d| m.day_write(&s.db, d).correction.is_some());
+        wants
+            && s.actors.iter().any(|other| match other.phase {
+                Phase::InTx(r, _, tx) => {
+                    let theirs = usize::from(r.key);
+                    m.day_of(theirs) == day
+                        && m.setup.keys[theirs].partition != m.setup.keys[key].partition
+                        && tx.correction.is_some()
+                }
+                _ => false,
+            })
+    };
+    (0..ACTORS).any(|a| match s.actors[a].phase {
+        Phase::Fetched(run, _) => waiting(&run) && m.waits_for_lock(s, a),
+        _ => false,
+    })
 }

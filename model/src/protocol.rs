@@ -1,6 +1,6 @@
 //! The transitions. Each is one statement (or one commit) of the product as `src/store/job_runs.rs`,
-//! `src/store/loans.rs`, `src/store/ledger.rs` and `src/jobs/runner.rs` implement it, one fault, or the clock;
-//! the comment on each names what it stands for.
+//! `src/store/loans.rs`, `src/store/ledger.rs`, `src/store/corrections.rs` and `src/jobs/runner.rs` implement it,
+//! one fault, a change libraryd makes, or the clock; the comment on each names what it stands for.
 //!
 //! Granularity, and why it is enough:
 //! - The tick's status read and the claim statement are one step. Every claim statement re-checks the row itself
@@ -22,14 +22,22 @@
 //!   the first fetch finds nothing too.
 //! - PostgreSQL's own isolation is assumed: each statement reads the latest committed state (READ COMMITTED), an
 //!   uncommitted write is invisible and its row locked until commit or rollback.
+//! - An accrual batch's writes — the per-loan lock (with a cap), the corrections, the charges — are one step, taken
+//!   once nothing it must wait for is held: the lock, or (without a cap) a row with the same key another open
+//!   transaction inserted (the day's charge, or its correction with the same `seq`). The statements after the lock
+//!   read committed state after every other writer of the loan ended; without a cap, a statement that waits on a
+//!   key took its snapshot before the wait, but what it then writes is what the step writes in a behaviour where
+//!   libraryd's change (the only other writer, which commutes with the other transaction's commit or rollback)
+//!   comes after it. For one loan and day only one of the two statements writes: a correction needs the day's
+//!   charge committed, a charge needs it absent.
 
 use stateright::{Model, Property};
 
 use crate::{
-    setup::{Job, Mutation, Setup},
+    setup::{Change, Job, Mutation, Partition, Setup},
     state::{
-        Actor, Batch, ClaimKind, Db, Ending, JobRun, Libraryd, Loan, Phase, Run, State, Status, Tx, ACTORS,
-        MAX_KEYS, MAX_LOANS, OPERATOR,
+        Actor, Batch, ClaimKind, Day, Db, Ending, JobRun, Libraryd, Loan, LoanDates, Phase, Run, State,
+        Status, Tx, ACTORS, MAX_DAYS, MAX_KEYS, MAX_LOANS, OPERATOR,
     },
 };
 
@@ -81,11 +89,34 @@ pub enum Action {
     LibrarydLocks(u8),
     /// libraryd's transaction ends.
     LibrarydCommits,
+    /// libraryd changes the accrual loan's row: the change of that index in [`crate::setup::AccrualSpec::changes`].
+    Change(u8),
+}
+
+/// What a run's write of one accrual day does, read from committed state (`corrections::correct`, then
+/// `ledger::charge`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DayWrite {
+    /// The charge inserted, if the day has none.
+    pub charge: Option<i16>,
+    /// The correction inserted, if the day has a charge and its net is not its amount: `seq` and amount.
+    pub correction: Option<(u8, i16)>,
+    /// The cap held back some of a positive amount.
+    pub held: bool,
+}
+
+impl DayWrite {
+    pub fn writes(&self) -> bool {
+        self.charge.is_some() || self.correction.is_some()
+    }
 }
 
 impl Protocol {
     pub fn new(setup: Setup, mutation: Option<Mutation>) -> Protocol {
         assert!(setup.keys.len() <= MAX_KEYS && setup.loans.len() <= MAX_LOANS);
+        assert!(setup
+            .accrual
+            .is_none_or(|a| usize::from(a.day_count) <= MAX_DAYS && a.day_count >= 1));
         assert!(usize::from(setup.replicas) <= OPERATOR);
         assert!(
             setup.loans.windows(2).all(|w| w[0].id < w[1].id),
@@ -146,7 +177,12 @@ impl Protocol {
             db: Db {
                 runs: [JobRun::ABSENT; MAX_KEYS],
                 loans,
-                ledger: [None; MAX_KEYS],
+                dates: LoanDates {
+                    due_on: self.setup.accrual.map_or(0, |a| a.due_on),
+                    returned_on: None,
+                    changed: false,
+                },
+                ledger: [Day::EMPTY; MAX_DAYS],
                 libraryd: Libraryd::Unused,
             },
             actors: [Actor {
@@ -155,6 +191,7 @@ impl Protocol {
             }; ACTORS],
             faults_left: self.setup.faults,
             stale_commit: false,
+            held_back: false,
         }
     }
 
@@ -167,42 +204,137 @@ impl Protocol {
     pub fn loans_of(&self, key: usize) -> impl Iterator<Item = usize> + '_ {
         let spec = self.setup.keys[key];
         (0..self.setup.loans.len()).filter(move |&i| {
-            self.setup.loan_shard(i) == spec.shard
+            let member = match spec.partition {
+                Partition::Shard(shard) => self.setup.loan_shard(i) == shard,
+                Partition::Whole => true,
+            };
+            member
                 && match spec.job {
                     Job::Settlement => true,
-                    Job::Accrual => self.setup.accrual.is_some_and(|a| a.loan == i),
+                    Job::Accrual { .. } => self.setup.accrual.is_some_and(|a| a.loan == i),
                 }
         })
     }
 
-    /// What the ledger holds for the accrual loan, all days together.
-    pub fn ledger_total(&self, db: &Db) -> u16 {
-        let already = self.setup.accrual.map_or(0, |a| a.already);
-        already + db.ledger.iter().flatten().sum::<u16>()
+    /// The accrual day (an index into the days) `key` runs, if it is an accrual key.
+    pub fn day_of(&self, key: usize) -> Option<usize> {
+        match self.setup.keys[key].job {
+            Job::Settlement => None,
+            Job::Accrual { day } => Some(usize::from(day)),
+        }
     }
 
-    /// `least(rate, cap - sum(ledger))`, never below 0.
-    fn owed(&self, db: &Db) -> u16 {
-        self.setup
-            .accrual
-            .map_or(0, |a| a.rate.min(a.cap.saturating_sub(self.ledger_total(db))))
+    /// The accrual days in use.
+    pub fn days(&self) -> std::ops::Range<usize> {
+        0..self.setup.accrual.map_or(0, |a| usize::from(a.day_count))
     }
 
-    /// Whether loan `i` still needs work under `key`, as the batch query sees committed data: for settlement
-    /// `fine_settled_at is null and returned_on` in the month; for accrual no ledger row for the day and the
-    /// ledger total still under the cap.
+    /// `fine_settler_day_amount` (grace 0): the canonical amount of day `d` for the loan as `dates` has it, a
+    /// function of the loan alone — 0 if the day is not owed (on or before the due date, or after the return),
+    /// else `clamp(cap - rate * k, 0, rate)` with `k` owed days before it (the rate when there is no cap).
+    pub fn day_amount(&self, dates: &LoanDates, d: usize) -> i16 {
+        let Some(a) = self.setup.accrual else {
+            return 0;
+        };
+        let day = a.days[d];
+        if !owed(dates, day) {
+            return 0;
+        }
+        if a.cap == 0 {
+            return a.rate;
+        }
+        let before = i32::from(day) - i32::from(dates.due_on) - 1;
+        let left = i32::from(a.cap) - i32::from(a.rate) * before;
+        left.clamp(0, i32::from(a.rate)) as i16
+    }
+
+    /// What the ledger holds for the accrual loan, every day's net together.
+    pub fn ledger_total(&self, db: &Db) -> i16 {
+        self.days().map(|d| db.ledger[d].net()).sum()
+    }
+
+    /// A positive amount as far as the cap leaves room for it (`least(amount, cap - net_total)`), and whether the
+    /// cap held some of it back.
+    fn within_room(&self, db: &Db, amount: i16) -> (i16, bool) {
+        let cap = self.setup.accrual.map_or(0, |a| a.cap);
+        if cap == 0 {
+            return (amount, false);
+        }
+        let room = (cap - self.ledger_total(db)).max(0);
+        (amount.min(room), amount > room)
+    }
+
+    /// What a write of day `d` does against committed state `db`. The correction first (`corrections::correct`):
+    /// for a charged day whose net is not its canonical amount, the difference as the day's next `seq`, a positive
+    /// one within the cap. Then the charge (`ledger::charge`): for a day not charged, its canonical amount within
+    /// the cap — or, with [`Mutation::AmountFromLedgerTotal`], `least(rate, cap - sum)` for an owed day.
+    pub fn day_write(&self, db: &Db, d: usize) -> DayWrite {
+        let entry = db.ledger[d];
+        let target = self.day_amount(&db.dates, d);
+        let mut write = DayWrite {
+            charge: None,
+            correction: None,
+            held: false,
+        };
+        match entry.charge {
+            None => {
+                let amount = match self.setup.accrual {
+                    Some(a) if self.mutated(Mutation::AmountFromLedgerTotal) => {
+                        if owed(&db.dates, a.days[d]) {
+                            a.rate
+                        } else {
+                            0
+                        }
+                    }
+                    _ => target,
+                };
+                let (amount, held) = self.within_room(db, amount);
+                write.charge = (amount > 0).then_some(amount);
+                write.held = held;
+            }
+            Some(_) => {
+                let delta = target - entry.net();
+                let (delta, held) = if delta > 0 {
+                    self.within_room(db, delta)
+                } else {
+                    (delta, false)
+                };
+                write.correction = (delta != 0).then_some((entry.seq + 1, delta));
+                write.held = held;
+            }
+        }
+        write
+    }
+
+    /// Whether loan `i` still needs work under `key`, as the batch query sees committed data, whichever loans the
+    /// run looks at: for settlement `fine_settled_at is null and returned_on` in the month; for accrual a charge
+    /// or a correction of the key's day (`ledger::overdue_batch`: what [`Self::day_write`] would write).
     pub fn to_do(&self, db: &Db, key: usize, i: usize) -> bool {
         match self.setup.keys[key].job {
             Job::Settlement => db.loans[i].eligible && !db.loans[i].settled,
-            Job::Accrual => {
-                db.ledger[key].is_none() && self.setup.accrual.is_some_and(|a| self.ledger_total(db) < a.cap)
+            Job::Accrual { day } => {
+                self.setup.accrual.is_some_and(|a| a.loan == i)
+                    && self.day_write(db, usize::from(day)).writes()
             }
         }
     }
 
-    /// Whether `key` still has rows to do (what the tick's status read reports for a re-open).
+    /// Whether `key` still has rows to do, in any loan of its partition.
     pub fn undone(&self, db: &Db, key: usize) -> bool {
         self.loans_of(key).any(|i| self.to_do(db, key, i))
+    }
+
+    /// Whether a SUCCESS `key` is re-opened. Settlement: the tick's status read finds rows still to do. The fleet's
+    /// accrual key: the re-check finds its day has work on a loan libraryd changed (it reads only those; a day
+    /// whose work no change explains is never re-opened). The operator's key: `accrue` asks about every loan of the
+    /// day (`ledger::day_has_work`). A run the re-check re-opened looks only at the changed loans
+    /// (`Scope::Changed`); here that is the loan, which is changed for good once it is.
+    pub fn reopens(&self, db: &Db, key: usize) -> bool {
+        let spec = self.setup.keys[key];
+        match (spec.job, spec.partition) {
+            (Job::Accrual { .. }, Partition::Shard(_)) => db.dates.changed && self.undone(db, key),
+            _ => self.undone(db, key),
+        }
     }
 
     /// The claim statements (`job_runs::claim`), each one statement at database time, in the order a run tries
@@ -236,7 +368,7 @@ impl Protocol {
             Status::Success if force => (ClaimKind::Forced { from_success: true }, None),
             // The re-open: a SUCCESS key whose business date still has rows of its shard to do is claimed under
             // epoch + 1 with the cursor reset (`where key and status = 'SUCCESS'`), and walks what is left.
-            Status::Success if self.undone(db, key) && !self.mutated(Mutation::NoReopen) => {
+            Status::Success if self.reopens(db, key) && !self.mutated(Mutation::NoReopen) => {
                 (ClaimKind::Reopened, None)
             }
             Status::Success => return None,
@@ -263,9 +395,16 @@ impl Protocol {
             .filter(|&i| after(run.cursor, self.setup.loans[i].id) && self.to_do(db, key, i))
             .take(usize::from(self.setup.batch_size))
             .last()?;
+        // Only the mutation reads it; recorded otherwise, it would split states that differ in nothing else.
+        let amount = match self.day_of(key) {
+            Some(d) if self.mutated(Mutation::CapReadOutsideLock) => {
+                self.day_write(db, d).charge.unwrap_or(0)
+            }
+            _ => 0,
+        };
         Some(Batch {
             last: self.setup.loans[last].id,
-            amount: self.owed(db),
+            amount,
         })
     }
 
@@ -285,14 +424,40 @@ impl Protocol {
             .any(|(a, other)| a != actor && matches!(other.phase, Phase::InTx(_, _, tx) if tx.advisory))
     }
 
-    /// Whether `actor`'s next business write has to wait for a lock (the accrual loan's advisory lock).
+    /// Whether another process's open transaction inserted a row with a key `write` would insert: the day's charge
+    /// (`fine_ledger_pkey`), or its correction with the same `seq` (`fine_ledger_corrections_pkey`; none under
+    /// [`Mutation::CorrectionWithoutUniqueness`]). An insert waits for that transaction to end. Its correction has
+    /// the same `seq`: it was computed from the same committed corrections, since a third that committed one in
+    /// between would have waited for it.
+    pub fn key_taken(&self, s: &State, actor: usize, d: usize, write: &DayWrite) -> bool {
+        s.actors.iter().enumerate().any(|(a, other)| match other.phase {
+            Phase::InTx(run, _, tx) if a != actor && self.day_of(usize::from(run.key)) == Some(d) => {
+                (write.charge.is_some() && tx.charge.is_some())
+                    || (write.correction.is_some()
+                        && tx.correction.is_some()
+                        && !self.mutated(Mutation::CorrectionWithoutUniqueness))
+            }
+            _ => false,
+        })
+    }
+
+    /// Whether `actor`'s next business write has to wait for a lock: the accrual loan's advisory lock (with a cap),
+    /// or a key another transaction inserted.
     pub fn waits_for_lock(&self, s: &State, actor: usize) -> bool {
         match s.actors[actor].phase {
             Phase::Fetched(run, _) | Phase::CursorAhead(run, _) => {
-                self.setup.keys[usize::from(run.key)].job == Job::Accrual && self.advisory_taken(s, actor)
+                self.day_of(usize::from(run.key)).is_some_and(|d| {
+                    (self.capped() && self.advisory_taken(s, actor))
+                        || self.key_taken(s, actor, d, &self.day_write(&s.db, d))
+                })
             }
             _ => false,
         }
+    }
+
+    /// Whether the accrual policy has a cap (and so every charge and correction takes the per-loan lock).
+    fn capped(&self) -> bool {
+        self.setup.accrual.is_some_and(|a| a.cap > 0)
     }
 
     /// The batch transaction's business writes, not yet committed. `None` while it waits for a lock.
@@ -302,6 +467,8 @@ impl Protocol {
             locked: 0,
             skipped: 0,
             charge: None,
+            correction: None,
+            held: false,
             advisory: false,
             idle: self.setup.batch_timeout,
         };
@@ -328,20 +495,26 @@ impl Protocol {
                     }
                 }
             }
-            // select pg_advisory_xact_lock(loan) (waits while another transaction holds it); then, under it,
-            // amount = least(rate, cap - sum(fine_ledger of the loan)) and
-            // insert into fine_ledger (loan, day, amount) ... on conflict do nothing (nothing when amount = 0).
-            Job::Accrual => {
-                if self.advisory_taken(s, actor) {
+            // With a cap: select pg_advisory_xact_lock(loan) (waits while another transaction holds it). Then, under
+            // it: insert into fine_ledger_corrections (loan, day, seq, amount) select ... the next seq, canonical -
+            // net (a positive one least(.., cap - net_total)) ... on conflict do nothing; and insert into
+            // fine_ledger (loan, day, amount) select least(canonical, cap - net_total) ... where amount > 0 on
+            // conflict do nothing. Without a cap, an insert waits for another transaction's row with its key.
+            Job::Accrual { day } => {
+                let d = usize::from(day);
+                let write = self.day_write(&s.db, d);
+                if (self.capped() && self.advisory_taken(s, actor)) || self.key_taken(s, actor, d, &write) {
                     return None;
                 }
-                let amount = if self.mutated(Mutation::CapReadOutsideLock) {
-                    batch.amount
+                tx.advisory = self.capped();
+                tx.correction = write.correction;
+                tx.held = write.held;
+                if self.mutated(Mutation::CapReadOutsideLock) && s.db.ledger[d].charge.is_none() {
+                    tx.charge = (batch.amount > 0).then_some(batch.amount);
+                    tx.held = false;
                 } else {
-                    self.owed(&s.db)
-                };
-                tx.advisory = true;
-                tx.charge = (amount > 0 && s.db.ledger[key].is_none()).then_some(amount);
+                    tx.charge = write.charge;
+                }
             }
         }
         Some(tx)
@@ -366,7 +539,7 @@ impl Protocol {
         let key = usize::from(run.key);
         let row = s.db.runs[key];
         let current = row.status == Status::Running && row.epoch == run.epoch;
-        if (tx.locked != 0 || tx.charge.is_some()) && !current {
+        if (tx.locked != 0 || tx.charge.is_some() || tx.correction.is_some()) && !current {
             s.stale_commit = true;
         }
         for (i, loan) in s.db.loans.iter_mut().enumerate() {
@@ -379,8 +552,26 @@ impl Protocol {
                 loan.left_for_reopen = true;
             }
         }
-        if let Some(amount) = tx.charge {
-            s.db.ledger[key] = Some(amount);
+        if let Some(d) = self.day_of(key) {
+            let entry = &mut s.db.ledger[d];
+            if let Some((seq, amount)) = tx.correction {
+                self.commit_correction(entry, seq, amount);
+            }
+            // `on conflict do nothing`: a charge that found the day charged (after waiting) wrote nothing.
+            if entry.charge.is_none() {
+                entry.charge = tx.charge;
+            }
+            s.held_back |= tx.held;
+        }
+    }
+
+    /// A correction becomes committed: the day's next `seq`, or — its number taken — nothing (`on conflict do
+    /// nothing`), unless there is no uniqueness to conflict on.
+    fn commit_correction(&self, entry: &mut Day, seq: u8, amount: i16) {
+        if seq > entry.seq || self.mutated(Mutation::CorrectionWithoutUniqueness) {
+            entry.twice |= seq <= entry.seq;
+            entry.corrected += amount;
+            entry.seq = entry.seq.max(seq);
         }
     }
 
@@ -412,6 +603,30 @@ impl Protocol {
     /// One step. `bounded` applies the epoch bound to claims.
     pub fn step(&self, s: &State, action: Action, bounded: bool) -> Option<State> {
         let mut n = *s;
+        match action {
+            Action::Tick { .. } | Action::Force | Action::Release { .. } => {
+                self.claim_step(s, &mut n, action, bounded)?
+            }
+            Action::Fetch(_) | Action::Write(_) | Action::Commit(_) => self.batch_step(s, &mut n, action)?,
+            Action::ConnectionLost(_)
+            | Action::Finish(_)
+            | Action::FinishReplyLost(_)
+            | Action::Stop(_)
+            | Action::Crash(_)
+            | Action::Freeze(_)
+            | Action::Thaw(_)
+            | Action::IdleAbort(_) => self.process_step(s, &mut n, action)?,
+            Action::ClockTick
+            | Action::LateReturn
+            | Action::LibrarydLocks(_)
+            | Action::LibrarydCommits
+            | Action::Change(_) => self.world_step(s, &mut n, action)?,
+        }
+        Some(n)
+    }
+
+    /// The claim statements: a replica's tick, the operator's `settle --force` and `release`.
+    fn claim_step(&self, s: &State, n: &mut State, action: Action, bounded: bool) -> Option<()> {
         match action {
             Action::Tick { actor, key } => {
                 let (row, kind) = self.claim(&s.db, usize::from(key), false, bounded)?;
@@ -445,6 +660,14 @@ impl Protocol {
                 row.lease = 0;
                 n.faults_left -= 1;
             }
+            _ => return None,
+        }
+        Some(())
+    }
+
+    /// A run's batch: the fetch, the business writes, the fence and commit.
+    fn batch_step(&self, s: &State, n: &mut State, action: Action) -> Option<()> {
+        match action {
             Action::Fetch(a) => {
                 let Phase::Between(run) = s.actors[usize::from(a)].phase else {
                     return None;
@@ -456,13 +679,23 @@ impl Protocol {
             }
             Action::Write(a) => match s.actors[usize::from(a)].phase {
                 Phase::Fetched(run, batch) if !self.mutated(Mutation::CursorInOwnTransaction) => {
-                    let tx = self.write(s, usize::from(a), &run, &batch)?;
+                    let mut tx = self.write(s, usize::from(a), &run, &batch)?;
+                    if self.mutated(Mutation::CorrectionOutsideFence) {
+                        // The corrections commit on their own, ahead of the charges and the fence.
+                        let alone = Tx {
+                            charge: None,
+                            held: false,
+                            ..tx
+                        };
+                        self.commit_writes(n, &run, &alone);
+                        tx.correction = None;
+                    }
                     n.actors[usize::from(a)].phase = Phase::InTx(run, batch, tx);
                 }
                 // CursorInOwnTransaction: the business writes commit on their own, after the cursor did.
                 Phase::CursorAhead(run, batch) => {
                     let tx = self.write(s, usize::from(a), &run, &batch)?;
-                    self.commit_writes(&mut n, &run, &tx);
+                    self.commit_writes(n, &run, &tx);
                     n.actors[usize::from(a)].phase = Phase::Between(Run {
                         cursor: Some(batch.last),
                         ..run
@@ -473,7 +706,7 @@ impl Protocol {
             Action::Commit(a) => match s.actors[usize::from(a)].phase {
                 Phase::InTx(run, batch, tx) => {
                     n.actors[usize::from(a)].phase = if self.fence_matches(&s.db, &run) {
-                        self.commit_writes(&mut n, &run, &tx);
+                        self.commit_writes(n, &run, &tx);
                         self.advance(&mut n.db, &run, &batch);
                         Phase::Between(Run {
                             cursor: Some(batch.last),
@@ -495,6 +728,14 @@ impl Protocol {
                 }
                 _ => return None,
             },
+            _ => return None,
+        }
+        Some(())
+    }
+
+    /// The end of a run, and what happens to a process: the finish, stops, crashes, freezes, aborts.
+    fn process_step(&self, s: &State, n: &mut State, action: Action) -> Option<()> {
+        match action {
             Action::ConnectionLost(a) => {
                 let Phase::InTx(run, _, _) = s.actors[usize::from(a)].phase else {
                     return None;
@@ -554,6 +795,14 @@ impl Protocol {
                 }
                 n.actors[usize::from(a)].phase = finishing(run, Ending::Failed);
             }
+            _ => return None,
+        }
+        Some(())
+    }
+
+    /// What happens around the daemon: the clock, and libraryd's returns, row locks and changes.
+    fn world_step(&self, s: &State, n: &mut State, action: Action) -> Option<()> {
+        match action {
             Action::ClockTick => {
                 if !self.clock_may_advance(s) {
                     return None;
@@ -598,8 +847,177 @@ impl Protocol {
                 };
                 n.db.libraryd = Libraryd::Done;
             }
+            // update loans set returned_on = .. / due_on = .. where id = loan; the trigger queues the change in
+            // fine_loan_changes. Accrual takes no lock on the loans row, so nothing waits.
+            Action::Change(c) => {
+                let change = *self.setup.accrual?.changes.get(usize::from(c))?;
+                if !self.may_change(&s.db.dates, change) {
+                    return None;
+                }
+                match change {
+                    Change::Return { on } => n.db.dates.returned_on = Some(on),
+                    Change::MoveDue { to } => n.db.dates.due_on = to,
+                }
+                n.db.dates.changed = true;
+            }
+            _ => return None,
         }
-        Some(n)
+        Some(())
+    }
+
+    /// Whether libraryd may still make `change`: each at most once, and the due date moves only from where it
+    /// started.
+    fn may_change(&self, dates: &LoanDates, change: Change) -> bool {
+        match change {
+            Change::Return { .. } => dates.returned_on.is_none(),
+            Change::MoveDue { to } => self
+                .setup
+                .accrual
+                .is_some_and(|a| dates.due_on == a.due_on && to != a.due_on),
+        }
+    }
+
+    /// What one process may do next: its own step, and the faults that may befall it.
+    fn process_actions(&self, s: &State, i: usize, out: &mut Vec<Action>) {
+        let faults = s.faults_left > 0;
+        let me = s.actors[i];
+        let a = i as u8;
+        if i != OPERATOR && self.shard_of(i).is_none() {
+            return;
+        }
+        if me.frozen {
+            out.push(Action::Thaw(a));
+        }
+        if matches!(me.phase, Phase::InTx(_, _, tx) if tx.idle == 0) {
+            out.push(Action::IdleAbort(a));
+        }
+        if me.phase != Phase::Idle && faults {
+            out.push(Action::Crash(a));
+            if !me.frozen {
+                out.push(Action::Freeze(a));
+            }
+        }
+        if me.frozen {
+            return;
+        }
+        match me.phase {
+            Phase::Idle => self.claim_actions(s, i, out),
+            Phase::Between(_) => {
+                out.push(Action::Fetch(a));
+                if faults {
+                    out.push(Action::Stop(a));
+                }
+            }
+            Phase::Fetched(..) => {
+                if self.mutated(Mutation::CursorInOwnTransaction) {
+                    out.push(Action::Commit(a));
+                } else if !self.waits_for_lock(s, i) {
+                    out.push(Action::Write(a));
+                }
+            }
+            Phase::InTx(..) => {
+                out.push(Action::Commit(a));
+                if faults {
+                    out.push(Action::ConnectionLost(a));
+                }
+            }
+            Phase::CursorAhead(..) => {
+                if !self.waits_for_lock(s, i) {
+                    out.push(Action::Write(a));
+                }
+            }
+            Phase::Finishing(run, _, _) => {
+                out.push(Action::Finish(a));
+                let row = s.db.runs[usize::from(run.key)];
+                if faults && row.status == Status::Running && row.epoch == run.epoch {
+                    out.push(Action::FinishReplyLost(a));
+                }
+            }
+        }
+    }
+
+    /// The claims an idle process may make: a replica's tick of its shard's keys; the operator's `settle --force`
+    /// (a fault) and `accrue --shards 1`.
+    fn claim_actions(&self, s: &State, i: usize, out: &mut Vec<Action>) {
+        let a = i as u8;
+        let faults = s.faults_left > 0;
+        match self.shard_of(i) {
+            Some(shard) => {
+                for k in (0..self.setup.keys.len())
+                    .filter(|&k| self.setup.keys[k].partition == Partition::Shard(shard))
+                {
+                    if self.claim(&s.db, k, false, true).is_some() {
+                        out.push(Action::Tick {
+                            actor: a,
+                            key: k as u8,
+                        });
+                    }
+                }
+            }
+            None => {
+                let forceable = self
+                    .setup
+                    .force_key
+                    .is_some_and(|k| self.claim(&s.db, usize::from(k), true, true).is_some());
+                if faults && forceable {
+                    out.push(Action::Force);
+                }
+                // `accrue --date D --shards 1`, by hand: the keys of the other shard count.
+                for k in
+                    (0..self.setup.keys.len()).filter(|&k| self.setup.keys[k].partition == Partition::Whole)
+                {
+                    if self.claim(&s.db, k, false, true).is_some() {
+                        out.push(Action::Tick {
+                            actor: a,
+                            key: k as u8,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// What may happen around the processes: `release` (a fault), the clock, and libraryd.
+    fn world_actions(&self, s: &State, out: &mut Vec<Action>) {
+        let faults = s.faults_left > 0;
+        if faults {
+            for (k, row) in s.db.runs.iter().enumerate().take(self.setup.keys.len()) {
+                if row.status == Status::Running {
+                    out.push(Action::Release { key: k as u8 });
+                }
+            }
+        }
+        if self.clock_may_advance(s) {
+            out.push(Action::ClockTick);
+        }
+        if self
+            .setup
+            .loans
+            .iter()
+            .zip(&s.db.loans)
+            .any(|(spec, loan)| spec.late && !loan.eligible)
+        {
+            out.push(Action::LateReturn);
+        }
+        if let Some(i) = self.setup.libraryd_row {
+            match s.db.libraryd {
+                Libraryd::Unused => {
+                    let loan = s.db.loans[i];
+                    if loan.eligible && !loan.settled && !self.row_locked(s, usize::MAX, i) {
+                        out.push(Action::LibrarydLocks(i as u8));
+                    }
+                }
+                Libraryd::Holds(_) => out.push(Action::LibrarydCommits),
+                Libraryd::Done => {}
+            }
+        }
+        if let Some(a) = self.setup.accrual {
+            for (c, change) in a.changes.iter().enumerate() {
+                if self.may_change(&s.db.dates, *change) {
+                    out.push(Action::Change(c as u8));
+                }
+            }
+        }
     }
 
     /// The step a process takes next when nothing goes wrong (the daemon's own steps, oldest due key first), if it
@@ -614,7 +1032,7 @@ impl Protocol {
             Phase::Idle => {
                 let shard = self.shard_of(actor)?;
                 (0..self.setup.keys.len())
-                    .filter(|&k| self.setup.keys[k].shard == shard)
+                    .filter(|&k| self.setup.keys[k].partition == Partition::Shard(shard))
                     .find(|&k| self.claim(&s.db, k, false, bounded).is_some())
                     .map(|k| Action::Tick {
                         actor: a,
@@ -645,19 +1063,7 @@ impl Protocol {
         };
         let label = |k: u8| self.setup.keys[usize::from(k)].label;
         match action {
-            Action::Tick { actor, key } => {
-                let kind = self
-                    .claim(&s.db, usize::from(key), false, true)
-                    .map(|(r, k)| (r.epoch, k));
-                match kind {
-                    Some((epoch, kind)) => format!(
-                        "{}: tick claims {} ({kind:?}, epoch {epoch})",
-                        who(actor),
-                        label(key)
-                    ),
-                    None => format!("{}: tick claims {}", who(actor), label(key)),
-                }
-            }
+            Action::Tick { actor, key } => self.describe_tick(s, actor, key),
             Action::Force => match self.setup.force_key {
                 Some(k) => format!("operator: settle --force {}", label(k)),
                 None => "operator: settle --force".to_string(),
@@ -678,7 +1084,7 @@ impl Protocol {
                     None => format!("{}: fetches nothing more for {}", who(a), key_of(a)),
                 }
             }
-            Action::Write(a) => format!("{}: business writes of {}", who(a), key_of(a)),
+            Action::Write(a) => format!("{}: {}", who(a), self.describe_write(s, usize::from(a))),
             Action::Commit(a) => {
                 let fenced = s.actors[usize::from(a)]
                     .phase
@@ -713,7 +1119,96 @@ impl Protocol {
                 format!("libraryd: locks loan {}", self.setup.loans[usize::from(i)].id)
             }
             Action::LibrarydCommits => "libraryd: commits, releases its lock".to_string(),
+            Action::Change(c) => self.describe_change(s, c),
         }
+    }
+
+    /// A claim in words.
+    fn describe_tick(&self, s: &State, actor: u8, key: u8) -> String {
+        let (who, how) = if usize::from(actor) == OPERATOR {
+            ("operator".to_string(), "accrue --shards 1")
+        } else {
+            (format!("replica {actor}"), "tick")
+        };
+        let label = self.setup.keys[usize::from(key)].label;
+        match self.claim(&s.db, usize::from(key), false, true) {
+            Some((row, kind)) => format!("{who}: {how} claims {label} ({kind:?}, epoch {})", row.epoch),
+            None => format!("{who}: {how} claims {label}"),
+        }
+    }
+
+    /// libraryd's change in words.
+    fn describe_change(&self, s: &State, c: u8) -> String {
+        match self.setup.accrual.and_then(|a| a.changes.get(usize::from(c))) {
+            Some(Change::Return { on }) => {
+                format!("libraryd: records the return, back-dated to day {on}")
+            }
+            Some(Change::MoveDue { to }) => {
+                let from = s.db.dates.due_on;
+                let way = if *to > from { "later" } else { "earlier" };
+                format!("libraryd: moves the due date {way}, from day {from} to day {to}")
+            }
+            None => "libraryd: changes the loan".to_string(),
+        }
+    }
+
+    /// A batch's business writes in words; for accrual, what it inserts.
+    fn describe_write(&self, s: &State, actor: usize) -> String {
+        let (Phase::Fetched(run, batch) | Phase::CursorAhead(run, batch)) = s.actors[actor].phase else {
+            return "business writes".to_string();
+        };
+        let label = self.setup.keys[usize::from(run.key)].label;
+        let tx = match self.day_of(usize::from(run.key)) {
+            Some(_) => self.write(s, actor, &run, &batch),
+            None => return format!("business writes of {label}"),
+        };
+        let Some(tx) = tx else {
+            return format!("writes of {label} wait");
+        };
+        let mut parts = Vec::new();
+        if let Some((seq, amount)) = tx.correction {
+            let alone = if self.mutated(Mutation::CorrectionOutsideFence) {
+                ", committed at once on its own"
+            } else {
+                ""
+            };
+            parts.push(format!("correction #{seq} of {amount:+}{alone}"));
+        }
+        if let Some(amount) = tx.charge {
+            parts.push(format!("charge of {amount}"));
+        }
+        if parts.is_empty() {
+            parts.push("nothing".to_string());
+        }
+        let held = if tx.held {
+            " (the cap holds back the rest)"
+        } else {
+            ""
+        };
+        format!("writes of {label}: {}{held}", parts.join(", "))
+    }
+
+    /// The accrual loan and its ledger in words: its dates, and each day's net beside what it owes.
+    pub fn describe_ledger(&self, s: &State) -> String {
+        let dates = s.db.dates;
+        let returned = dates
+            .returned_on
+            .map_or(String::new(), |r| format!(", returned on day {r}"));
+        let days: Vec<String> = self
+            .days()
+            .filter_map(|d| {
+                let day = self.setup.accrual?.days[d];
+                let entry = s.db.ledger[d];
+                Some(format!(
+                    "day {day} net {} (charge {}, {} correction(s)), owes {}",
+                    entry.net(),
+                    entry.charge.map_or("none".to_string(), |c| c.to_string()),
+                    entry.seq,
+                    self.day_amount(&dates, d)
+                ))
+            })
+            .collect();
+        format!("loan due on day {}{returned}: {}", dates.due_on, days.join("; "))
     }
 }
 
@@ -726,6 +1221,11 @@ fn finishing(run: Run, ending: Ending) -> Phase {
         ..run
     };
     Phase::Finishing(run, ending, false)
+}
+
+/// Whether `day` is owed by a loan with these dates: after the due date, and not after the return.
+fn owed(dates: &LoanDates, day: i8) -> bool {
+    day > dates.due_on && dates.returned_on.is_none_or(|r| day <= r)
 }
 
 /// `id > cursor` (a null cursor is before every id).
@@ -742,113 +1242,10 @@ impl Model for Protocol {
     }
 
     fn actions(&self, s: &State, out: &mut Vec<Action>) {
-        let faults = s.faults_left > 0;
-        for (i, me) in s.actors.iter().enumerate() {
-            let a = i as u8;
-            if i != OPERATOR && self.shard_of(i).is_none() {
-                continue;
-            }
-            if me.frozen {
-                out.push(Action::Thaw(a));
-            }
-            if matches!(me.phase, Phase::InTx(_, _, tx) if tx.idle == 0) {
-                out.push(Action::IdleAbort(a));
-            }
-            if me.phase != Phase::Idle && faults {
-                out.push(Action::Crash(a));
-                if !me.frozen {
-                    out.push(Action::Freeze(a));
-                }
-            }
-            if me.frozen {
-                continue;
-            }
-            match me.phase {
-                Phase::Idle => match self.shard_of(i) {
-                    Some(shard) => {
-                        for k in (0..self.setup.keys.len()).filter(|&k| self.setup.keys[k].shard == shard) {
-                            if self.claim(&s.db, k, false, true).is_some() {
-                                out.push(Action::Tick {
-                                    actor: a,
-                                    key: k as u8,
-                                });
-                            }
-                        }
-                    }
-                    None => {
-                        let forceable = self
-                            .setup
-                            .force_key
-                            .is_some_and(|k| self.claim(&s.db, usize::from(k), true, true).is_some());
-                        if faults && forceable {
-                            out.push(Action::Force);
-                        }
-                    }
-                },
-                Phase::Between(_) => {
-                    out.push(Action::Fetch(a));
-                    if faults {
-                        out.push(Action::Stop(a));
-                    }
-                }
-                Phase::Fetched(..) => {
-                    if self.mutated(Mutation::CursorInOwnTransaction) {
-                        out.push(Action::Commit(a));
-                    } else if !self.waits_for_lock(s, i) {
-                        out.push(Action::Write(a));
-                    }
-                }
-                Phase::InTx(..) => {
-                    out.push(Action::Commit(a));
-                    if faults {
-                        out.push(Action::ConnectionLost(a));
-                    }
-                }
-                Phase::CursorAhead(..) => {
-                    if !self.waits_for_lock(s, i) {
-                        out.push(Action::Write(a));
-                    }
-                }
-                Phase::Finishing(run, _, _) => {
-                    out.push(Action::Finish(a));
-                    let row = s.db.runs[usize::from(run.key)];
-                    if faults && row.status == Status::Running && row.epoch == run.epoch {
-                        out.push(Action::FinishReplyLost(a));
-                    }
-                }
-            }
+        for actor in 0..ACTORS {
+            self.process_actions(s, actor, out);
         }
-        if faults {
-            for (k, row) in s.db.runs.iter().enumerate().take(self.setup.keys.len()) {
-                if row.status == Status::Running {
-                    out.push(Action::Release { key: k as u8 });
-                }
-            }
-        }
-        if self.clock_may_advance(s) {
-            out.push(Action::ClockTick);
-        }
-        if self
-            .setup
-            .loans
-            .iter()
-            .zip(&s.db.loans)
-            .any(|(spec, loan)| spec.late && !loan.eligible)
-        {
-            out.push(Action::LateReturn);
-        }
-        if let Some(i) = self.setup.libraryd_row {
-            match s.db.libraryd {
-                Libraryd::Unused => {
-                    let loan = s.db.loans[i];
-                    if loan.eligible && !loan.settled && !self.row_locked(s, usize::MAX, i) {
-                        out.push(Action::LibrarydLocks(i as u8));
-                    }
-                }
-                Libraryd::Holds(_) => out.push(Action::LibrarydCommits),
-                Libraryd::Done => {}
-            }
-        }
+        self.world_actions(s, out);
     }
 
     fn next_state(&self, s: &State, action: Action) -> Option<State> {
@@ -996,6 +1393,8 @@ mod tests {
             locked: 0b0010,
             skipped: 0,
             charge: None,
+            correction: None,
+            held: false,
             advisory: false,
             idle: 0,
         };
@@ -1012,25 +1411,126 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn the_second_charge_under_the_lock_is_what_the_cap_leaves() {
-        let m = Protocol::new(Setup::accrual(), None);
-        let mut s = m.initial();
-        let run = |key| Run {
+    fn accrual_run(key: u8, kind: ClaimKind) -> Run {
+        Run {
             key,
             epoch: 1,
             cursor: None,
-            kind: ClaimKind::Inserted,
+            kind,
+        }
+    }
+
+    fn charged(net: i16) -> Day {
+        Day {
+            charge: Some(net),
+            ..Day::EMPTY
+        }
+    }
+
+    #[test]
+    fn a_day_amount_is_a_function_of_the_loan_alone() {
+        let m = Protocol::new(Setup::accrual(), None);
+        let amounts = |due_on, returned_on| {
+            let dates = LoanDates {
+                due_on,
+                returned_on,
+                changed: false,
+            };
+            [m.day_amount(&dates, 0), m.day_amount(&dates, 1)]
         };
-        let first = m.fetch(&s.db, &run(0)).expect("overdue");
-        assert_eq!(first.amount, 50);
-        s.db.ledger[1] = Some(50); // the other day charged first
-        let tx = m.write(&s, 0, &run(0), &first).expect("lock free");
-        assert_eq!((tx.advisory, tx.charge), (true, None));
-        s.actors[2].phase = Phase::InTx(run(1), first, tx);
-        assert!(
-            m.write(&s, 0, &run(0), &first).is_none(),
-            "waits for the advisory lock"
+        assert_eq!(amounts(0, None), [100, 50], "day 2 reaches the cap of 150");
+        assert_eq!(amounts(1, None), [0, 100], "due later: day 1 not owed");
+        assert_eq!(amounts(-1, None), [50, 0], "due earlier: the cap comes sooner");
+        assert_eq!(amounts(0, Some(1)), [100, 0], "returned on day 1");
+
+        // Day 2 charged first: canonical, it is 50 whatever else the ledger holds; from the ledger total it would
+        // be the full rate, and day 1 would get the remainder.
+        let db = m.initial().db;
+        assert_eq!(m.day_write(&db, 1).charge, Some(50));
+        let old = Protocol::new(Setup::accrual(), Some(Mutation::AmountFromLedgerTotal));
+        assert_eq!(old.day_write(&db, 1).charge, Some(100));
+        let mut db = db;
+        db.ledger[1] = charged(100);
+        assert_eq!(old.day_write(&db, 0).charge, Some(50));
+    }
+
+    #[test]
+    fn a_positive_correction_waits_for_the_room_a_negative_one_makes() {
+        let m = Protocol::new(Setup::accrual(), None);
+        let mut db = m.initial().db;
+        db.ledger = [charged(100), charged(50)];
+        db.dates.due_on = 1; // moved later: day 1 owes 0, day 2 owes 100
+        db.dates.changed = true;
+        let held = m.day_write(&db, 1);
+        assert_eq!(
+            (held.correction, held.held),
+            (None, true),
+            "no room under the cap"
         );
+        assert!(!m.reopens(&db, 1), "nothing day 2 can write yet");
+        assert_eq!(m.day_write(&db, 0).correction, Some((1, -100)));
+        db.ledger[0].corrected = -100;
+        db.ledger[0].seq = 1;
+        assert_eq!(m.day_write(&db, 1).correction, Some((1, 50)));
+        assert!(m.reopens(&db, 1), "the re-check re-opens day 2 again");
+    }
+
+    #[test]
+    fn a_capped_loan_has_one_writer_at_a_time() {
+        let m = Protocol::new(Setup::accrual(), None);
+        let mut s = m.initial();
+        let run = |key| accrual_run(key, ClaimKind::Inserted);
+        let first = m.fetch(&s.db, &run(0)).expect("overdue");
+        let tx = m.write(&s, 0, &run(0), &first).expect("lock free");
+        assert_eq!((tx.advisory, tx.charge), (true, Some(100)));
+        s.actors[0].phase = Phase::InTx(run(0), first, tx);
+        let second = m.fetch(&s.db, &run(1)).expect("overdue");
+        s.actors[2].phase = Phase::Fetched(run(1), second);
+        assert!(m.write(&s, 2, &run(1), &second).is_none());
+        assert!(m.waits_for_lock(&s, 2), "waits for the per-loan lock");
+    }
+
+    #[test]
+    fn the_same_correction_of_another_shard_count_waits_and_then_finds_its_number_taken() {
+        for (mutation, twice) in [(None, false), (Some(Mutation::CorrectionWithoutUniqueness), true)] {
+            let m = Protocol::new(Setup::overlap(), mutation);
+            let mut s = m.initial();
+            s.db.ledger[0] = charged(100);
+            s.db.dates.returned_on = Some(0);
+            s.db.dates.changed = true;
+            s.db.runs = [JobRun {
+                cursor: None,
+                ..running(2, 2, None)
+            }; MAX_KEYS];
+            let fleet = Run {
+                epoch: 2,
+                ..accrual_run(0, ClaimKind::Reopened)
+            };
+            let operator = Run {
+                epoch: 2,
+                ..accrual_run(1, ClaimKind::Reopened)
+            };
+            let batch = m.fetch(&s.db, &fleet).expect("day 1 is not owed any more");
+            let tx = m.write(&s, 0, &fleet, &batch).expect("no lock without a cap");
+            assert_eq!((tx.advisory, tx.correction), (false, Some((1, -100))));
+            s.actors[0].phase = Phase::InTx(fleet, batch, tx);
+            s.actors[OPERATOR].phase = Phase::Fetched(operator, batch);
+            let s = match mutation {
+                None => {
+                    assert!(m.waits_for_lock(&s, OPERATOR), "waits for seq 1");
+                    let s = m.step(&s, Action::Commit(0), true).expect("fleet commits");
+                    assert_eq!(m.day_write(&s.db, 0).correction, None, "nothing left");
+                    s
+                }
+                Some(_) => {
+                    let s = m.step(&s, Action::Write(OPERATOR as u8), true).expect("no wait");
+                    let s = m.step(&s, Action::Commit(0), true).expect("fleet commits");
+                    m.step(&s, Action::Commit(OPERATOR as u8), true)
+                        .expect("operator commits")
+                }
+            };
+            assert_eq!(s.db.ledger[0].twice, twice);
+            assert_eq!(s.db.ledger[0].net(), if twice { -100 } else { 0 });
+        }
     }
 }

@@ -1,6 +1,6 @@
-//! The model's state: the database (the `job_runs` rows, the loans, the ledger, libraryd's row lock) and each
-//! process's own state, plus the history variables the properties need (marked *history*: nothing in the
-//! protocol reads them).
+//! The model's state: the database (the `job_runs` rows, the loans, the ledger and its corrections, libraryd's row
+//! lock and its changes to the accrual loan) and each process's own state, plus the history variables the
+//! properties need (marked *history*: nothing in the protocol reads them).
 //!
 //! Time is kept relative: a lease is stored as `lease_until - now()` in clock steps, so the clock needs no value of
 //! its own and may advance forever in a finite state space. Everything is small and `Copy`, so that millions of
@@ -9,6 +9,8 @@
 /// Fixed array sizes; a [`crate::Setup`] uses at most these.
 pub const MAX_KEYS: usize = 2;
 pub const MAX_LOANS: usize = 4;
+/// Accrual days.
+pub const MAX_DAYS: usize = 2;
 /// Three replicas and the operator (`settle --force`, `release`), who runs in a process of their own.
 pub const ACTORS: usize = 4;
 pub const OPERATOR: usize = 3;
@@ -86,13 +88,58 @@ pub enum Libraryd {
     Done,
 }
 
+/// The accrual loan's row as accrual reads it: its dates (day numbers) and whether libraryd changed it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LoanDates {
+    pub due_on: i8,
+    pub returned_on: Option<i8>,
+    /// The loan has rows in `fine_loan_changes` (a trigger on `loans` adds one at every change): the re-check
+    /// reads it, and a re-opened run of a day looks only at such loans. The model never removes it: the re-check
+    /// removes a loan's changes only once none of its days has work, and from then on only another change gives
+    /// one work again (every committed write brings its day to its amount, or short of it only where the cap
+    /// leaves no room while another day owes less, which only a change brings about), so a kept change re-opens
+    /// nothing.
+    pub changed: bool,
+}
+
+/// The accrual loan's ledger for one day: its charge in `fine_ledger` and its corrections in
+/// `fine_ledger_corrections`, summed (the net is their total).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Day {
+    /// The first charge (primary key `(loan_id, accrual_date)`), if any.
+    pub charge: Option<i16>,
+    /// The sum of the day's corrections.
+    pub corrected: i16,
+    /// How many corrections the day has: the largest `seq`, since each is written as the next one.
+    pub seq: u8,
+    /// *History:* a correction was committed whose `seq` another correction of the day already had: computed from
+    /// a net that one had already corrected, it corrects the same cause a second time.
+    pub twice: bool,
+}
+
+impl Day {
+    pub const EMPTY: Day = Day {
+        charge: None,
+        corrected: 0,
+        seq: 0,
+        twice: false,
+    };
+
+    /// The day's net: its charge plus its corrections (`fine_ledger_net`).
+    pub fn net(&self) -> i16 {
+        self.charge.unwrap_or(0) + self.corrected
+    }
+}
+
 /// The database: one linearizable store with its own clock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Db {
     pub runs: [JobRun; MAX_KEYS],
     pub loans: [Loan; MAX_LOANS],
-    /// `fine_ledger` rows of the accrual loan, one per accrual key (day): the amount charged.
-    pub ledger: [Option<u16>; MAX_KEYS],
+    /// The accrual loan's dates.
+    pub dates: LoanDates,
+    /// The accrual loan's ledger, one entry per accrual day.
+    pub ledger: [Day; MAX_DAYS],
     pub libraryd: Libraryd,
 }
 
@@ -111,9 +158,9 @@ pub struct Run {
 pub struct Batch {
     /// The batch covers ids `cursor < id <= last`.
     pub last: i8,
-    /// Accrual: what the fetch's read of the ledger total says to charge (used only by the
-    /// [`crate::Mutation::CapReadOutsideLock`] mutation; the protocol recomputes it under the lock).
-    pub amount: u16,
+    /// Accrual, only under the [`crate::Mutation::CapReadOutsideLock`] mutation (0 otherwise): what the fetch's
+    /// read of the loan and the ledger total says to charge. The protocol computes it under the lock.
+    pub amount: i16,
 }
 
 /// The open batch transaction after its business writes, before the fence.
@@ -125,7 +172,11 @@ pub struct Tx {
     /// by another transaction (`skip locked`). Once the cursor commits past them they are the re-open's.
     pub skipped: u8,
     /// Accrual: the ledger row inserted, uncommitted.
-    pub charge: Option<u16>,
+    pub charge: Option<i16>,
+    /// Accrual: the correction inserted, uncommitted: its `seq` and amount.
+    pub correction: Option<(u8, i16)>,
+    /// Accrual: the cap held back some of the write's positive amount.
+    pub held: bool,
     /// Accrual: `pg_advisory_xact_lock(loan)` held.
     pub advisory: bool,
     /// Clock steps left before the server aborts the transaction for being idle (batch_timeout).
@@ -186,4 +237,7 @@ pub struct State {
     pub faults_left: u8,
     /// *History:* a transaction committed business writes while its epoch was not the key's current one.
     pub stale_commit: bool,
+    /// *History:* a batch committed a charge or a positive correction smaller than the day's difference from its
+    /// canonical amount (or none at all), because the cap left no more room.
+    pub held_back: bool,
 }

@@ -27,6 +27,11 @@ fn accrual_holds_every_property() {
     assert_clean(&check_scenario(Setup::accrual(), 1));
 }
 
+#[test]
+fn overlap_holds_every_property() {
+    assert_clean(&check_scenario(Setup::overlap(), 1));
+}
+
 /// The mutation is caught by the property it must break, with a counterexample whose last step is `last`.
 fn assert_caught(mutation: Mutation, last: &str) {
     let report = check_mutation(mutation);
@@ -65,6 +70,50 @@ fn a_charge_read_outside_the_lock_exceeds_the_cap() {
 }
 
 #[test]
+fn an_amount_from_the_ledger_total_leaves_the_days_in_the_order_runs_came() {
+    let report = check_mutation(Mutation::AmountFromLedgerTotal);
+    let trace = report.counterexample.expect("caught");
+    let (_, run) = trace
+        .stuck
+        .as_ref()
+        .expect("the fault-free run that comes to rest short of the goal");
+    assert!(
+        run.iter()
+            .any(|s| s.contains("overdue-accrual/day2/0: charge of 100")),
+        "day 2 takes the full rate: {trace:#?}"
+    );
+    let ledger = trace.ledger.expect("the ledger at rest");
+    assert!(
+        ledger.contains("day 1 net 50") && ledger.contains("day 2 net 100"),
+        "{ledger}"
+    );
+}
+
+#[test]
+fn a_correction_outside_the_fence_commits_for_a_run_that_lost_its_key() {
+    let report = check_mutation(Mutation::CorrectionOutsideFence);
+    let trace = report.counterexample.expect("caught");
+    let last = trace.steps.last().map(String::as_str).unwrap_or_default();
+    assert!(last.contains("committed at once on its own"), "{trace:#?}");
+}
+
+#[test]
+fn a_correction_without_its_uniqueness_corrects_a_day_twice() {
+    let report = check_mutation(Mutation::CorrectionWithoutUniqueness);
+    let trace = report.counterexample.expect("caught");
+    let corrections = trace
+        .steps
+        .iter()
+        .filter(|s| s.contains("correction #1 of -100"))
+        .count();
+    assert_eq!(corrections, 2, "{trace:#?}");
+    assert!(
+        trace.ledger.is_some_and(|l| l.contains("day 1 net -100")),
+        "corrected twice"
+    );
+}
+
+#[test]
 fn without_the_reopen_a_skipped_row_is_never_settled() {
     let report = check_mutation(Mutation::NoReopen);
     let trace = report.counterexample.expect("caught");
@@ -82,8 +131,8 @@ fn without_the_reopen_a_skipped_row_is_never_settled() {
 #[test]
 fn the_summary_line_counts_what_was_checked() {
     let summary = check::Summary {
-        scenarios: vec![check_scenario(Setup::accrual(), 1)],
-        mutations: vec![check_mutation(Mutation::CapReadOutsideLock)],
+        scenarios: vec![check_scenario(Setup::overlap(), 1)],
+        mutations: vec![check_mutation(Mutation::CorrectionWithoutUniqueness)],
     };
     let line = summary.line();
     let expected = format!(
@@ -98,12 +147,14 @@ fn the_summary_line_counts_what_was_checked() {
 
 #[test]
 fn from_the_start_the_daemon_settles_everything_in_either_order() {
-    for setup in [Setup::settlement(), Setup::accrual()] {
+    for setup in Setup::all() {
         let model = Protocol::new(setup, None);
         for turns in [properties::Turns::Ascending, properties::Turns::Descending] {
-            let run = properties::fault_free_run(&model, &model.initial(), turns);
-            assert!(run.settled, "{}: {turns:?}", model.setup.name);
-            assert!(!run.steps.is_empty());
+            for goal in [properties::Goal::Settled, properties::Goal::NetOwed] {
+                let run = properties::fault_free_run(&model, &model.initial(), turns, goal);
+                assert!(run.reached, "{}: {turns:?} {goal:?}", model.setup.name);
+                assert!(!run.steps.is_empty());
+            }
         }
     }
 }

@@ -372,16 +372,25 @@ async fn the_dry_run_counts_what_the_run_writes(pool: PgPool) {
     let written = run_counting(&pool, &job, &window).await;
     assert_eq!(written, counted);
     let corrections: i64 = counted.iter().map(|c| c.1 .1).sum();
-    assert!(corrections > 50, "the back-dated returns were corrected: {corrections}");
+    assert!(
+        corrections > 50,
+        "the back-dated returns were corrected: {corrections}"
+    );
 }
 
 /// The dry run's (charges, corrections) of each day, counted before any of them runs.
 async fn count_days(pool: &PgPool, policy: FinePolicy, days: &[NaiveDate]) -> Vec<(NaiveDate, (i64, i64))> {
     let mut counted = Vec::new();
     for day in days {
-        let work = ledger::count_work(&db(pool), *day, ShardSpec::SINGLE, Pricing::from(&policy), i64::MIN)
-            .await
-            .expect("count");
+        let work = ledger::count_work(
+            &db(pool),
+            *day,
+            ShardSpec::SINGLE,
+            Pricing::from(&policy),
+            i64::MIN,
+        )
+        .await
+        .expect("count");
         counted.push((*day, work));
     }
     counted
