@@ -302,7 +302,7 @@ impl TickFamilies {
             ),
             tick_errors: b.add(
                 "fine_settler_tick_errors_total",
-                "Tick attempts that could not read their status (database unreachable).",
+                "Tick attempts that failed (database unreachable or read-only, a statement timeout, a missing table).",
                 Family::default(),
             ),
             slots_dropped: b.add(

@@ -121,9 +121,14 @@ impl Daemon {
             tracing::error!(error = %e, slot = tick.slot,
                 "read-only server: claiming nothing; looking for a writable one with backoff");
             self.status("STATUS=connected to a read-only server; retrying with backoff");
-        } else {
+        } else if e.liveness() == crate::health::TickFailure::Outage {
             tracing::error!(error = %e, slot = tick.slot, "database unreachable; retrying with backoff");
             self.status("STATUS=database unreachable; retrying with backoff");
+        } else {
+            // The server answered: a statement timeout, a missing table or grant. Not an outage to wait out:
+            // /readyz fails at once and /healthz once it lasts (see health.rs).
+            tracing::error!(error = %e, slot = tick.slot, "tick failed on a server that answers; retrying with backoff");
+            self.status("STATUS=tick failing; retrying with backoff");
         }
         Outage { started, read_only }
     }

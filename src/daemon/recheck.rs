@@ -4,8 +4,9 @@
 //! changed loans ([`Scope::Changed`]). Its cost grows with the changes queued, not with the library's history.
 //!
 //! A re-check that fails or runs out of time (`claim.batch_timeout`) is its own episode: logged once (and when it
-//! ends), counted (`fine_settler_recheck_errors_total`), retried at the next tick — never a database outage, and
-//! never in the way of settlement or of the accrual's due keys.
+//! ends), counted (`fine_settler_recheck_errors_total`), retried at its next turn (looking at half as many changes
+//! if it ran out of time) — never a database outage, and never in the way of settlement or of the accrual's due
+//! keys.
 
 use std::collections::BTreeSet;
 
@@ -23,12 +24,19 @@ use crate::{
     },
 };
 
-/// How many queued changes one re-check looks at; more wait for the next one, which then comes at the next tick.
+/// The most queued changes one re-check looks at; more wait for the next one, which then comes at the next tick.
 pub const CHANGES_PER_RECHECK: i64 = 10_000;
 
+/// The fewest: a re-check that runs out of time looks at half as many changes the next time, down to this.
+pub const MIN_CHANGES_PER_RECHECK: i64 = 100;
+
 /// The re-check's state between ticks.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Rechecks {
+    /// How many queued changes the next re-check looks at: halved after a re-check that ran out of time, doubled
+    /// after one that completed with more waiting (a bulk import queues many), within
+    /// [`MIN_CHANGES_PER_RECHECK`]..=[`CHANGES_PER_RECHECK`].
+    limit: i64,
     /// When the last re-check succeeded.
     last: Option<tokio::time::Instant>,
     /// The last re-check left changes unread: the next tick re-checks again.
@@ -37,6 +45,18 @@ pub(super) struct Rechecks {
     pub(super) reopen: BTreeSet<NaiveDate>,
     /// The re-check is failing (logged once per episode).
     failing: bool,
+}
+
+impl Default for Rechecks {
+    fn default() -> Self {
+        Rechecks {
+            limit: 1_000,
+            last: None,
+            more: false,
+            reopen: BTreeSet::new(),
+            failing: false,
+        }
+    }
 }
 
 impl Rechecks {
@@ -96,16 +116,27 @@ impl Daemon {
             first,
             last,
             pricing,
-            CHANGES_PER_RECHECK,
+            self.rechecks.limit,
             true,
         );
         match tokio::time::timeout(timeout, asked).await {
-            Ok(Ok(found)) => self.rechecked(found),
+            Ok(Ok(found)) => {
+                if found.more {
+                    self.rechecks.limit = (self.rechecks.limit * 2).min(CHANGES_PER_RECHECK);
+                }
+                self.rechecked(found)
+            }
             Ok(Err(e)) => self.recheck_failed(StoreError::from(e).to_string()),
-            Err(_) => self.recheck_failed(format!(
-                "did not complete within {} (claim.batch_timeout)",
-                humantime::format_duration(timeout)
-            )),
+            Err(_) => {
+                let limit = self.rechecks.limit;
+                self.rechecks.limit = (limit / 2).max(MIN_CHANGES_PER_RECHECK);
+                self.recheck_failed(format!(
+                    "did not complete within {} (claim.batch_timeout) looking at {limit} changed loans; the next \
+                     looks at {}",
+                    humantime::format_duration(timeout),
+                    self.rechecks.limit
+                ))
+            }
         }
     }
 
@@ -137,7 +168,11 @@ impl Daemon {
         self.rechecks.last = Some(tokio::time::Instant::now());
     }
 
+    /// A failed re-check waits for its next turn (`accrual.recheck_every`), so that one that cannot complete does
+    /// not spend `claim.batch_timeout` of every tick.
     fn recheck_failed(&mut self, error: String) {
+        self.rechecks.last = Some(tokio::time::Instant::now());
+        self.rechecks.more = false;
         self.metrics.count_recheck_error();
         if !std::mem::replace(&mut self.rechecks.failing, true) {
             tracing::error!(error = %error,
