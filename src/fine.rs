@@ -181,12 +181,12 @@ mod tests {
             late in -5i64..60,
         ) {
             let p = policy(rate, grace, cap);
-            let due = chrono::NaiveDate::from_ymd_opt(2026, 10, 20).unwrap();
+            let due = chrono::NaiveDate::from_ymd_opt(2026, 10, 20).expect("a date");
             let returned = due + chrono::Duration::days(late);
             let total: i64 = (-3..late + 5)
                 .map(|k| p.day_amount(due, Some(returned), due + chrono::Duration::days(k)).get())
                 .sum();
-            prop_assert_eq!(total, p.fine(late).unwrap().get());
+            prop_assert_eq!(total, p.fine(late).expect("a fine").get());
         }
     }
 

@@ -439,7 +439,6 @@ async fn the_tick_s_action_and_the_claim_agree_on_every_state(pool: PgPool) {
     .await;
     let late_probe = LateProbe {
         settlement_since: Some(crate::helpers::d("2026-01-01")),
-        ..no_probe
     };
     let states: [(&str, &str, LateProbe, Action); 6] = [
         ("none", "", no_probe, Action::Claim),
