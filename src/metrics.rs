@@ -765,7 +765,7 @@ mod tests {
         );
         let text = m.render();
         assert_eq!(names_in(&text), m.series_names(), "{text}");
-        assert_eq!(m.families.len(), 22);
+        assert_eq!(m.families.len(), 26);
         assert!(text.contains("result=\"takeover\""), "{text}");
         assert!(text.contains("fine_settler_lease_lost_total{job=\"fine-settlement\",shard=\"0/1\"} 1"));
         assert!(text.contains("fine_settler_paused{job=\"fine-settlement\",shard=\"0/1\"} 1"));

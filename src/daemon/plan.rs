@@ -1,6 +1,8 @@
 //! `plan`'s view of a tick: what a tick at a given time would do, from the same status statement and the same
 //! plan as the tick itself; writes nothing.
 
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
 
 use super::{
@@ -56,6 +58,7 @@ pub async fn plan(settings: &Settings, at: Option<DateTime<Utc>>) -> Result<Vec<
             pricing,
             CHANGES_PER_RECHECK,
             false,
+            Duration::ZERO,
         )
         .await?;
         recheck::mark_late(&mut status.keys, &found.days.into_iter().collect());

@@ -118,6 +118,7 @@ impl Daemon {
             pricing,
             self.rechecks.limit,
             true,
+            timeout,
         );
         match tokio::time::timeout(timeout, asked).await {
             Ok(Ok(found)) => {

@@ -170,7 +170,8 @@ impl BatchJob for Accrual {
         rows: &Vec<Overdue>,
     ) -> Result<Written, JobError> {
         let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-        // Corrections first: a day that owes less makes room under the cap for the charges after it.
+        // One day per batch: a loan gets either a correction (the day is charged) or a charge (it is not). With a
+        // cap, every loan's lock is taken first, in the one lock order, and held to the batch's end.
         if self.policy.cap().is_some() {
             ledger::lock_loans(tx, &ids).await?;
         }

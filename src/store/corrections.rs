@@ -168,6 +168,8 @@ pub struct Recheck {
     pub orphaned: Vec<i64>,
     /// Queued changes removed (their loans' ledgers are as owed in the window, or the loans are gone).
     pub cleared: i64,
+    /// Queued changes marked as found owed for the first time, or unmarked because their loan needs work again.
+    pub marked: i64,
     /// The re-check looked at its limit of queued changes: more wait.
     pub more: bool,
 }
@@ -175,8 +177,12 @@ pub struct Recheck {
 /// The accrual re-check of `shard` over the days `first..=last`: looks at (at most `limit`) queued changes of
 /// the shard's loans, finds the days on which a changed loan is still to charge (owed, neither charged nor
 /// queued, and under the cap) or to correct (charged, and its net is not what is owed — a positive difference
-/// only while under the cap), and — when `clear` — removes the changes of the loans that need nothing, and of
-/// loans libraryd deleted. One statement; its cost grows with the changes queued, not with the loans.
+/// only while under the cap), and — when `clear` — removes the changes of the loans that need nothing (and of
+/// loans libraryd deleted) once two re-checks at least `settle` apart found them so: a batch that priced a day
+/// from the loan's row before libraryd changed it, and had not committed when the first re-check looked, has
+/// committed or failed by then (`settle` is `claim.batch_timeout`, which bounds a batch), and the second sees its
+/// charge. One statement; its cost grows with the changes queued, not with the loans.
+#[allow(clippy::too_many_arguments)]
 pub async fn recheck(
     pool: &Db,
     shard: ShardSpec,
@@ -185,7 +191,9 @@ pub async fn recheck(
     pricing: Pricing,
     limit: i64,
     clear: bool,
+    settle: std::time::Duration,
 ) -> Result<Recheck, sqlx::Error> {
+    let settle_ms = i64::try_from(settle.as_millis()).unwrap_or(i64::MAX) as f64;
     let row = sqlx::query!(
         r#"with seen as (
                select c.seq, c.loan_id from fine_loan_changes c
@@ -226,9 +234,23 @@ pub async fn recheck(
                where not exists (select 1 from loans l where l.id = ch.loan_id)
                  and exists (select 1 from fine_ledger f where f.loan_id = ch.loan_id)
            ), cleared as (
+               -- Found as owed by an earlier re-check long enough ago (`settle`), and again now.
                delete from fine_loan_changes c
                using seen s
                where $9 and c.seq = s.seq and not exists (select 1 from dirty x where x.loan_id = s.loan_id)
+                 and c.cleared_at < now() - $10 * interval '1 millisecond'
+               returning c.seq
+           ), marked as (
+               update fine_loan_changes c set cleared_at = now()
+               from seen s
+               where $9 and c.seq = s.seq and not exists (select 1 from dirty x where x.loan_id = s.loan_id)
+                 and c.cleared_at is null
+               returning c.seq
+           ), unmarked as (
+               update fine_loan_changes c set cleared_at = null
+               from seen s
+               where $9 and c.seq = s.seq and exists (select 1 from dirty x where x.loan_id = s.loan_id)
+                 and c.cleared_at is not null
                returning c.seq
            )
            select coalesce((select array_agg(distinct w.day order by w.day) from work w), '{}') as "days!",
@@ -236,6 +258,7 @@ pub async fn recheck(
                   (select count(*) from dirty) as "dirty!",
                   coalesce((select array_agg(o.loan_id order by o.loan_id) from orphaned o), '{}') as "orphaned!",
                   (select count(*) from cleared) as "cleared!",
+                  (select count(*) from marked) + (select count(*) from unmarked) as "marked!",
                   (select count(*) from seen) >= $8 as "more!""#,
         shard.shards(),
         shard.shard(),
@@ -246,6 +269,7 @@ pub async fn recheck(
         pricing.cap,
         limit,
         clear,
+        settle_ms,
     )
     .fetch_one(pool)
     .await?;
@@ -255,6 +279,7 @@ pub async fn recheck(
         dirty: row.dirty,
         orphaned: row.orphaned,
         cleared: row.cleared,
+        marked: row.marked,
         more: row.more,
     })
 }

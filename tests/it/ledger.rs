@@ -301,14 +301,29 @@ async fn the_recheck_finds_the_changed_loans_and_clears_them_once_corrected(pool
     let (first, last) = (window[0], window[window.len() - 1]);
     run_days(&pool, &job, &window).await;
     let shard = ShardSpec::SINGLE;
+    let pool_db = db(&pool);
     // Loans inserted already overdue were queued by the insert trigger; nothing to do for them.
-    let initial = corrections::recheck(&db(&pool), shard, first, last, pricing, 100_000, true)
-        .await
-        .expect("recheck");
-    assert_eq!((initial.days.len(), initial.dirty), (0, 0), "{initial:?}");
-    let idle = corrections::recheck(&db(&pool), shard, first, last, pricing, 100_000, true)
-        .await
-        .expect("recheck");
+    let recheck = || {
+        corrections::recheck(
+            &pool_db,
+            shard,
+            first,
+            last,
+            pricing,
+            100_000,
+            true,
+            Duration::ZERO,
+        )
+    };
+    let initial = recheck().await.expect("recheck");
+    assert_eq!(
+        (initial.days.len(), initial.dirty, initial.marked),
+        (0, 0, 1_000),
+        "{initial:?}"
+    );
+    let second = recheck().await.expect("recheck");
+    assert_eq!(second.cleared, 1_000, "found owed twice: cleared {second:?}");
+    let idle = recheck().await.expect("recheck");
     assert_eq!(idle.changed, 0, "{idle:?}");
 
     sqlx::query("update loans set returned_on = '2026-11-05' where id % 100 = 7")
@@ -319,9 +334,7 @@ async fn the_recheck_finds_the_changed_loans_and_clears_them_once_corrected(pool
         .execute(&pool)
         .await
         .expect("deleted");
-    let found = corrections::recheck(&db(&pool), shard, first, last, pricing, 100_000, true)
-        .await
-        .expect("recheck");
+    let found = recheck().await.expect("recheck");
     assert_eq!(found.changed, 11, "{found:?}");
     assert_eq!(found.dirty, 10, "{found:?}");
     assert_eq!(found.days, days("2026-11-06", "2026-11-08"));
@@ -336,9 +349,13 @@ async fn the_recheck_finds_the_changed_loans_and_clears_them_once_corrected(pool
         assert!(r.reopened, "{r:?}");
         assert_eq!((r.scanned, r.corrections), (10, 10), "{r:?}");
     }
-    let done = corrections::recheck(&db(&pool), shard, first, last, pricing, 100_000, true)
-        .await
-        .expect("recheck");
+    let done = recheck().await.expect("recheck");
+    assert_eq!(
+        (done.changed, done.dirty, done.cleared),
+        (11, 0, 1),
+        "the deleted loan's change goes: {done:?}"
+    );
+    let done = recheck().await.expect("recheck");
     assert_eq!((done.changed, done.dirty, done.cleared), (10, 0, 10), "{done:?}");
     let mut left = net(&pool).await;
     left.retain(|(loan, _), _| *loan != 500);
@@ -457,9 +474,18 @@ async fn an_old_order_ledger_is_brought_to_canonical_amounts_by_corrections(pool
     let changed = accrual(policy).within(Scope::Changed);
     let mut rounds = 0;
     loop {
-        let found = corrections::recheck(&db(&pool), shard, window[0], window[24], pricing, 100_000, true)
-            .await
-            .expect("recheck");
+        let found = corrections::recheck(
+            &db(&pool),
+            shard,
+            window[0],
+            window[24],
+            pricing,
+            100_000,
+            true,
+            Duration::ZERO,
+        )
+        .await
+        .expect("recheck");
         if found.days.is_empty() {
             break;
         }
@@ -490,4 +516,53 @@ async fn an_old_order_ledger_is_brought_to_canonical_amounts_by_corrections(pool
 
 fn net_of(rows: &[(i64, NaiveDate, i64)]) -> BTreeMap<(i64, NaiveDate), i64> {
     rows.iter().map(|(l, day, a)| ((*l, *day), *a)).collect()
+}
+
+/// A charge priced from a loan's row before libraryd changed it, committed after a re-check found the changed loan
+/// as owed: the change stays queued until a second re-check (at least a batch's time later) finds it owed too, so
+/// the stale charge is seen and corrected instead of forgotten.
+#[sqlx::test]
+async fn a_charge_in_flight_when_the_loan_changes_is_not_forgotten(pool: PgPool) {
+    insert(&pool, &[loan(1, "2026-12-01", None)]).await;
+    let policy = FinePolicy::new(100, 0, 0).expect("policy");
+    let pricing = Pricing::from(&policy);
+    let window = days("2026-12-02", "2026-12-05");
+    run_days(&pool, &accrual(policy), &window[..3]).await;
+    let shard = ShardSpec::SINGLE;
+    let pool_db = db(&pool);
+    let recheck = || {
+        corrections::recheck(
+            &pool_db,
+            shard,
+            window[0],
+            window[3],
+            pricing,
+            100,
+            true,
+            Duration::ZERO,
+        )
+    };
+    // The loan was queued by its insert (already overdue); start from an empty queue.
+    sqlx::query("delete from fine_loan_changes")
+        .execute(&pool)
+        .await
+        .expect("empty queue");
+
+    // A batch of 12-05 prices loan 1 from its row as it is: still out.
+    let mut batch = pool.begin().await.expect("begin");
+    let charged = ledger::charge(&mut *batch, d("2026-12-05"), &[1], pricing)
+        .await
+        .expect("charge");
+    assert_eq!(charged, 1);
+    // libraryd records the return, back-dated to 12-04, before the batch commits.
+    sqlx::query("update loans set returned_on = '2026-12-04' where id = 1")
+        .execute(&pool)
+        .await
+        .expect("return");
+    let first = recheck().await.expect("recheck");
+    assert_eq!((first.dirty, first.cleared), (0, 0), "{first:?}");
+    batch.commit().await.expect("commit");
+    let second = recheck().await.expect("recheck");
+    assert_eq!(second.days, [d("2026-12-05")], "{second:?}");
+    assert_eq!(second.dirty, 1, "{second:?}");
 }

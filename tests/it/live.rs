@@ -956,6 +956,7 @@ async fn a_day_both_charged_and_queued_does_not_hide_a_missing_day(pool: PgPool)
         pricing,
         100,
         false,
+        Duration::ZERO,
     )
     .await
     .expect("recheck");
