@@ -550,7 +550,7 @@ async fn a_charge_in_flight_when_the_loan_changes_is_not_forgotten(pool: PgPool)
 
     // A batch of 12-05 prices loan 1 from its row as it is: still out.
     let mut batch = pool.begin().await.expect("begin");
-    let charged = ledger::charge(&mut *batch, d("2026-12-05"), &[1], pricing)
+    let charged = ledger::charge(&mut batch, d("2026-12-05"), &[1], pricing)
         .await
         .expect("charge");
     assert_eq!(charged, 1);
