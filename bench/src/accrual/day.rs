@@ -9,7 +9,7 @@ use chrono::NaiveDate;
 use super::{
     data::{self, Population, CAP, GRACE, RATE},
     replica::Costly,
-    template_name, Schema,
+    template_name, Jit, Schema,
 };
 use crate::{Bench, Error};
 
@@ -18,6 +18,8 @@ use crate::{Bench, Error};
 pub(crate) enum Way {
     /// `fine-settler accrue --date D`: claimed, in fenced batches, resumable.
     Accrue,
+    /// The same with JIT compilation off for its sessions: how much of its time is compiling its statements.
+    AccrueJitOff,
     /// One `insert into fine_ledger select …` of every charge of the day: no batches, no claim, no fence.
     Statement,
 }
@@ -52,9 +54,9 @@ impl DayLeg {
         runs.get((runs.len().max(1) - 1) / 2).cloned()
     }
 
-    /// `accrue`'s rate against the statement's on `schema`, by their medians.
-    pub fn ratio(&self, schema: Schema) -> Option<f64> {
-        let accrue = self.median(schema, Way::Accrue)?;
+    /// `way`'s rate against the statement's on `schema`, by their medians.
+    pub fn ratio(&self, schema: Schema, way: Way) -> Option<f64> {
+        let accrue = self.median(schema, way)?;
         let statement = self.median(schema, Way::Statement)?;
         Some(statement.ms.max(1) as f64 / accrue.ms.max(1) as f64)
     }
@@ -127,8 +129,10 @@ impl Bench {
             for (schema, binary) in &ledgers {
                 eprintln!("   accrual day, round {round}/{rounds}: {}", schema.label());
                 let template = template_name(*schema, loans);
-                let run = self.accrue_day(binary, &template, day, batch).await?;
-                leg.push(*schema, Way::Accrue, run);
+                for (way, jit) in [(Way::Accrue, Jit::Server), (Way::AccrueJitOff, Jit::Off)] {
+                    let run = self.accrue_day(binary, &template, day, batch, jit).await?;
+                    leg.push(*schema, way, run);
+                }
                 let run = self.statement_day(*schema, &template, day).await?;
                 leg.push(*schema, Way::Statement, run);
             }
@@ -156,18 +160,19 @@ impl Bench {
         Ok(leg)
     }
 
-    /// `binary accrue --date day` on a fresh copy of `template`.
+    /// `binary accrue --date day` on a fresh copy of `template`, JIT as `jit` says.
     async fn accrue_day(
         &self,
         binary: &Path,
         template: &str,
         day: NaiveDate,
         batch: u32,
+        jit: Jit,
     ) -> Result<DayRun, Error> {
         let db = self.copy(template, "fsb_accrual_day").await?;
         self.reset_statements().await?;
         let url = format!("{}/{db}", self.server);
-        let child = super::process(binary, &url, batch, false, "warn")
+        let child = super::process(binary, &url, batch, false, jit, "warn")
             .args(["accrue", "--date", &day.to_string()])
             .stderr(Stdio::inherit())
             .spawn()?;

@@ -86,6 +86,8 @@ pub(crate) struct Accrual {
     before_commit: Option<String>,
     /// The machine's 1-minute load average when the section started and when it ended.
     load: (String, String),
+    /// The server's `jit_above_cost`.
+    jit_above_cost: String,
     day_leg: day::DayLeg,
     backdated: recheck::Backdated,
     sizes: Vec<recheck::OpenSize>,
@@ -108,6 +110,9 @@ impl Bench {
             .execute(&self.admin)
             .await?;
         let day = self.accrual_day().await?;
+        let jit_above_cost: String = sqlx::query_scalar("select current_setting('jit_above_cost')")
+            .fetch_one(&self.admin)
+            .await?;
         eprintln!("== accrual: day {day}, {} loans", args.loans);
         let day_leg = self
             .day_leg(&current, before, args.loans, day, args.batch, args.rounds)
@@ -125,6 +130,7 @@ impl Bench {
             day,
             before_commit: before.and_then(commit_of),
             load: (load_before, load_average()),
+            jit_above_cost,
             day_leg,
             backdated,
             sizes,
@@ -153,15 +159,27 @@ impl Bench {
     }
 }
 
+/// Whether a process's sessions use PostgreSQL's JIT compilation as the server says (on by default, for any
+/// statement whose estimated cost is over `jit_above_cost`), or not at all (`PGOPTIONS=-c jit=off`, which the
+/// product's connections honour as libpq's do): measured both ways where compiling costs more than running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Jit {
+    Server,
+    Off,
+}
+
 /// The template of the accrual day for `schema` and `loans`.
 fn template_name(schema: Schema, loans: u64) -> String {
     format!("fsb_accrual_{}_{loans}", schema.short())
 }
 
 /// A `fine-settler` process of this section on database `url`: the section's policy, accrual enabled in batches
-/// of `batch`, settlement enabled or not, logs at `log` (JSON on stderr).
-fn process(binary: &Path, url: &str, batch: u32, settlement: bool, log: &str) -> Command {
+/// of `batch`, settlement enabled or not, JIT as `jit` says, logs at `log` (JSON on stderr).
+fn process(binary: &Path, url: &str, batch: u32, settlement: bool, jit: Jit, log: &str) -> Command {
     let mut cmd = Command::new(binary);
+    if jit == Jit::Off {
+        cmd.env("PGOPTIONS", "-c jit=off");
+    }
     cmd.env("DATABASE_URL", url)
         .env("FINE_SETTLER__LOG__LEVEL", log)
         .env("FINE_SETTLER__ACCRUAL__ENABLED", "true")

@@ -9,17 +9,17 @@ use chrono::{Duration, NaiveDate};
 
 use super::{
     data::{Population, CAP, GRACE, RATE},
-    replica::{found_in, Found, Once, RunLine, Statements, Ticking, Timed},
-    template_name, AccrualArgs, Schema, WINDOW_DAYS,
+    replica::{found_in, Found, RunLine, Statements, Ticking, Timed},
+    template_name, AccrualArgs, Jit, Schema, WINDOW_DAYS,
 };
 use crate::{Bench, Error};
 
 /// How long a replica may take to correct the back-dated returns before the benchmark gives up.
 const CORRECTING_DEADLINE: std::time::Duration = std::time::Duration::from_secs(600);
 
-/// `accrual.recheck_every` of the replica that re-checks at every tick: shorter than its 200 ms period, since a
-/// re-check is due once that long has passed since the last one ended.
-const RECHECK_EVERY_TICK: &str = "100ms";
+/// `accrual.recheck_every` of the replica that re-checks at every tick: far shorter than its 200 ms period, since
+/// a re-check is due once that long has passed since the last one ended.
+const RECHECK_EVERY_TICK: &str = "10ms";
 
 /// A replica correcting back-dated returns by itself.
 #[derive(Debug, Clone)]
@@ -50,13 +50,22 @@ pub(crate) struct OpenSize {
     pub generated_secs: f64,
     /// A replica ticking with `accrual.recheck_every` at its default (the first tick re-checks).
     pub idle: Ticking,
-    /// A replica re-checking at every tick, with nothing queued.
+    /// A replica re-checking at every tick, with nothing queued; and the same with JIT off.
     pub every_tick: Ticking,
-    /// One re-check with changed loans queued: how many, what it found, what it cost.
+    pub every_tick_jit_off: Ticking,
+    /// One re-check with changed loans queued; and the same, of other loans, with JIT off.
+    pub changed: Changed,
+    pub changed_jit_off: Changed,
+}
+
+/// One `run --once` whose re-check had changed loans queued: how many, what it found, what it cost.
+#[derive(Debug, Clone)]
+pub(crate) struct Changed {
     pub queued: i64,
-    pub found: Vec<Found>,
-    pub changed_recheck: Timed,
-    pub changed_once: Once,
+    pub found: Found,
+    pub recheck: Timed,
+    /// The tick's wall time (start to exit), the re-opened days' runs included.
+    pub wall_ms: u64,
 }
 
 /// The day before the window that ends on `day`: a return dated there makes every charge of the window owed
@@ -83,7 +92,7 @@ impl Bench {
             .copy(&template_name(Schema::Current, loans), "fsb_accrual_backdated")
             .await?;
         self.still_day(day).await?;
-        let setup = self.run_once(current, &db, batch, false)?;
+        let setup = self.run_once(current, &db, batch, false, Jit::Server)?;
         check_setup(&setup.runs, day)?;
         let pool = self.pool(&db, 1).await?;
         let ids = back_date(&pool, day, returns).await?;
@@ -127,8 +136,9 @@ impl Bench {
     }
 
     /// The re-check at `n` open overdue loans: generated with a week of ledger, a first tick, a replica ticking
-    /// with the default `recheck_every` and one re-checking at every tick, then `args.changed` loans changed and
-    /// one `run --once`. The database is dropped afterwards.
+    /// with the default `recheck_every` and one re-checking at every tick (with JIT and without), then
+    /// `args.changed` loans changed and one `run --once` (again with other loans, JIT off). The database is
+    /// dropped afterwards.
     pub(crate) async fn open_size(
         &self,
         current: &Path,
@@ -155,15 +165,50 @@ impl Bench {
         .bind(CAP)
         .fetch_one(&pool)
         .await?;
+        pool.close().await;
         self.still_day(day).await?;
         // The first tick settles the (empty) months of the catch-up window; after it every tick is idle.
-        self.run_once(current, &db, args.batch, true)?;
+        self.run_once(current, &db, args.batch, true, Jit::Server)?;
+        let secs = args.tick_secs;
         let idle = self
-            .ticking(current, &db, args.batch, None, args.tick_secs)
+            .ticking(current, &db, args.batch, None, Jit::Server, secs)
             .await?;
+        let every = Some(RECHECK_EVERY_TICK);
         let every_tick = self
-            .ticking(current, &db, args.batch, Some(RECHECK_EVERY_TICK), args.tick_secs)
+            .ticking(current, &db, args.batch, every, Jit::Server, secs)
             .await?;
+        let every_tick_jit_off = self
+            .ticking(current, &db, args.batch, every, Jit::Off, secs)
+            .await?;
+        let changed = self.changed(current, &db, day, args, Jit::Server).await?;
+        // A tick whose re-check finds the first loans' changes done and clears them, before the second set.
+        self.run_once(current, &db, args.batch, true, Jit::Server)?;
+        let changed_jit_off = self.changed(current, &db, day, args, Jit::Off).await?;
+        self.drop_db(&db).await?;
+        Ok(OpenSize {
+            loans: generated.loans,
+            at_cap,
+            ledger_rows: generated.ledger_rows,
+            generated_secs: generated.seconds,
+            idle,
+            every_tick,
+            every_tick_jit_off,
+            changed,
+            changed_jit_off,
+        })
+    }
+
+    /// `args.changed` open loans charged on `day` back-dated before the window in `db`, and one `run --once`
+    /// (JIT as `jit` says) whose re-check must find every one of them with work.
+    async fn changed(
+        &self,
+        current: &Path,
+        db: &str,
+        day: NaiveDate,
+        args: &AccrualArgs,
+        jit: Jit,
+    ) -> Result<Changed, Error> {
+        let pool = self.pool(db, 1).await?;
         let ids = back_date(&pool, day, args.changed).await?;
         let queued: i64 = sqlx::query_scalar("select count(*) from fine_loan_changes")
             .fetch_one(&pool)
@@ -171,41 +216,19 @@ impl Bench {
         pool.close().await;
         self.still_day(day).await?;
         self.reset_statements().await?;
-        let changed_once = self.run_once(current, &db, args.batch, true)?;
-        let changed_recheck = self.statements_of(&db).await?.recheck;
-        self.drop_db(&db).await?;
-        let size = OpenSize {
-            loans: generated.loans,
-            at_cap,
-            ledger_rows: generated.ledger_rows,
-            generated_secs: generated.seconds,
-            idle,
-            every_tick,
-            queued,
-            found: found_in(&changed_once.log),
-            changed_recheck,
-            changed_once: Once {
-                runs: changed_once.runs,
-                wall_ms: changed_once.wall_ms,
-                log: String::new(),
-            },
-        };
-        size.checked(i64::try_from(ids.len())?)
-    }
-}
-
-impl OpenSize {
-    /// Fails unless the re-check with changes queued found every changed loan, each with work.
-    fn checked(self, changed: i64) -> Result<Self, Error> {
-        let found = self.found.first().copied().unwrap_or_default();
-        if self.found.len() != 1 || found.changed != changed || found.dirty != changed {
-            return Err(format!(
-                "at {} loans the re-check of {changed} changed loans found {:?}",
-                self.loans, self.found
-            )
-            .into());
+        let once = self.run_once(current, db, args.batch, true, jit)?;
+        let recheck = self.statements_of(db).await?.recheck;
+        let found = found_in(&once.log);
+        let changed = i64::try_from(ids.len())?;
+        match found.as_slice() {
+            [one] if one.changed == changed && one.dirty == changed => Ok(Changed {
+                queued,
+                found: *one,
+                recheck,
+                wall_ms: once.wall_ms,
+            }),
+            _ => Err(format!("the re-check of {changed} changed loans in {db} found {found:?}").into()),
         }
-        Ok(self)
     }
 }
 

@@ -15,7 +15,7 @@ use std::{
 
 use chrono::NaiveDate;
 
-use super::process;
+use super::{process, Jit};
 use crate::{Bench, Error};
 
 /// The start of the re-check's statement (`corrections::recheck` in src/store/corrections.rs), as
@@ -247,17 +247,18 @@ impl Bench {
             .collect())
     }
 
-    /// `binary run --once` on `db`: one tick, with settlement enabled or not.
+    /// `binary run --once` on `db`: one tick, with settlement enabled or not, JIT as `jit` says.
     pub(crate) fn run_once(
         &self,
         binary: &Path,
         db: &str,
         batch: u32,
         settlement: bool,
+        jit: Jit,
     ) -> Result<Once, Error> {
         let url = format!("{}/{db}", self.server);
         let started = Instant::now();
-        let out = process(binary, &url, batch, settlement, "info")
+        let out = process(binary, &url, batch, settlement, jit, "info")
             .args(["run", "--once"])
             .output()?;
         let wall_ms = u64::try_from(started.elapsed().as_millis())?;
@@ -287,7 +288,7 @@ impl Bench {
         let asked = format!("{OWN} {done}");
         let url = format!("{}/{db}", self.server);
         let started = Instant::now();
-        let replica = process(binary, &url, batch, false, "info")
+        let replica = process(binary, &url, batch, false, Jit::Server, "info")
             .arg("run")
             .env("FINE_SETTLER__SCHEDULE__PERIOD", "200ms")
             .stdout(std::process::Stdio::null())
@@ -311,7 +312,7 @@ impl Bench {
     }
 
     /// A replica of `binary` ticking every 200 ms on `db` for about `secs` seconds, settlement and accrual
-    /// enabled, re-checking every `recheck_every` (its default when `None`). The statistics are reset before it
+    /// enabled, re-checking every `recheck_every` (its default when `None`), JIT as `jit` says. The statistics are reset before it
     /// starts and read twice: right after its first idle tick is logged and right after the last one (a tick logs
     /// "nothing due" after its last statement, and the next comes 200 ms later), so that the steady figures hold
     /// whole idle ticks only, without the start-up and the first tick.
@@ -321,11 +322,12 @@ impl Bench {
         db: &str,
         batch: u32,
         recheck_every: Option<&str>,
+        jit: Jit,
         secs: u64,
     ) -> Result<Ticking, Error> {
         self.reset_statements().await?;
         let url = format!("{}/{db}", self.server);
-        let mut cmd = process(binary, &url, batch, true, "fine_settler=debug");
+        let mut cmd = process(binary, &url, batch, true, jit, "fine_settler=debug");
         cmd.arg("run")
             .env("FINE_SETTLER__SCHEDULE__PERIOD", "200ms")
             .stdout(std::process::Stdio::null());

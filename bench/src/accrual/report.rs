@@ -11,6 +11,15 @@ use super::{
 };
 use crate::{per_sec, verdict};
 
+/// How the report names a way of accruing the day.
+fn way_label(way: Way) -> &'static str {
+    match way {
+        Way::Accrue => "`fine-settler accrue --date D`",
+        Way::AccrueJitOff => "the same, JIT off (`PGOPTIONS=-c jit=off`)",
+        Way::Statement => "one `insert … select`",
+    }
+}
+
 /// The heading the section starts with; `merge` finds it by this line.
 const HEADING: &str = "## Accrual";
 
@@ -84,14 +93,15 @@ impl Accrual {
                 Schema::Current => Schema::Current.label().to_string(),
                 Schema::Before => self.before_label(),
             };
-            let (way_label, vs, rss) = match way {
-                Way::Accrue => (
-                    "`fine-settler accrue --date D`",
-                    leg.ratio(*schema).map_or(String::new(), |x| format!("{x:.2}")),
+            let (vs, rss) = match way {
+                Way::Statement => ("1.00".to_string(), String::new()),
+                _ => (
+                    leg.ratio(*schema, *way)
+                        .map_or(String::new(), |x| format!("{x:.2}")),
                     format!("{:.1} MiB", m.peak_rss_kib as f64 / 1024.0),
                 ),
-                Way::Statement => ("one `insert … select`", "1.00".to_string(), String::new()),
             };
+            let way_label = way_label(*way);
             let _ = writeln!(
                 r,
                 "| {label} | {way_label} | {} | {} | {} ms | {:.0} | {vs} | {} | {rss} | {} |",
@@ -106,9 +116,12 @@ impl Accrual {
                     .join(", ")
             );
         }
-        let _ = writeln!(r, "\nWhere the median `accrue` spent its database time (`pg_stat_statements`, the three costliest statements):\n");
-        for schema in [Schema::Current, Schema::Before] {
-            let Some(m) = leg.median(schema, Way::Accrue) else {
+        let _ = writeln!(r, "\nWhere the median `accrue` spent its database time (`pg_stat_statements`, execution of the three costliest statements; JIT compilation counts as execution):\n");
+        for (schema, way) in [Schema::Current, Schema::Before]
+            .into_iter()
+            .flat_map(|s| [(s, Way::Accrue), (s, Way::AccrueJitOff)])
+        {
+            let Some(m) = leg.median(schema, way) else {
                 continue;
             };
             let costliest = m
@@ -117,13 +130,13 @@ impl Accrual {
                 .map(|c| format!("`{}…` {} calls, {:.0} ms", c.text, c.calls, c.exec_ms))
                 .collect::<Vec<_>>()
                 .join("; ");
-            let _ = writeln!(r, "- {}: {costliest}", schema.label());
+            let _ = writeln!(r, "- {}, {}: {costliest}", schema.label(), way_label(way));
         }
         let now = leg.median(Schema::Current, Way::Accrue);
         if let (Some(now), Some(then)) = (now, leg.median(Schema::Before, Way::Accrue)) {
             let _ = writeln!(
                 r,
-                "\nBefore and after: `accrue` of the day took {} ms on the current ledger and {} ms on the {} ({:.2} × its time), {} and {} statements.\n",
+                "\nBefore and after: `accrue` of the day took {} ms on the current ledger and {} ms on the {} ({:.2} × its time), {} and {} statements.",
                 now.ms,
                 then.ms,
                 self.before_label(),
@@ -131,12 +144,24 @@ impl Accrual {
                 now.statements,
                 then.statements
             );
+            let off = |schema| leg.median(schema, Way::AccrueJitOff).map_or(0, |m| m.ms);
+            let _ = writeln!(
+                r,
+                "With JIT off: {} ms and {} ms.",
+                off(Schema::Current),
+                off(Schema::Before)
+            );
         } else {
             let _ = writeln!(
                 r,
-                "\nThe ledger before canonical amounts was not measured: no `--before-binary`.\n"
+                "\nThe ledger before canonical amounts was not measured: no `--before-binary`."
             );
         }
+        let _ = writeln!(
+            r,
+            "JIT compilation: the server compiles a statement whose estimated cost is over `jit_above_cost` ({}) every time it runs (a prepared statement's generic plan keeps that choice); `PGOPTIONS=-c jit=off` turns it off for a process's sessions.\n",
+            self.jit_above_cost
+        );
     }
 
     fn backdated_section(&self, r: &mut String) {
@@ -182,22 +207,21 @@ impl Accrual {
     }
 
     fn sizes_section(&self, r: &mut String) {
-        let _ = writeln!(r, "### Re-check cost, and the idle tick with accrual enabled\n");
         let _ = writeln!(
             r,
-            "Databases of open overdue loans only (a fifth past the cap), with the ledger of the window ({WINDOW_DAYS} days, generated set-based) and each day of it recorded as accrued; nothing queued. A real replica (settlement and accrual enabled) ticks every 200 ms for about {} s: once with `accrual.recheck_every` at its default (1m: its first tick re-checks, then one a minute), once at 100 ms (a re-check at every tick). Statements and database time from `pg_stat_statements` (`track_planning` on), read right after the replica's first idle tick and right after its last: the steady idle ticks between, start-up and first tick left out. Then {} open loans charged on the day are back-dated before the window and one `run --once` re-checks them (a replica's first re-check looks at 1,000 changed loans); its log says what the re-check found.\n",
-            self.args.tick_secs, self.args.changed
+            "### The idle tick with accrual enabled, and the re-check's cost\n"
         );
-        let _ = writeln!(r, "| open overdue loans | past the cap | ledger rows | idle tick, default `recheck_every`: statements per tick (ticks) | database time per tick | re-checks (all in the first tick) | RSS | re-check at every tick: statements per tick | re-check with nothing queued: execution mean, max (calls) | its planning (per plan, plans) | re-check with {} changed: database time (execution + planning) | found (changed / with work) | days re-opened | `run --once` with them |", self.args.changed);
-        let _ = writeln!(r, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        let _ = writeln!(
+            r,
+            "Databases of open overdue loans only (a fifth past the cap), with the ledger of the window ({WINDOW_DAYS} days, generated set-based) and each day of it recorded as accrued; nothing queued. A real replica (settlement and accrual enabled) ticks every 200 ms for about {} s: with `accrual.recheck_every` at its default (1m: its first tick re-checks, then one a minute), and re-checking at every tick (`recheck_every` 10 ms), with JIT as the server says and off. Statements and database time from `pg_stat_statements` (`track_planning` on), read right after the replica's first idle tick and right after its last: the steady idle ticks between, start-up and first tick left out.\n",
+            self.args.tick_secs
+        );
+        let _ = writeln!(r, "| open overdue loans | past the cap | ledger rows | statements per idle tick, default `recheck_every` (ticks) | database time per idle tick | re-checks (all in the first tick) | RSS | statements per tick re-checking at every tick |");
+        let _ = writeln!(r, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         for s in &self.sizes {
-            let e = s.every_tick.steady.recheck;
-            let planned = s.every_tick.total.recheck;
-            let c = s.changed_recheck;
-            let found = s.found.first().copied().unwrap_or_default();
             let _ = writeln!(
                 r,
-                "| {} | {} | {} | {:.2} ({}) | {:.2} ms | {} | {:.1} MiB | {:.2} | {:.3} ms, {:.2} ms ({}) | {:.1} ms ({}) | {:.1} ms ({:.1} + {:.1}) | {} / {} of {} queued | {} | {} ms |",
+                "| {} | {} | {} | {:.2} ({}) | {:.2} ms | {} | {:.1} MiB | {:.2} |",
                 s.loans,
                 s.at_cap,
                 s.ledger_rows,
@@ -207,19 +231,49 @@ impl Accrual {
                 s.idle.total.recheck.calls,
                 s.idle.rss_kib as f64 / 1024.0,
                 s.every_tick.per_tick(),
+            );
+        }
+        let _ = writeln!(
+            r,
+            "\nThe re-check, from the same replicas; then {} open loans charged on the day are back-dated before the window and one `run --once` re-checks them (a replica's first re-check looks at 1,000 changed loans; its log says what it found), once as the server says, once with JIT off (other loans, after a tick that cleared the first ones).\n",
+            self.args.changed
+        );
+        let _ = writeln!(r, "| open overdue loans | nothing queued: execution mean, max (calls) | planning per plan (plans) | nothing queued, JIT off: execution mean, max (calls) | {} changed: database time (execution + planning) | found (changed / with work), days re-opened | `run --once` with them | {} changed, JIT off: database time | found | `run --once` |", self.args.changed, self.args.changed);
+        let _ = writeln!(
+            r,
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        );
+        for s in &self.sizes {
+            let (e, off) = (s.every_tick.steady.recheck, s.every_tick_jit_off.steady.recheck);
+            let planned = s.every_tick.total.recheck;
+            let (c, o) = (&s.changed, &s.changed_jit_off);
+            let _ = writeln!(
+                r,
+                "| {} | {:.3} ms, {:.2} ms ({}) | {:.1} ms ({}) | {:.3} ms, {:.2} ms ({}) | {:.1} ms ({:.1} + {:.1}) | {} / {} of {}, {} | {} ms | {:.1} ms ({:.1} + {:.1}) | {} / {} of {} | {} ms |",
+                s.loans,
                 e.exec_per_call_ms(),
                 e.max_exec_ms,
                 e.calls,
                 planned.per_plan_ms(),
                 planned.plans,
-                c.exec_ms + c.plan_ms,
-                c.exec_ms,
-                c.plan_ms,
-                found.changed,
-                found.dirty,
-                s.queued,
-                found.days,
-                s.changed_once.wall_ms
+                off.exec_per_call_ms(),
+                off.max_exec_ms,
+                off.calls,
+                c.recheck.exec_ms + c.recheck.plan_ms,
+                c.recheck.exec_ms,
+                c.recheck.plan_ms,
+                c.found.changed,
+                c.found.dirty,
+                c.queued,
+                c.found.days,
+                c.wall_ms,
+                o.recheck.exec_ms + o.recheck.plan_ms,
+                o.recheck.exec_ms,
+                o.recheck.plan_ms,
+                o.found.changed,
+                o.found.dirty,
+                o.queued,
+                o.wall_ms,
             );
         }
         let _ = writeln!(
@@ -237,10 +291,14 @@ impl Accrual {
         let _ = writeln!(r, "### Accrual targets\n");
         let _ = writeln!(r, "| target | measured | |");
         let _ = writeln!(r, "| --- | --- | --- |");
-        if let Some(x) = self.day_leg.ratio(Schema::Current) {
+        if let Some(x) = self.day_leg.ratio(Schema::Current, Way::Accrue) {
+            let off = self
+                .day_leg
+                .ratio(Schema::Current, Way::AccrueJitOff)
+                .unwrap_or(0.0);
             let _ = writeln!(
                 r,
-                "| `accrue` of one day over {} loans ≥ {ACCRUE_TARGET} × one statement writing the same charges | {x:.2} | {} |",
+                "| `accrue` of one day over {} loans ≥ {ACCRUE_TARGET} × one statement writing the same charges | {x:.2} ({off:.2} with JIT off) | {} |",
                 self.day_leg.loans,
                 verdict(x >= ACCRUE_TARGET)
             );
@@ -265,15 +323,15 @@ impl Accrual {
                 e.per_call_ms(),
                 verdict(e.per_call_ms() <= IDLE_RECHECK_TARGET_MS && coldest <= IDLE_RECHECK_TARGET_MS)
             );
-            let found = s.found.first().copied().unwrap_or_default();
+            let c = &s.changed;
             let _ = writeln!(
                 r,
                 "| re-check with {} changed loans at {} loans finds all of them | {} found, {} with work | {} |",
-                s.queued,
+                c.queued,
                 s.loans,
-                found.changed,
-                found.dirty,
-                verdict(found.changed == s.queued && found.dirty == s.queued)
+                c.found.changed,
+                c.found.dirty,
+                verdict(c.found.changed == c.queued && c.found.dirty == c.queued)
             );
             let _ = writeln!(
                 r,
