@@ -53,9 +53,8 @@ pub(crate) struct OpenSize {
     /// A replica re-checking at every tick, with nothing queued; and the same with JIT off.
     pub every_tick: Ticking,
     pub every_tick_jit_off: Ticking,
-    /// One re-check with changed loans queued; and the same, of other loans, with JIT off.
+    /// One re-check with changed loans queued.
     pub changed: Changed,
-    pub changed_jit_off: Changed,
 }
 
 /// One `run --once` whose re-check had changed loans queued: how many, what it found, what it cost.
@@ -137,8 +136,7 @@ impl Bench {
 
     /// The re-check at `n` open overdue loans: generated with a week of ledger, a first tick, a replica ticking
     /// with the default `recheck_every` and one re-checking at every tick (with JIT and without), then
-    /// `args.changed` loans changed and one `run --once` (again with other loans, JIT off). The database is
-    /// dropped afterwards.
+    /// `args.changed` loans changed and one `run --once`. The database is dropped afterwards.
     pub(crate) async fn open_size(
         &self,
         current: &Path,
@@ -180,10 +178,7 @@ impl Bench {
         let every_tick_jit_off = self
             .ticking(current, &db, args.batch, every, Jit::Off, secs)
             .await?;
-        let changed = self.changed(current, &db, day, args, Jit::Server).await?;
-        // A tick whose re-check finds the first loans' changes done and clears them, before the second set.
-        self.run_once(current, &db, args.batch, true, Jit::Server)?;
-        let changed_jit_off = self.changed(current, &db, day, args, Jit::Off).await?;
+        let changed = self.changed(current, &db, day, args).await?;
         self.drop_db(&db).await?;
         Ok(OpenSize {
             loans: generated.loans,
@@ -194,19 +189,17 @@ impl Bench {
             every_tick,
             every_tick_jit_off,
             changed,
-            changed_jit_off,
         })
     }
 
     /// `args.changed` open loans charged on `day` back-dated before the window in `db`, and one `run --once`
-    /// (JIT as `jit` says) whose re-check must find every one of them with work.
+    /// whose re-check must find every one of them with work.
     async fn changed(
         &self,
         current: &Path,
         db: &str,
         day: NaiveDate,
         args: &AccrualArgs,
-        jit: Jit,
     ) -> Result<Changed, Error> {
         let pool = self.pool(db, 1).await?;
         let ids = back_date(&pool, day, args.changed).await?;
@@ -216,7 +209,7 @@ impl Bench {
         pool.close().await;
         self.still_day(day).await?;
         self.reset_statements().await?;
-        let once = self.run_once(current, db, args.batch, true, jit)?;
+        let once = self.run_once(current, db, args.batch, true, Jit::Server)?;
         let recheck = self.statements_of(db).await?.recheck;
         let found = found_in(&once.log);
         let changed = i64::try_from(ids.len())?;

@@ -337,27 +337,49 @@ impl Bench {
         let mut replica = cmd.spawn()?;
         let ticks = Arc::new(AtomicUsize::new(0));
         let log = read_log(replica.stderr.take().ok_or("no stderr")?, ticks.clone());
-        let first = next_tick(&ticks, 0).await;
-        let at_first = self.statements_of(db).await;
+        let first = self.reading(db, &ticks, 0).await;
         tokio::time::sleep(Duration::from_secs(secs)).await;
-        let last = next_tick(&ticks, ticks.load(Ordering::SeqCst)).await;
-        let at_last = self.statements_of(db).await;
+        let last = self.reading(db, &ticks, ticks.load(Ordering::SeqCst)).await;
         let (rss_kib, _) = crate::rss_of(replica.id());
         std::process::Command::new("kill")
             .args(["-TERM", &replica.id().to_string()])
             .status()?;
         replica.wait()?;
         let log = log.join().map_err(|_| "log reader panicked")?;
-        let (Some(first), Some(last)) = (first, last) else {
+        let (Some((first, at_first)), Some((last, total))) = (first?, last?) else {
             return Err(format!("the replica logged no idle tick within {TICK_WAIT:?}: {log}").into());
         };
-        let (at_first, total) = (at_first?, at_last?);
         Ok(Ticking {
             ticks: last - first,
             steady: total.since(&at_first),
             total,
             rss_kib,
         })
+    }
+}
+
+impl Bench {
+    /// The statements of `db` right after an idle tick later than the `after`-th, with the number of that tick
+    /// (`None` if none comes within [`TICK_WAIT`]). A reading that the next tick overtook — its log line came
+    /// before the reading ended, so its statement may be counted without the tick — is taken again after it.
+    async fn reading(
+        &self,
+        db: &str,
+        ticks: &AtomicUsize,
+        after: usize,
+    ) -> Result<Option<(usize, Statements)>, Error> {
+        let mut after = after;
+        for _ in 0..10 {
+            let Some(tick) = next_tick(ticks, after).await else {
+                return Ok(None);
+            };
+            let statements = self.statements_of(db).await?;
+            if ticks.load(Ordering::SeqCst) == tick {
+                return Ok(Some((tick, statements)));
+            }
+            after = ticks.load(Ordering::SeqCst);
+        }
+        Err("every reading of the statements was overtaken by the replica's next tick".into())
     }
 }
 
