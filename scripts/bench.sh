@@ -9,9 +9,15 @@
 # The impact section drives a load with pgbench, from the folder scripts/pg-bin.sh names (as for the server's
 # programs: FINE_SETTLER_PG_BIN, otherwise the newest of /usr/lib/postgresql/*/bin, otherwise pg_config's
 # bindir); without one that leg is left out too, and the report says so.
+# The accrual section (one accrual day against one set-based statement, the re-check at 1M and 5M open overdue
+# loans) also measures the ledger before canonical amounts when FINE_SETTLER_BENCH_BEFORE names that version's
+# fine-settler binary (built at commit 71619a5: `cargo build --release -p fine-settler` in a checkout of it).
 #   scripts/bench.sh           the full run: 1M loans, impact on a load, batch-size sweep, scaling (100k, 4M, 10M;
-#                              4 shards), drift
-#   scripts/bench.sh --quick   a smoke run (20k loans, a short impact section) that writes target/bench-smoke.md
+#                              4 shards), drift, accrual
+#   scripts/bench.sh --quick   a smoke run (20k loans, a short impact section, a small accrual section) that writes
+#                              target/bench-smoke.md
+#   scripts/bench.sh --accrual the accrual section alone, merged into bench/RESULTS.md in place of the one there
+#                              (the other sections' figures kept; its header says which sections were measured when)
 #   scripts/bench.sh ARGS...   any fine-settler-bench arguments (see --help)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,11 +40,20 @@ if [ -n "$pgbin" ] && [ -x "$pgbin/pgbench" ]; then
 else
   echo "bench.sh: no pgbench beside the PostgreSQL programs of scripts/pg-bin.sh (${pgbin:-none found}); leaving out the impact section" >&2
 fi
+before=()
+if [ -n "${FINE_SETTLER_BENCH_BEFORE:-}" ]; then
+  before=(--before-binary "$FINE_SETTLER_BENCH_BEFORE")
+fi
 if [ "${1:-}" = "--quick" ]; then
   exec target/release/fine-settler-bench --loans 20000 --sweep 1000,5000 "${pooler[@]}" "${load[@]}" \
-    --idle-secs 3 --warmup-secs 1 --cooldown-secs 1 --out target/bench-smoke.md
+    --idle-secs 3 --warmup-secs 1 --cooldown-secs 1 "${before[@]}" --accrual-loans 20000 --accrual-rounds 1 \
+    --recheck-returns 200 --recheck-loans 20000 --recheck-changed 100 --tick-secs 2 --out target/bench-smoke.md
+elif [ "${1:-}" = "--accrual" ]; then
+  shift
+  exec target/release/fine-settler-bench --accrual-only "${before[@]}" --merge-into bench/RESULTS.md "$@"
 elif [ $# -eq 0 ]; then
-  exec target/release/fine-settler-bench --scaling --drift "${pooler[@]}" "${load[@]}" --out bench/RESULTS.md
+  exec target/release/fine-settler-bench --scaling --drift "${pooler[@]}" "${load[@]}" "${before[@]}" \
+    --out bench/RESULTS.md
 else
-  exec target/release/fine-settler-bench "${pooler[@]}" "${load[@]}" "$@"
+  exec target/release/fine-settler-bench "${pooler[@]}" "${load[@]}" "${before[@]}" "$@"
 fi

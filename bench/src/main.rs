@@ -5,8 +5,10 @@
 //! the statements of an idle daemon tick, the process's peak RSS, a batch-size sweep and, optionally, scaling
 //! and scheduler drift; with `--pgbouncer` also `settle` through PgBouncer in transaction and in session mode
 //! beside a direct one, each bouncer started and stopped by that script; with `--pgbench` what settlement costs a
-//! libraryd-like load beside it, and the WAL it writes per row (the `impact` module). It prints a Markdown report
-//! and writes it to `--out`.
+//! libraryd-like load beside it, and the WAL it writes per row (the `impact` module); and the accrual section
+//! (the `accrual` module: one accrual day against one set-based statement, before and after canonical amounts,
+//! and the re-check), which `--accrual-only --merge-into` measures on its own into an existing report. It prints a
+//! Markdown report and writes it to `--out`.
 //!
 //! It runs the `fine-settler` binary found beside its own executable (both are built into the workspace's
 //! `target/`), which also generates the loans (`fine-settler demo-data`); it does not link the product library.
@@ -18,6 +20,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use accrual::AccrualArgs;
 use clap::Parser;
 use impact::ImpactArgs;
 use sqlx::{
@@ -25,6 +28,7 @@ use sqlx::{
     Connection, PgConnection, PgPool,
 };
 
+mod accrual;
 mod impact;
 
 /// The month the generated loans cluster around (`fine-settler demo-data --month`), and its last day.
@@ -79,6 +83,53 @@ struct Args {
     /// Where to write the Markdown report (stdout always gets it).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Leave out the accrual section.
+    #[arg(long, conflicts_with = "accrual_only")]
+    no_accrual: bool,
+    /// Measure the accrual section alone (no settlement template, no other section).
+    #[arg(long)]
+    accrual_only: bool,
+    /// With `--accrual-only`: put the section into this report in place of its accrual section, keeping every
+    /// other section, and say in its header which sections were measured when.
+    #[arg(long, requires = "accrual_only")]
+    merge_into: Option<PathBuf>,
+    /// Loans of the accrual day's template (also those of the back-dated returns).
+    #[arg(long, default_value_t = 1_000_000)]
+    accrual_loans: u64,
+    /// Rounds of the accrual day (each way on a fresh copy in each); the report takes the medians.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    accrual_rounds: u32,
+    /// Returns back-dated before charged days, for a replica to correct by itself.
+    #[arg(long, default_value_t = 10_000)]
+    recheck_returns: u64,
+    /// Sizes (open overdue loans, a fifth past the cap) at which the re-check's cost is measured.
+    #[arg(long, value_delimiter = ',', default_value = "1000000,5000000")]
+    recheck_loans: Vec<u64>,
+    /// Changed loans queued for the re-check that must find them all.
+    #[arg(long, default_value_t = 1_000)]
+    recheck_changed: u64,
+    /// Seconds each replica of the accrual section ticks (every 200 ms).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    tick_secs: u64,
+    /// The `fine-settler` binary of the ledger before canonical amounts (commit 71619a5), measured beside the
+    /// current one on the same accrual day.
+    #[arg(long)]
+    before_binary: Option<PathBuf>,
+}
+
+impl Args {
+    fn accrual(&self) -> AccrualArgs {
+        AccrualArgs {
+            loans: self.accrual_loans,
+            rounds: self.accrual_rounds,
+            batch: self.batch_size,
+            returns: self.recheck_returns,
+            open_sizes: self.recheck_loans.clone(),
+            changed: self.recheck_changed,
+            tick_secs: self.tick_secs,
+            before: self.before_binary.clone(),
+        }
+    }
 }
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -690,6 +741,9 @@ async fn main() -> Result<(), Error> {
         .connect(&format!("{server}/postgres"))
         .await?;
     let bench = Bench { server, admin };
+    if args.accrual_only {
+        return accrual_only(&bench, &args).await;
+    }
 
     let (main, settled_db) = measure(&bench, args.loans, args.batch_size).await?;
     eprintln!("   idle daemon");
@@ -777,6 +831,12 @@ async fn main() -> Result<(), Error> {
         None
     };
 
+    let accrual_section = if args.no_accrual {
+        None
+    } else {
+        Some(bench.accrual(&args.accrual()).await?)
+    };
+
     // ---- the report ----
     let version: String = sqlx::query_scalar("select version()")
         .fetch_one(&bench.admin)
@@ -795,6 +855,7 @@ async fn main() -> Result<(), Error> {
     );
     let _ = writeln!(r, "- date: {}", sh("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]));
     let _ = writeln!(r, "- commit: {}", sh("git", &["rev-parse", "--short", "HEAD"]));
+    let _ = writeln!(r, "{}", accrual::measured_all());
     let _ = writeln!(
         r,
         "- machine: {} cores, {} ({})",
@@ -1011,6 +1072,13 @@ async fn main() -> Result<(), Error> {
         let _ = writeln!(r, "```\n{line}\n```\n");
     }
 
+    match &accrual_section {
+        Some(section) => r.push_str(&section.report()),
+        None => {
+            let _ = writeln!(r, "## Accrual\n\nNot measured: `--no-accrual`.\n");
+        }
+    }
+
     let _ = writeln!(r, "## Targets\n");
     let _ = writeln!(r, "| target | measured | |");
     let _ = writeln!(r, "| --- | --- | --- |");
@@ -1092,6 +1160,27 @@ async fn main() -> Result<(), Error> {
     print!("{r}");
     if let Some(path) = args.out {
         std::fs::write(&path, &r)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// `--accrual-only`: the accrual section alone, printed, and written to `--out` or merged into `--merge-into`.
+async fn accrual_only(bench: &Bench, args: &Args) -> Result<(), Error> {
+    let section = bench.accrual(&args.accrual()).await?.report();
+    print!("{section}");
+    if let Some(path) = &args.merge_into {
+        let existing =
+            std::fs::read_to_string(path).map_err(|e| format!("--merge-into {}: {e}", path.display()))?;
+        let measured = accrual::measured_accrual(
+            &sh("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]),
+            &sh("git", &["rev-parse", "--short", "HEAD"]),
+        );
+        std::fs::write(path, accrual::merge(&existing, &section, &measured))?;
+        eprintln!("merged the accrual section into {}", path.display());
+    }
+    if let Some(path) = &args.out {
+        std::fs::write(path, &section)?;
         eprintln!("wrote {}", path.display());
     }
     Ok(())
