@@ -90,17 +90,19 @@ impl Accrual {
         Pricing::from(&self.policy)
     }
 
-    /// One charge, under its own savepoint of `tx`: lock the loans (with a cap), write, check deferred
-    /// constraints. `Ok(Err(e))`: the database rejected it, and the savepoint was rolled back.
+    /// One charge, under its own savepoint of `tx`: lock the loans (with a cap, unless the caller holds their
+    /// locks already: a batch takes them all once), write, check deferred constraints. `Ok(Err(e))`: the
+    /// database rejected it, and the savepoint was rolled back.
     async fn try_charge(
         &self,
         tx: &mut PgConnection,
         day: NaiveDate,
         ids: &[i64],
+        locks: Locks,
     ) -> Result<Result<u64, sqlx::Error>, sqlx::Error> {
         let mut sp = tx.begin().await?;
         let attempt = async {
-            if self.policy.cap().is_some() {
+            if locks == Locks::Take && self.policy.cap().is_some() {
                 ledger::lock_loans(&mut sp, ids).await?;
             }
             let written = ledger::charge(&mut sp, day, ids, self.pricing()).await?;
@@ -120,6 +122,13 @@ impl Accrual {
             Err(e) => Err(e),
         }
     }
+}
+
+/// Whether a charge takes its loans' locks itself or runs under those its batch took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Locks {
+    Take,
+    Held,
 }
 
 /// Whether the database rejected the statement (so the row can be isolated and queued), as opposed to the
@@ -195,7 +204,7 @@ impl Accrual {
             return Ok(0);
         }
         let started = tokio::time::Instant::now();
-        match self.try_charge(tx, day, &ids).await? {
+        match self.try_charge(tx, day, &ids, Locks::Held).await? {
             Ok(written) => return Ok(written),
             Err(e) => {
                 tracing::warn!(error = %e, rows = ids.len(), "batch charge rejected; isolating the failing loans")
@@ -203,17 +212,12 @@ impl Accrual {
         }
 
         ledger::set_local_statement_timeout(tx, self.row_timeout.as_millis() as u64).await?;
-        // Each isolated charge keeps its loan's lock until the batch commits: take them in the one lock order.
-        let ids = if self.policy.cap().is_some() {
-            ledger::in_lock_order(tx, &ids).await?
-        } else {
-            ids
-        };
+        // The batch's loan locks, taken before its first savepoint, are still held: isolating takes no new ones.
         let (mut written, mut queued) = (0u64, 0u64);
         let delay = millis(self.backoff.delay(1));
         for id in ids {
             let error = if started.elapsed() < self.isolation_budget {
-                match self.try_charge(tx, day, &[id]).await? {
+                match self.try_charge(tx, day, &[id], Locks::Held).await? {
                     Ok(n) => {
                         written += n;
                         continue;
@@ -382,7 +386,9 @@ async fn retry_pending(
             "pending charge is DEAD: it had all its attempts; an operator must look at it");
         return Ok(Some(Retried::Dead));
     }
-    let charge = accrual.try_charge(&mut tx, p.accrual_date, &[p.loan_id]).await?;
+    let charge = accrual
+        .try_charge(&mut tx, p.accrual_date, &[p.loan_id], Locks::Take)
+        .await?;
     let retried = match charge {
         Ok(written) => {
             ledger::resolve(&mut tx, p.loan_id, p.accrual_date).await?;

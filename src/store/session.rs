@@ -24,7 +24,7 @@ impl Gucs {
     }
 
     /// The job connections' settings: the batch timeout as both `statement_timeout` and
-    /// `idle_in_transaction_session_timeout`; no parallel query; and generic plans.
+    /// `idle_in_transaction_session_timeout`; no parallel query; generic plans; and no JIT compilation.
     ///
     /// A batch reads a few thousand rows through an index. With parallel workers allowed, the planner started
     /// workers (and a parallel scan plus sort) for every batch query, several times slower than the index walk.
@@ -32,6 +32,11 @@ impl Gucs {
     /// the planner read the month's whole range from the index ordered by return date, or the whole table, and
     /// sort it for each batch, 80–150 ms each; the generic plan walks the id-ordered index, as a keyset batch
     /// should (measured with auto_explain; see bench/RESULTS.md).
+    ///
+    /// A generic plan is costed without its parameters, so on a large `loans` table the planner's estimate of
+    /// statements that read a few rows (the accrual re-check with nothing queued, a batch scan) passes
+    /// `jit_above_cost` and PostgreSQL compiles them: about 100 ms of a re-check that executes in 0.3 ms at
+    /// 5,000,000 open overdue loans, and a few percent of each accrual batch (bench/README.md).
     pub(super) fn jobs(batch_timeout: Duration) -> Self {
         let timeout = batch_timeout.as_millis().max(1).to_string();
         Gucs(vec![
@@ -39,6 +44,7 @@ impl Gucs {
             ("idle_in_transaction_session_timeout", timeout),
             ("max_parallel_workers_per_gather", "0".into()),
             ("plan_cache_mode", "force_generic_plan".into()),
+            ("jit", "off".into()),
         ])
     }
 
