@@ -17,10 +17,15 @@
 //!
 //! The cap holds in every committed state whatever runs at the same time: with a cap, every charge and
 //! correction locks its loan (a transaction-scoped advisory lock, [`ledger::lock_loans`]) and clamps a positive
-//! amount to what is left under the cap, read after the lock. While a loan's ledger is canonical the clamp never
-//! binds (canonical amounts add up to at most the cap); it binds only while a changed loan's days are being
-//! re-priced by runs of different days, and the re-check re-opens the clamped day once the others are done. A
-//! charge is written only while the day is owed by the loans row as the charge sees it.
+//! amount to what is left under the cap, read after the lock. The lock is what the cap still needs with canonical
+//! amounts: each run prices a day from the loans row as its statement sees it, and two runs of different days of
+//! a loan libraryd changes meanwhile could price from different rows — one before the change, one after — whose
+//! amounts together exceed the cap; under the lock the second reads what the first wrote. While a loan's ledger is
+//! canonical the clamp never binds (canonical amounts add up to at most the cap). A changed loan's ledger can hold
+//! more than owed on some days while another is still short (a due date moved earlier); a batch whose day would
+//! not fit under the cap therefore first corrects that loan's over-charged days, whatever their date
+//! ([`corrections::relieve`]): one pass over the days, in any order, leaves every day as owed. A charge is
+//! written only while the day is owed by the loans row as the charge sees it.
 
 use std::time::Duration;
 
@@ -180,11 +185,15 @@ impl BatchJob for Accrual {
     ) -> Result<Written, JobError> {
         let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
         // One day per batch: a loan gets either a correction (the day is charged) or a charge (it is not). With a
-        // cap, every loan's lock is taken first, in the one lock order, and held to the batch's end.
+        // cap, every loan's lock is taken first, in the one lock order, and held to the batch's end; then the
+        // changed loans' other days that hold more than they owe are brought down where the day's own amount
+        // would not fit under the cap.
+        let mut corrected = corrections::Corrected::default();
         if self.policy.cap().is_some() {
             ledger::lock_loans(tx, &ids).await?;
+            corrected = corrections::relieve(tx, key, epoch, &ids, self.pricing()).await?;
         }
-        let corrected = corrections::correct(tx, key, epoch, &ids, self.pricing()).await?;
+        corrected.add(&corrections::correct(tx, key, epoch, &ids, self.pricing()).await?);
         let updated = self.charge_batch(tx, key.business_date, ids).await?;
         Ok(Written { updated, corrected })
     }

@@ -4,10 +4,10 @@
 //! The net of a (loan, day) — its first charge in `fine_ledger` plus its corrections — must equal the day's
 //! canonical amount (`fine_settler_day_amount`, [`crate::fine::FinePolicy::day_amount`]). A correction is the
 //! difference, written as the day's next correction (`seq`) with `on conflict do nothing`: two writers that saw
-//! the same net cannot both write it. A positive difference (a day owed again, or owed more) is clamped to what is
-//! left under the cap, read under the loan's lock, so that the net never exceeds the cap in any committed state
-//! while runs of different days bring a loan's days to their amounts one by one; a clamped day is finished by a
-//! later run, once the days that owe less were corrected.
+//! the same net cannot both write it. With a cap, a batch first brings the changed loans' over-charged days down
+//! ([`relieve`]), so that what is left under the cap covers its day's amount; a positive difference (a day owed
+//! again, or owed more) is still clamped to what is left under the cap, read under the loan's lock — the guard
+//! that keeps the net under the cap in every committed state whatever else happens.
 
 use chrono::NaiveDate;
 use sqlx::PgConnection;
@@ -83,6 +83,15 @@ impl Corrected {
         self.0.values().sum()
     }
 
+    /// The count of each reason in `reasons`.
+    fn of(reasons: impl Iterator<Item = Reason>) -> Self {
+        let mut corrected = Corrected::default();
+        for r in reasons {
+            *corrected.0.entry(r).or_default() += 1;
+        }
+        corrected
+    }
+
     pub fn add(&mut self, other: &Corrected) {
         for (r, n) in &other.0 {
             *self.0.entry(*r).or_default() += n;
@@ -116,16 +125,8 @@ pub async fn correct(
                                         - coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
                                                     where y.loan_id = f.loan_id), 0))
                         end as delta,
-                        case when a.target = 0 and l.returned_on is not null and isfinite(l.returned_on)
-                                   and $1::date > l.returned_on then 'returned'
-                             when a.target = 0 and (not isfinite(l.due_on)
-                                                    or ($1::date - l.due_on)::bigint <= $4::int) then 'due-date-moved'
-                             when a.target = 0 then 'cap'
-                             when n.net = 0 then 'reinstated'
-                             when n.seq = 1 and f.charged_at < (select m.at from fine_settler_marks m
-                                                                 where m.name = 'canonical-amounts') then 'canonical'
-                             else 'cap'
-                        end as reason
+                        fine_settler_correction_reason(l.due_on, l.returned_on, $1, $4, a.target, n.net, n.seq,
+                                                       f.charged_at) as reason
                  from fine_ledger f
                  join loans l on l.id = f.loan_id
                  cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $3, $4, $5)
@@ -152,11 +153,75 @@ pub async fn correct(
     )
     .fetch_all(&mut *tx)
     .await?;
-    let mut corrected = Corrected::default();
-    for r in reasons.iter().filter_map(|r| Reason::parse(r)) {
-        *corrected.0.entry(r).or_default() += 1;
-    }
-    Ok(corrected)
+    Ok(Corrected::of(reasons.iter().filter_map(|r| Reason::parse(r))))
+}
+
+/// With a cap, brings down the other over-charged days of each changed loan of `ids` (one still in
+/// `fine_loan_changes`) whose run's day could not otherwise be brought to its amount under the cap: when what the
+/// loan holds plus what the day still owes exceeds the cap, every other day of the loan whose net exceeds its
+/// canonical amount gets the negative correction that makes it canonical, written by this run (its key and epoch)
+/// under the day it corrects. Only a changed loan's ledger can hold more than is owed on some day (a due date
+/// moved earlier moves the day that reaches the cap): without this, the day's charge would be clamped and the day
+/// left short until another run came back to it (for a day before the catch-up window, only another `accrue` of
+/// it). Afterwards the loan's net is at most the sum of its canonical amounts, so the day's own charge or
+/// correction is not clamped. A loan whose day fits under the cap is left to the runs of its other days. Call
+/// [`lock_loans`](crate::store::ledger::lock_loans) first in the same transaction. Returns the corrections
+/// written, by reason.
+pub async fn relieve(
+    tx: &mut PgConnection,
+    key: &RunKey,
+    epoch: i64,
+    ids: &[i64],
+    pricing: Pricing,
+) -> Result<Corrected, sqlx::Error> {
+    let reasons = sqlx::query_scalar!(
+        r#"insert into fine_ledger_corrections (loan_id, accrual_date, seq, amount_cents, reason,
+                                                job_name, business_date, shards, shard, epoch)
+           select w.loan_id, w.accrual_date, w.seq, w.delta, w.reason, $6, $1, $7, $8, $9
+           from (select f.loan_id, f.accrual_date, n.seq, a.target - n.net as delta,
+                        fine_settler_correction_reason(l.due_on, l.returned_on, f.accrual_date, $4, a.target,
+                                                       n.net, n.seq, f.charged_at) as reason
+                 from (select l.id, l.due_on, l.returned_on from loans l
+                       cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $3, $4, $5)
+                                                  as target) a
+                       where l.id = any($2::bigint[]) and a.target > 0
+                         and exists (select 1 from fine_loan_changes c where c.loan_id = l.id)
+                         and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
+                         -- what the loan holds, plus what the day still owes, is over the cap
+                         and coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = l.id), 0)
+                           + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                       where y.loan_id = l.id), 0)
+                           + greatest(a.target
+                                      - coalesce((select sum(x.amount_cents) from fine_ledger x
+                                                  where x.loan_id = l.id and x.accrual_date = $1), 0)
+                                      - coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                                  where y.loan_id = l.id and y.accrual_date = $1), 0), 0)
+                           > $5::bigint
+                       offset 0) l
+                 join fine_ledger f on f.loan_id = l.id and f.accrual_date <> $1
+                 cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, f.accrual_date,
+                                                                    $3, $4, $5) as target) a
+                 cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net,
+                                            coalesce(max(c.seq), 0) + 1 as seq
+                                     from fine_ledger_corrections c
+                                     where c.loan_id = f.loan_id and c.accrual_date = f.accrual_date) n
+                 where a.target < n.net
+                 offset 0) w
+           on conflict on constraint fine_ledger_corrections_pkey do nothing
+           returning reason"#,
+        key.business_date,
+        ids,
+        pricing.rate,
+        pricing.grace,
+        pricing.cap,
+        key.job.as_str(),
+        key.shard.shards(),
+        key.shard.shard(),
+        epoch,
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    Ok(Corrected::of(reasons.iter().filter_map(|r| Reason::parse(r))))
 }
 
 /// What one re-check found among the loans libraryd changed.
@@ -180,8 +245,7 @@ pub struct Recheck {
 
 /// The accrual re-check of `shard` over the days `first..=last`: looks at (at most `limit`) queued changes of
 /// the shard's loans, finds the days on which a changed loan is still to charge (owed, neither charged nor
-/// queued, and under the cap) or to correct (charged, and its net is not what is owed — a positive difference
-/// only while under the cap), and — when `clear` — removes the changes of the loans that need nothing (and of
+/// queued) or to correct (charged, and its net is not what is owed), and — when `clear` — removes the changes of the loans that need nothing (and of
 /// loans libraryd deleted) once two re-checks at least `settle` apart found them so: a batch that priced a day
 /// from the loan's row before libraryd changed it, and had not committed when the first re-check looked, has
 /// committed or failed by then (`settle` is `claim.batch_timeout`, which bounds a batch), and the second sees its
@@ -208,15 +272,9 @@ pub async fn recheck(
                limit $8
            ), changed as (
                select distinct loan_id from seen
-           ), totals as (
-               select ch.loan_id,
-                      coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = ch.loan_id), 0)
-                    + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
-                                where y.loan_id = ch.loan_id), 0) as total
-               from changed ch
            ), work as (
                select t.loan_id, d.day
-               from totals t
+               from changed t
                cross join lateral (select l.due_on, l.returned_on from loans l where l.id = t.loan_id offset 0) l
                cross join (select g::date as day from generate_series($3::date, $4::date, interval '1 day') g) d
                cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, d.day, $5, $6, $7)
@@ -228,11 +286,9 @@ pub async fn recheck(
                where $3::date <= $4::date
                  and ((f.loan_id is null and a.target > 0
                        and not exists (select 1 from fine_pending p
-                                       where p.loan_id = t.loan_id and p.accrual_date = d.day)
-                       and ($7::bigint = 0 or t.total < $7::bigint))
+                                       where p.loan_id = t.loan_id and p.accrual_date = d.day))
                    or (f.loan_id is not null and a.target <> n.net
-                       and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
-                       and (a.target < n.net or $7::bigint = 0 or t.total < $7::bigint)))
+                       and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)))
            ), dirty as (
                select distinct loan_id from work
            ), orphaned as (

@@ -26,13 +26,13 @@ pub enum Scope {
 
 /// The next batch of the shard's loans with work on `day` (ascending id, from `from_id`): those owed a charge —
 /// the day's canonical amount is not zero and the day is neither charged nor queued — and those charged on the
-/// day whose net is not the canonical amount (a correction; a positive one only while under the cap).
+/// day whose net is not the canonical amount (a correction).
 ///
 /// The charges are found by a walk of the primary key with one key probe of the ledger and of the queue per
 /// overdue loan (the `offset 0` fences keep the planner from turning the `not exists` into anti-joins that hash
-/// the whole ledger for every batch); the corrections by a walk of the day's charges. A loan at its cap is found
-/// too when its ledger is not canonical yet (the charge then writes what is left, maybe nothing): the cap's sums
-/// are read once, by the charge, not for every loan scanned. The day's walk is written as a row comparison on
+/// the whole ledger for every batch); the corrections by a walk of the day's charges. The cap's sums are read
+/// once, by the charge, not for every loan scanned (a batch relieves a changed loan's over-charged days before
+/// its charge, so what is left under the cap covers the canonical amount). The day's walk is written as a row comparison on
 /// `(accrual_date, loan_id)` so that the generic plan the jobs keep uses `fine_ledger_day_idx` from the cursor;
 /// with `loan_id >= $1` it walked the primary key over every day's charges (229 ms of a 378 ms batch at
 /// 1,000,000 loans with a week of ledger, bench/README.md).
@@ -85,10 +85,6 @@ async fn full_batch(
                 where f.accrual_date = $5 and (f.accrual_date, f.loan_id) >= ($5, $1)
                   and fine_settler_shard_of(f.loan_id, $2) = $3
                   and a.target <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
-                  and (a.target < n.net or $7::bigint = 0
-                       or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = f.loan_id), 0)
-                        + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
-                                    where y.loan_id = f.loan_id), 0) < $7::bigint)
                 order by f.accrual_date, f.loan_id
                 limit $8)
            ) u
@@ -127,16 +123,10 @@ async fn changed_batch(
            cross join lateral (select coalesce(f.amount_cents, 0) + coalesce(sum(c.amount_cents), 0) as net
                                from fine_ledger_corrections c
                                where c.loan_id = l.id and c.accrual_date = $5) n
-           cross join lateral (select coalesce((select sum(x.amount_cents) from fine_ledger x
-                                                where x.loan_id = l.id), 0)
-                                    + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
-                                                where y.loan_id = l.id), 0) as total) t
            where (f.loan_id is null and a.target > 0
-                  and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $5)
-                  and ($7::bigint = 0 or t.total < $7::bigint))
+                  and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $5))
               or (f.loan_id is not null and a.target <> n.net
-                  and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
-                  and (a.target < n.net or $7::bigint = 0 or t.total < $7::bigint))
+                  and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true))
            order by l.id
            limit $8"#,
         from_id,
@@ -154,7 +144,10 @@ async fn changed_batch(
 
 /// What a run of `day` starting at `from_id` would write (`backfill --dry-run`): the charges and the
 /// corrections [`overdue_batch`] finds (in [`Scope::Full`]), counted. Since a day's amount depends on the loan
-/// alone, this is what the run then writes, cap included, when nothing else writes meanwhile.
+/// alone, this is what the run then writes, cap included, when nothing else writes meanwhile — except that, with
+/// a cap, the corrections a run writes on the other days of a changed loan whose day would not fit under the cap
+/// ([`relieve`](crate::store::corrections::relieve): a due date moved earlier) are counted here under the day they
+/// correct: over a range of days that holds them, the counts add up to what the runs write.
 pub async fn count_work(
     pool: &Db,
     day: NaiveDate,
@@ -174,11 +167,7 @@ pub async fn count_work(
                                       where f.loan_id = l.id and f.accrual_date = $5 offset 0)
                       and not exists (select 1 from fine_pending p
                                       where p.loan_id = l.id and p.accrual_date = $5 offset 0)
-                    offset 0) c
-              where $7::bigint = 0
-                 or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = c.id), 0)
-                  + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
-                              where y.loan_id = c.id), 0) < $7::bigint) as "charges!",
+                    offset 0) c) as "charges!",
              (select count(*)
               from fine_ledger f
               join loans l on l.id = f.loan_id
@@ -187,12 +176,10 @@ pub async fn count_work(
               cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net
                                   from fine_ledger_corrections c
                                   where c.loan_id = f.loan_id and c.accrual_date = $5) n
-              where f.accrual_date = $5 and f.loan_id >= $1 and fine_settler_shard_of(f.loan_id, $2) = $3
-                and a.target <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
-                and (a.target < n.net or $7::bigint = 0
-                     or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = f.loan_id), 0)
-                      + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
-                                  where y.loan_id = f.loan_id), 0) < $7::bigint)) as "corrections!""#,
+              where f.accrual_date = $5 and (f.accrual_date, f.loan_id) >= ($5, $1)
+                and fine_settler_shard_of(f.loan_id, $2) = $3
+                and a.target <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true))
+             as "corrections!""#,
         from_id,
         shard.shards(),
         shard.shard(),
@@ -230,8 +217,8 @@ pub async fn lock_loans(tx: &mut PgConnection, ids: &[i64]) -> Result<(), sqlx::
 }
 
 /// Charges each loan of `ids` for `day` its canonical amount (`fine_settler_day_amount`, by the loans row as it
-/// is now: nothing if the day is not owed), or what is left under the cap if that is less — which happens only
-/// while other days of the loan are still being corrected. The cap's remainder is read here, so call
+/// is now: nothing if the day is not owed), or what is left under the cap if that is less — which a batch
+/// prevents by relieving its changed loans first, and which stays as the cap's guard. The cap's remainder is read here, so call
 /// [`lock_loans`] first in the same transaction when there is a cap. A day already charged is skipped. Returns
 /// the rows written. (The `offset 0` fence computes each amount once: inlined, the cap's two sums were taken
 /// twice per loan, for the filter and for the row.)
@@ -314,11 +301,7 @@ pub async fn day_has_work(
                   where fine_settler_shard_of(l.id, $2) = $3
                     and fine_settler_day_amount(l.due_on, l.returned_on, $1, $5, $4, $6) > 0
                     and not exists (select 1 from fine_ledger f where f.loan_id = l.id and f.accrual_date = $1)
-                    and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $1)
-                    and ($6::bigint = 0
-                         or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = l.id), 0)
-                          + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
-                                      where y.loan_id = l.id), 0) < $6::bigint))
+                    and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $1))
                or exists (
                   select 1
                   from fine_ledger f
@@ -329,11 +312,8 @@ pub async fn day_has_work(
                                       from fine_ledger_corrections c
                                       where c.loan_id = f.loan_id and c.accrual_date = $1) n
                   where f.accrual_date = $1 and fine_settler_shard_of(f.loan_id, $2) = $3
-                    and a.target <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
-                    and (a.target < n.net or $6::bigint = 0
-                         or coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = f.loan_id), 0)
-                          + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
-                                      where y.loan_id = f.loan_id), 0) < $6::bigint)) as "late!""#,
+                    and a.target <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true))
+               as "late!""#,
         day,
         shard.shards(),
         shard.shard(),

@@ -188,9 +188,9 @@ async fn corrections_bring_changed_loans_to_what_is_owed_once(pool: PgPool) {
             .await
             .expect("libraryd's change");
     }
-    // Two passes: in the first, loan 3's new days come before the days that now owe less, and find the cap
-    // reached (a positive amount never takes the net past it); the second charges them.
-    run_days(&pool, &job, &window).await;
+    // One pass, oldest day first, as `backfill --reprocess all` of days before the catch-up window runs: loan 3's
+    // new days come before the days that now owe less, whose charges hold the whole cap; the run of each new day
+    // brings those down first (a positive amount never takes the net past the cap), so nothing is left short.
     run_days(&pool, &job, &window).await;
     let expected = owed(&pool, &policy, &window).await;
     assert_eq!(net(&pool).await, expected);
