@@ -31,6 +31,7 @@ impl Daemon {
                 tracing::info!(
                     charged = done.charged,
                     not_owed = done.not_owed,
+                    held_back = done.held_back,
                     retried = done.retried,
                     dead = done.dead,
                     "compensation pass"

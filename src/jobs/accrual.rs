@@ -44,7 +44,7 @@ use crate::{
     shard::ShardSpec,
     store::{
         corrections::{self, Pricing},
-        ledger::{self, Overdue, Pending, Scope},
+        ledger::{self, Charged, Clamp, Overdue, Pending, Scope},
     },
 };
 
@@ -104,13 +104,14 @@ impl Accrual {
         day: NaiveDate,
         ids: &[i64],
         locks: Locks,
-    ) -> Result<Result<u64, sqlx::Error>, sqlx::Error> {
+        clamp: Clamp,
+    ) -> Result<Result<Charged, sqlx::Error>, sqlx::Error> {
         let mut sp = tx.begin().await?;
         let attempt = async {
             if locks == Locks::Take && self.policy.cap().is_some() {
                 ledger::lock_loans(&mut sp, ids).await?;
             }
-            let written = ledger::charge(&mut sp, day, ids, self.pricing()).await?;
+            let written = ledger::charge(&mut sp, day, ids, self.pricing(), clamp).await?;
             ledger::check_deferred_now(&mut sp).await?;
             Ok::<_, sqlx::Error>(written)
         }
@@ -185,21 +186,54 @@ impl BatchJob for Accrual {
     ) -> Result<Written, JobError> {
         let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
         // One day per batch: a loan gets either a correction (the day is charged) or a charge (it is not). With a
-        // cap, every loan's lock is taken first, in the one lock order, and held to the batch's end; then the
-        // changed loans' other days that hold more than they owe are brought down where the day's own amount
-        // would not fit under the cap.
-        let mut corrected = corrections::Corrected::default();
-        if self.policy.cap().is_some() {
+        // cap, every loan's lock is taken first, in the one lock order, and held to the batch's end; a loan whose
+        // day does not fit under the cap is held back, and written once its other days are relieved.
+        let clamp = if self.policy.cap().is_some() {
             ledger::lock_loans(tx, &ids).await?;
-            corrected = corrections::relieve(tx, key, epoch, &ids, self.pricing()).await?;
-        }
-        corrected.add(&corrections::correct(tx, key, epoch, &ids, self.pricing()).await?);
-        let updated = self.charge_batch(tx, key.business_date, ids).await?;
-        Ok(Written { updated, corrected })
+            Clamp::Hold
+        } else {
+            Clamp::Cut
+        };
+        let (mut corrected, mut held) =
+            corrections::correct(tx, key, epoch, &ids, self.pricing(), clamp).await?;
+        let charged = self.charge_batch(tx, key.business_date, ids, clamp).await?;
+        held.extend(charged.held);
+        let relieved = if held.is_empty() {
+            Written::default()
+        } else {
+            self.relieve_held(tx, key, epoch, held).await?
+        };
+        corrected.add(&relieved.corrected);
+        Ok(Written {
+            updated: charged.written + relieved.updated,
+            corrected,
+        })
     }
 }
 
 impl Accrual {
+    /// The loans a batch held back (their day did not fit under the cap): their other over-charged days are
+    /// corrected first ([`corrections::relieve`]), then their day is corrected or charged again — it fits now,
+    /// and the cap's guard cuts it should anything else have happened meanwhile. Returns what this wrote.
+    async fn relieve_held(
+        &self,
+        tx: &mut PgConnection,
+        key: &RunKey,
+        epoch: i64,
+        mut held: Vec<i64>,
+    ) -> Result<Written, JobError> {
+        held.sort_unstable();
+        held.dedup();
+        let mut corrected = corrections::relieve(tx, key, epoch, &held, self.pricing()).await?;
+        let (again, _) = corrections::correct(tx, key, epoch, &held, self.pricing(), Clamp::Cut).await?;
+        corrected.add(&again);
+        let charged = self.charge_batch(tx, key.business_date, held, Clamp::Cut).await?;
+        Ok(Written {
+            updated: charged.written,
+            corrected,
+        })
+    }
+
     /// The batch's charges: in one statement under a savepoint; if the database rejects it, each charge under
     /// its own, and those rejected again (or not tried in the isolation budget) queued for compensation.
     async fn charge_batch(
@@ -207,14 +241,15 @@ impl Accrual {
         tx: &mut PgConnection,
         day: NaiveDate,
         ids: Vec<i64>,
-    ) -> Result<u64, JobError> {
+        clamp: Clamp,
+    ) -> Result<Charged, JobError> {
         let rate = self.policy.daily_rate().get();
         if rate == 0 {
-            return Ok(0);
+            return Ok(Charged::default());
         }
         let started = tokio::time::Instant::now();
-        match self.try_charge(tx, day, &ids, Locks::Held).await? {
-            Ok(written) => return Ok(written),
+        match self.try_charge(tx, day, &ids, Locks::Held, clamp).await? {
+            Ok(charged) => return Ok(charged),
             Err(e) => {
                 tracing::warn!(error = %e, rows = ids.len(), "batch charge rejected; isolating the failing loans")
             }
@@ -222,13 +257,14 @@ impl Accrual {
 
         ledger::set_local_statement_timeout(tx, self.row_timeout.as_millis() as u64).await?;
         // The batch's loan locks, taken before its first savepoint, are still held: isolating takes no new ones.
-        let (mut written, mut queued) = (0u64, 0u64);
+        let (mut charged, mut queued) = (Charged::default(), 0u64);
         let delay = millis(self.backoff.delay(1));
         for id in ids {
             let error = if started.elapsed() < self.isolation_budget {
-                match self.try_charge(tx, day, &[id], Locks::Held).await? {
-                    Ok(n) => {
-                        written += n;
+                match self.try_charge(tx, day, &[id], Locks::Held, clamp).await? {
+                    Ok(one) => {
+                        charged.written += one.written;
+                        charged.held.extend(one.held);
                         continue;
                     }
                     Err(e) => e.to_string(),
@@ -243,8 +279,8 @@ impl Accrual {
             queued += 1;
             tracing::warn!(loan_id = id, accrual_date = %day, error = %error, "charge failed; queued for compensation");
         }
-        tracing::info!(written, queued, "isolated a rejected batch");
-        Ok(written)
+        tracing::info!(written = charged.written, queued, "isolated a rejected batch");
+        Ok(charged)
     }
 }
 
@@ -256,6 +292,10 @@ pub struct Compensation {
     /// Pending charges resolved without a charge: the day was charged meanwhile, the cap was reached, or the
     /// loan is no longer overdue on that day (its return was back-dated before it).
     pub not_owed: u64,
+    /// Pending charges whose day did not fit under the cap because other days of the loan hold more than they
+    /// owe (the loan changed, or the policy did, since they were charged): resolved without a charge, and the
+    /// loan queued for the accrual's re-check, whose run relieves those days and charges this one.
+    pub held_back: u64,
     /// Charges that failed again and wait for their next attempt.
     pub retried: u64,
     /// Charges that failed for the last time and became DEAD.
@@ -359,6 +399,8 @@ enum Retried {
     Again,
     /// Rejected for the last time: DEAD.
     Dead,
+    /// Held back by the cap while other days of the loan hold more than they owe: left to the re-check.
+    HeldBack,
 }
 
 impl Compensation {
@@ -368,6 +410,7 @@ impl Compensation {
             Retried::NotOwed => self.not_owed += 1,
             Retried::Again => self.retried += 1,
             Retried::Dead => self.dead += 1,
+            Retried::HeldBack => self.held_back += 1,
         }
     }
 }
@@ -396,13 +439,24 @@ async fn retry_pending(
         return Ok(Some(Retried::Dead));
     }
     let charge = accrual
-        .try_charge(&mut tx, p.accrual_date, &[p.loan_id], Locks::Take)
+        .try_charge(&mut tx, p.accrual_date, &[p.loan_id], Locks::Take, Clamp::Hold)
         .await?;
     let retried = match charge {
-        Ok(written) => {
+        Ok(charged) if !charged.held.is_empty() => {
+            // Relieving the other days is a run's work (each correction names the run that wrote it): the
+            // loan goes to the re-check, which re-opens this day once its pending row is gone.
+            ledger::resolve(&mut tx, p.loan_id, p.accrual_date).await?;
+            corrections::note_change(&mut tx, p.loan_id).await?;
+            tx.commit().await?;
+            tracing::warn!(loan_id = p.loan_id, accrual_date = %p.accrual_date,
+                "pending charge held back: the loan's other days hold more than they owe under the cap; \
+                 left to the accrual's re-check, which corrects them and charges this day");
+            Retried::HeldBack
+        }
+        Ok(charged) => {
             ledger::resolve(&mut tx, p.loan_id, p.accrual_date).await?;
             tx.commit().await?;
-            if written > 0 {
+            if charged.written > 0 {
                 tracing::info!(loan_id = p.loan_id, accrual_date = %p.accrual_date, attempts = attempts + 1, "pending charge compensated");
                 Retried::Charged
             } else {

@@ -280,6 +280,8 @@ pub struct RetryReport {
     pub resurrected: u64,
     pub charged: u64,
     pub not_owed: u64,
+    /// Held back by the cap while other days of the loan hold more than they owe: left to the re-check.
+    pub held_back: u64,
     pub retried: u64,
     /// Charges that used their last attempt in this pass.
     pub dead_now: u64,
@@ -341,6 +343,7 @@ pub async fn retry_pending(
     let Compensation {
         charged,
         not_owed,
+        held_back,
         retried,
         dead: dead_now,
         stopped_early: interrupted,
@@ -351,6 +354,7 @@ pub async fn retry_pending(
         resurrected,
         charged,
         not_owed,
+        held_back,
         retried,
         dead_now,
         pending,

@@ -4,15 +4,20 @@
 //! The net of a (loan, day) — its first charge in `fine_ledger` plus its corrections — must equal the day's
 //! canonical amount (`fine_settler_day_amount`, [`crate::fine::FinePolicy::day_amount`]). A correction is the
 //! difference, written as the day's next correction (`seq`) with `on conflict do nothing`: two writers that saw
-//! the same net cannot both write it. With a cap, a batch first brings the changed loans' over-charged days down
-//! ([`relieve`]), so that what is left under the cap covers its day's amount; a positive difference (a day owed
-//! again, or owed more) is still clamped to what is left under the cap, read under the loan's lock — the guard
-//! that keeps the net under the cap in every committed state whatever else happens.
+//! the same net cannot both write it. With a cap, a positive difference (a day owed again, or owed more) that does
+//! not fit under what the loan holds is held back; the batch then brings that loan's over-charged days down
+//! ([`relieve`]) and writes it — still clamped to what is left under the cap, read under the loan's lock: the
+//! guard that keeps the net under the cap in every committed state whatever else happens.
 
 use chrono::NaiveDate;
 use sqlx::PgConnection;
 
-use crate::{fine::FinePolicy, jobs::RunKey, shard::ShardSpec, store::Db};
+use crate::{
+    fine::FinePolicy,
+    jobs::RunKey,
+    shard::ShardSpec,
+    store::{ledger::Clamp, Db},
+};
 
 /// A policy as the SQL statements take it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,44 +108,57 @@ impl Corrected {
 /// canonical amount by the loans row as it is now — within the cap: call
 /// [`lock_loans`](crate::store::ledger::lock_loans) first in the same transaction when there is a cap. A loan
 /// libraryd deleted is not corrected (there is nothing to correct against; the re-check reports it). Returns the
-/// corrections written, by reason. The cap's sums are read only for a positive difference (each difference is
-/// computed once, behind the `offset 0` fence): a re-run of a charged day probes each charge, nothing more.
+/// corrections written, by reason, and the loans whose positive difference did not fit under the cap and was
+/// held back ([`Clamp::Hold`]; with [`Clamp::Cut`] what is left under the cap is written instead, if anything).
+/// The cap's sums are read only for a positive difference (each difference is computed once, behind the
+/// `offset 0` fence; the reason only for what is written): a re-run of a charged day probes each charge, nothing
+/// more.
 pub async fn correct(
     tx: &mut PgConnection,
     key: &RunKey,
     epoch: i64,
     ids: &[i64],
     pricing: Pricing,
-) -> Result<Corrected, sqlx::Error> {
-    let reasons = sqlx::query_scalar!(
-        r#"insert into fine_ledger_corrections (loan_id, accrual_date, seq, amount_cents, reason,
-                                                job_name, business_date, shards, shard, epoch)
-           select w.loan_id, $1, w.seq, w.delta, w.reason, $6, $1, $7, $8, $9
-           from (select f.loan_id, n.seq,
-                        case when a.target <= n.net or $5::bigint = 0 then a.target - n.net
-                             else least(a.target - n.net,
-                                        $5::bigint
-                                        - coalesce((select sum(x.amount_cents) from fine_ledger x
-                                                    where x.loan_id = f.loan_id), 0)
-                                        - coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
-                                                    where y.loan_id = f.loan_id), 0))
-                        end as delta,
-                        fine_settler_correction_reason(l.due_on, l.returned_on, $1, $4, a.target, n.net, n.seq,
-                                                       f.charged_at) as reason
-                 from fine_ledger f
-                 join loans l on l.id = f.loan_id
-                 cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $3, $4, $5)
-                                            as target) a
-                 cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net,
-                                            coalesce(max(c.seq), 0) + 1 as seq
-                                     from fine_ledger_corrections c
-                                     where c.loan_id = f.loan_id and c.accrual_date = f.accrual_date) n
-                 where f.accrual_date = $1 and f.loan_id = any($2::bigint[])
-                   and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
-                 offset 0) w
-           where w.delta <> 0
-           on conflict on constraint fine_ledger_corrections_pkey do nothing
-           returning reason"#,
+    clamp: Clamp,
+) -> Result<(Corrected, Vec<i64>), sqlx::Error> {
+    let row = sqlx::query!(
+        r#"with w as (
+               select f.loan_id, n.seq, l.due_on, l.returned_on, a.target, n.net, f.charged_at,
+                      case when a.target <= n.net or $5::bigint = 0 then a.target - n.net
+                           else least(a.target - n.net,
+                                      $5::bigint
+                                      - coalesce((select sum(x.amount_cents) from fine_ledger x
+                                                  where x.loan_id = f.loan_id), 0)
+                                      - coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                                  where y.loan_id = f.loan_id), 0))
+                      end as delta
+               from fine_ledger f
+               join loans l on l.id = f.loan_id
+               cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $3, $4, $5)
+                                          as target) a
+               cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net,
+                                          coalesce(max(c.seq), 0) + 1 as seq
+                                   from fine_ledger_corrections c
+                                   where c.loan_id = f.loan_id and c.accrual_date = f.accrual_date) n
+               where f.accrual_date = $1 and f.loan_id = any($2::bigint[])
+                 and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
+               offset 0
+           ), written as (
+               insert into fine_ledger_corrections (loan_id, accrual_date, seq, amount_cents, reason,
+                                                    job_name, business_date, shards, shard, epoch)
+               select w.loan_id, $1, w.seq, w.delta,
+                      fine_settler_correction_reason(w.due_on, w.returned_on, $1, $4, w.target, w.net, w.seq,
+                                                     w.charged_at),
+                      $6, $1, $7, $8, $9
+               from w
+               where w.target < w.net
+                  or (w.target > w.net and w.delta > 0 and (not $10 or w.delta = w.target - w.net))
+               on conflict on constraint fine_ledger_corrections_pkey do nothing
+               returning reason
+           )
+           select coalesce((select array_agg(x.reason) from written x), '{}') as "reasons!",
+                  coalesce((select array_agg(w.loan_id order by w.loan_id) from w
+                            where $10 and w.target > w.net and w.delta < w.target - w.net), '{}') as "held!""#,
         key.business_date,
         ids,
         pricing.rate,
@@ -150,23 +168,24 @@ pub async fn correct(
         key.shard.shards(),
         key.shard.shard(),
         epoch,
+        clamp == Clamp::Hold,
     )
-    .fetch_all(&mut *tx)
+    .fetch_one(&mut *tx)
     .await?;
-    Ok(Corrected::of(reasons.iter().filter_map(|r| Reason::parse(r))))
+    let corrected = Corrected::of(row.reasons.iter().filter_map(|r| Reason::parse(r)));
+    Ok((corrected, row.held))
 }
 
-/// With a cap, brings down the other over-charged days of each changed loan of `ids` (one still in
-/// `fine_loan_changes`) whose run's day could not otherwise be brought to its amount under the cap: when what the
-/// loan holds plus what the day still owes exceeds the cap, every other day of the loan whose net exceeds its
-/// canonical amount gets the negative correction that makes it canonical, written by this run (its key and epoch)
-/// under the day it corrects. Only a changed loan's ledger can hold more than is owed on some day (a due date
-/// moved earlier moves the day that reaches the cap): without this, the day's charge would be clamped and the day
-/// left short until another run came back to it (for a day before the catch-up window, only another `accrue` of
-/// it). Afterwards the loan's net is at most the sum of its canonical amounts, so the day's own charge or
-/// correction is not clamped. A loan whose day fits under the cap is left to the runs of its other days. Call
-/// [`lock_loans`](crate::store::ledger::lock_loans) first in the same transaction. Returns the corrections
-/// written, by reason.
+/// With a cap, for each loan of `ids` whose run's day could not be brought to its amount under the cap — what the
+/// loan holds plus what the day still owes exceeds the cap — brings down its other over-charged days first: every
+/// other day of the loan whose net exceeds its canonical amount gets the negative correction that makes it
+/// canonical, written by this run (its key and epoch) under the day it corrects. A ledger holds more than owed on
+/// some day after libraryd changed the loan (a due date moved earlier moves the day that reaches the cap), or
+/// after the policy changed: without this, the day would be left short until another run came back to it (for a
+/// day before the catch-up window, only another `accrue` of it). Afterwards the loan's net is at most the sum of
+/// its canonical amounts, so the day's own amount fits. Called with the loans a charge or correction held back
+/// ([`Clamp::Hold`]); call [`lock_loans`](crate::store::ledger::lock_loans) first in the same transaction.
+/// Returns the corrections written, by reason.
 pub async fn relieve(
     tx: &mut PgConnection,
     key: &RunKey,
@@ -185,7 +204,6 @@ pub async fn relieve(
                        cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $3, $4, $5)
                                                   as target) a
                        where l.id = any($2::bigint[]) and a.target > 0
-                         and exists (select 1 from fine_loan_changes c where c.loan_id = l.id)
                          and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
                          -- what the loan holds, plus what the day still owes, is over the cap
                          and coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = l.id), 0)
@@ -222,6 +240,14 @@ pub async fn relieve(
     .fetch_all(&mut *tx)
     .await?;
     Ok(Corrected::of(reasons.iter().filter_map(|r| Reason::parse(r))))
+}
+
+/// Queues `loan_id` for the re-check, as libraryd's changes are queued: a day of it is left for a run to finish.
+pub async fn note_change(tx: &mut PgConnection, loan_id: i64) -> Result<(), sqlx::Error> {
+    sqlx::query!("insert into fine_loan_changes (loan_id) values ($1)", loan_id)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
 }
 
 /// What one re-check found among the loans libraryd changed.

@@ -216,46 +216,86 @@ pub async fn lock_loans(tx: &mut PgConnection, ids: &[i64]) -> Result<(), sqlx::
     Ok(())
 }
 
+/// How a charge or a correction treats a positive amount that does not fit under the cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Clamp {
+    /// Writes nothing for it and reports the loan as held back: its other days hold more than they owe (a
+    /// changed loan, or a policy changed since they were charged), and relieving them first lets the day be
+    /// written in full ([`relieve`](crate::store::corrections::relieve)).
+    Hold,
+    /// Writes what is left under the cap, if anything: the guard that keeps a loan's net under the cap in every
+    /// committed state whatever else happened.
+    Cut,
+}
+
+impl Clamp {
+    fn holds(self) -> bool {
+        self == Clamp::Hold
+    }
+}
+
+/// What a charge wrote, and the loans whose amount it held back ([`Clamp::Hold`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Charged {
+    pub written: u64,
+    pub held: Vec<i64>,
+}
+
 /// Charges each loan of `ids` for `day` its canonical amount (`fine_settler_day_amount`, by the loans row as it
-/// is now: nothing if the day is not owed), or what is left under the cap if that is less — which a batch
-/// prevents by relieving its changed loans first, and which stays as the cap's guard. The cap's remainder is read here, so call
-/// [`lock_loans`] first in the same transaction when there is a cap. A day already charged is skipped. Returns
-/// the rows written. (The `offset 0` fence computes each amount once: inlined, the cap's two sums were taken
-/// twice per loan, for the filter and for the row.)
+/// is now: nothing if the day is not owed) when it fits under the cap; one that does not is held back or cut
+/// (`clamp`). While a loan's ledger is canonical every amount fits (canonical amounts add up to at most the cap).
+/// The cap's remainder is read here, so call [`lock_loans`] first in the same transaction when there is a cap. A
+/// day already charged is skipped. (The `offset 0` fence computes each amount once: inlined, the cap's two sums
+/// were taken twice per loan, for the filter and for the row.)
 pub async fn charge(
     tx: &mut PgConnection,
     day: NaiveDate,
     ids: &[i64],
     pricing: Pricing,
-) -> Result<u64, sqlx::Error> {
-    let done = sqlx::query!(
-        r#"insert into fine_ledger (loan_id, accrual_date, amount_cents)
-           select c.id, $1, c.amount
-           from (select l.id,
-                        case when $4::bigint = 0 then a.target
-                             else least(a.target,
-                                        $4::bigint
-                                        - coalesce((select sum(x.amount_cents) from fine_ledger x
-                                                    where x.loan_id = l.id), 0)
-                                        - coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
-                                                    where y.loan_id = l.id), 0))
-                        end as amount
-                 from loans l
-                 cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $3, $5, $4)
-                                            as target) a
-                 where l.id = any($2::bigint[]) and a.target > 0
-                 offset 0) c
-           where c.amount > 0
-           on conflict on constraint fine_ledger_pkey do nothing"#,
+    clamp: Clamp,
+) -> Result<Charged, sqlx::Error> {
+    let row = sqlx::query!(
+        r#"with c as (
+               select l.id, a.target,
+                      case when $4::bigint = 0 then a.target
+                           else least(a.target,
+                                      $4::bigint
+                                      - coalesce((select sum(x.amount_cents) from fine_ledger x
+                                                  where x.loan_id = l.id), 0)
+                                      - coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
+                                                  where y.loan_id = l.id), 0))
+                      end as amount
+               from loans l
+               cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $3, $5, $4)
+                                          as target) a
+               where l.id = any($2::bigint[]) and a.target > 0
+               offset 0
+           ), written as (
+               insert into fine_ledger (loan_id, accrual_date, amount_cents)
+               select c.id, $1, c.amount from c
+               where c.amount > 0 and (not $6 or c.amount = c.target)
+               on conflict on constraint fine_ledger_pkey do nothing
+               returning loan_id
+           )
+           select (select count(*) from written) as "written!",
+                  coalesce((select array_agg(c.id order by c.id) from c
+                            where $6 and c.amount < c.target
+                              and not exists (select 1 from fine_ledger f
+                                              where f.loan_id = c.id and f.accrual_date = $1)), '{}')
+                      as "held!""#,
         day,
         ids,
         pricing.rate,
         pricing.cap,
         pricing.grace,
+        clamp.holds(),
     )
-    .execute(&mut *tx)
+    .fetch_one(&mut *tx)
     .await?;
-    Ok(done.rows_affected())
+    Ok(Charged {
+        written: u64::try_from(row.written).unwrap_or(0),
+        held: row.held,
+    })
 }
 
 /// Checks every deferred constraint and fires every deferred trigger now, so that one that rejects a charge

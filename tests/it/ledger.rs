@@ -550,10 +550,10 @@ async fn a_charge_in_flight_when_the_loan_changes_is_not_forgotten(pool: PgPool)
 
     // A batch of 12-05 prices loan 1 from its row as it is: still out.
     let mut batch = pool.begin().await.expect("begin");
-    let charged = ledger::charge(&mut batch, d("2026-12-05"), &[1], pricing)
+    let charged = ledger::charge(&mut batch, d("2026-12-05"), &[1], pricing, ledger::Clamp::Hold)
         .await
         .expect("charge");
-    assert_eq!(charged, 1);
+    assert_eq!(charged.written, 1);
     // libraryd records the return, back-dated to 12-04, before the batch commits.
     sqlx::query("update loans set returned_on = '2026-12-04' where id = 1")
         .execute(&pool)
@@ -565,4 +565,122 @@ async fn a_charge_in_flight_when_the_loan_changes_is_not_forgotten(pool: PgPool)
     let second = recheck().await.expect("recheck");
     assert_eq!(second.days, [d("2026-12-05")], "{second:?}");
     assert_eq!(second.dirty, 1, "{second:?}");
+}
+
+/// A due date moved earlier on a loan that reached its cap days ago, found only after the re-check let the loan go
+/// (its days in the window were already as owed): one pass over the older days, oldest first, as `backfill
+/// --reprocess all` runs them, still leaves every day as owed — the run of a new day that does not fit under the
+/// cap corrects the loan's later days first, whether or not the loan is still queued — and the dry run counted
+/// that pass's work beforehand.
+#[sqlx::test]
+async fn one_pass_after_a_due_date_moved_earlier_leaves_every_day_as_owed(pool: PgPool) {
+    insert(&pool, &[loan(1, "2026-01-01", None)]).await;
+    let policy = FinePolicy::new(100, 0, 1000).expect("policy");
+    let job = accrual(policy);
+    let charged = days("2026-01-02", "2026-01-12");
+    run_days(&pool, &job, &charged).await;
+    sqlx::query("update loans set due_on = '2025-12-29' where id = 1")
+        .execute(&pool)
+        .await
+        .expect("libraryd moves the due date");
+    sqlx::query("delete from fine_loan_changes")
+        .execute(&pool)
+        .await
+        .expect("the re-check let it go");
+
+    let pass = days("2025-12-30", "2026-01-12");
+    let counted: i64 = count_days(&pool, policy, &pass)
+        .await
+        .iter()
+        .map(|(_, (charges, corrections))| charges + corrections)
+        .sum();
+    let mut written = 0;
+    for day in &pass {
+        let r = runner(&pool, "backfill", 7)
+            .run(&job, day_key(*day, 0, 1), true)
+            .await;
+        assert_eq!(r.outcome, Outcome::Settled, "{r:?}");
+        written += r.updated as i64 + r.corrections as i64;
+    }
+    assert_eq!(net(&pool).await, owed(&pool, &policy, &pass).await);
+    assert_eq!(written, counted, "the dry run counted the pass's writes");
+    let total: i64 = sqlx::query_scalar("select sum(net_cents)::bigint from fine_ledger_net")
+        .fetch_one(&pool)
+        .await
+        .expect("total");
+    assert_eq!(total, 1000);
+}
+
+/// A policy changed between runs (the rate doubled, the cap lowered) never gives a day owed more a negative
+/// correction, never takes a loan over the new cap, and one pass leaves every day as the new policy prices it.
+#[sqlx::test]
+async fn a_changed_policy_never_corrects_an_owed_day_downwards(pool: PgPool) {
+    insert(&pool, &[loan(1, "2026-01-01", None)]).await;
+    let before = FinePolicy::new(100, 0, 1000).expect("policy");
+    let window = days("2026-01-02", "2026-01-12");
+    run_days(&pool, &accrual(before), &window).await;
+    sqlx::query("delete from fine_loan_changes")
+        .execute(&pool)
+        .await
+        .expect("nothing queued: libraryd did not change the loan");
+
+    let after = FinePolicy::new(200, 0, 800).expect("policy");
+    run_days(&pool, &accrual(after), &window).await;
+    let wrong: i64 = sqlx::query_scalar(
+        "select count(*) from fine_ledger_corrections c join fine_ledger_net n using (loan_id, accrual_date) \
+         where c.amount_cents < 0 and n.net_cents > 0 and c.accrual_date < '2026-01-06'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(wrong, 0, "the days now owing 200 were never corrected downwards");
+    assert_eq!(net(&pool).await, owed(&pool, &after, &window).await);
+}
+
+/// A pending charge whose day no longer fits under the cap because later days hold more than they owe (the due
+/// date moved earlier while it waited) is not written off as "not owed": the retry leaves it to the re-check,
+/// queueing the loan, and the run of its day relieves the later days and charges it.
+#[sqlx::test]
+async fn a_pending_charge_held_back_by_the_cap_is_left_to_the_recheck(pool: PgPool) {
+    insert(&pool, &[loan(1, "2026-01-01", None)]).await;
+    let policy = FinePolicy::new(100, 0, 1000).expect("policy");
+    let job = accrual(policy);
+    run_days(&pool, &job, &days("2026-01-03", "2026-01-11")).await;
+    sqlx::query(
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at) \
+         values (1, '2026-01-02', 100, 1, 'rejected by a trigger', now())",
+    )
+    .execute(&pool)
+    .await
+    .expect("a charge that failed");
+    sqlx::query("update loans set due_on = '2025-12-31' where id = 1")
+        .execute(&pool)
+        .await
+        .expect("libraryd moves the due date");
+    sqlx::query("delete from fine_loan_changes")
+        .execute(&pool)
+        .await
+        .expect("the re-check let it go");
+    run_days(&pool, &job, &days("2026-01-01", "2026-01-01")).await;
+
+    let done = fine_settler::jobs::accrual::compensate(&db(&pool), &job, Some(ShardSpec::SINGLE), true, 10)
+        .await
+        .expect("compensation pass");
+    assert_eq!(
+        (done.charged, done.not_owed, done.held_back),
+        (0, 0, 1),
+        "{done:?}"
+    );
+    let queued: i64 = sqlx::query_scalar("select count(*) from fine_loan_changes where loan_id = 1")
+        .fetch_one(&pool)
+        .await
+        .expect("queue");
+    assert!(queued > 0, "the loan is queued for the re-check");
+
+    let r = runner(&pool, "recheck", 7)
+        .run(&job, day_key(d("2026-01-02"), 0, 1), true)
+        .await;
+    assert_eq!(r.outcome, Outcome::Settled, "{r:?}");
+    let window = days("2026-01-01", "2026-01-11");
+    assert_eq!(net(&pool).await, owed(&pool, &policy, &window).await);
 }
