@@ -1232,21 +1232,21 @@ impl Protocol {
         let Some(tx) = tx else {
             return format!("writes of {label} wait");
         };
+        let alone = if self.mutated(Mutation::CorrectionOutsideFence) {
+            ", committed at once on its own"
+        } else {
+            ""
+        };
         let mut parts = Vec::new();
         for (e, correction) in tx.relief.iter().enumerate() {
             if let (Some((seq, amount)), Some(a)) = (correction, self.setup.accrual) {
                 parts.push(format!(
-                    "relief: correction #{seq} of {amount:+} of day {}",
+                    "relief: correction #{seq} of {amount:+} of day {}{alone}",
                     a.days[e]
                 ));
             }
         }
         if let Some((seq, amount)) = tx.correction {
-            let alone = if self.mutated(Mutation::CorrectionOutsideFence) {
-                ", committed at once on its own"
-            } else {
-                ""
-            };
             parts.push(format!("correction #{seq} of {amount:+}{alone}"));
         }
         if let Some(amount) = tx.charge {
