@@ -1,5 +1,5 @@
 //! A model of fine-settler's claim protocol — the claim, the fenced batches, the finish, the re-open, and the
-//! accrual's canonical amounts, corrections and cap — checked exhaustively with
+//! accrual's canonical amounts, corrections, relief and cap — checked exhaustively with
 //! [stateright](https://docs.rs/stateright).
 //!
 //! The model is the protocol as the product implements it (`src/store/job_runs.rs`, `src/store/loans.rs`,

@@ -24,6 +24,7 @@ pub const SETTLES: &str = "once the faults stop, every key reaches SUCCESS with 
 pub const NET_OWED: &str =
     "once the faults and libraryd's changes stop, every day's net is what the loan owes";
 pub const CORRECTED_ONCE: &str = "no correction is written twice";
+pub const NOT_HELD_BACK: &str = "no batch commits less than its day owes because of the cap";
 
 pub const REOPENED_LATE: &str = "a late return is settled by a re-open";
 pub const RESUMED: &str = "a takeover resumes from a dead owner's cursor";
@@ -37,7 +38,8 @@ pub const OUTLIVES_LEASE: &str = "a frozen transaction is still open after its l
 pub const LOCK_WAIT: &str = "a charge waits for the per-loan lock";
 pub const RETURN_CORRECTED: &str = "a day charged before a back-dated return is corrected to what is owed";
 pub const DUE_CORRECTED: &str = "a day charged before its due date moved is corrected to what is owed";
-pub const HELD_BACK: &str = "what the cap held back while another day owed less is written by a later run";
+pub const RELIEVED: &str =
+    "a run first brings down another day that holds more than it owes, and the days end as owed";
 pub const SAME_CORRECTION_WAITS: &str =
     "a correction waits for the same correction of another shard count's run";
 
@@ -73,8 +75,9 @@ pub fn properties(setup: &Setup) -> Vec<Property<Protocol>> {
     if let Some(a) = setup.accrual {
         all.push(Property::always(NET_OWED, net_owed_without_faults));
         if a.cap > 0 {
+            all.push(Property::always(NOT_HELD_BACK, not_held_back));
             all.push(Property::sometimes(LOCK_WAIT, lock_wait));
-            all.push(Property::sometimes(HELD_BACK, held_back));
+            all.push(Property::sometimes(RELIEVED, relieved));
         }
         if a.changes.iter().any(|c| matches!(c, Change::Return { .. })) {
             all.push(Property::sometimes(RETURN_CORRECTED, return_corrected));
@@ -374,10 +377,16 @@ fn due_corrected(m: &Protocol, s: &State) -> bool {
     moved && s.db.dates.returned_on.is_none() && corrected_at_rest(m, s)
 }
 
-/// A run committed a day short of what it owed because the cap left no room while another day still owed less,
-/// and the days are now as owed.
-fn held_back(m: &Protocol, s: &State) -> bool {
-    s.held_back && settled(m, s) && nets_owed(m, s)
+/// No committed charge or positive correction was clamped by the cap: every batch wrote its day's whole
+/// difference from the canonical amount. For a changed loan the relief made the room first; an unchanged loan's
+/// ledger holds only canonical amounts, which add up to at most the cap.
+fn not_held_back(_: &Protocol, s: &State) -> bool {
+    !s.held_back
+}
+
+/// A batch committed a relief (a correction of another day than its own), and the days are now as owed.
+fn relieved(m: &Protocol, s: &State) -> bool {
+    s.relieved && settled(m, s) && nets_owed(m, s)
 }
 
 /// A run's correction waits for the same correction, uncommitted, of a run of the same day under another shard

@@ -22,14 +22,16 @@
 //!   the first fetch finds nothing too.
 //! - PostgreSQL's own isolation is assumed: each statement reads the latest committed state (READ COMMITTED), an
 //!   uncommitted write is invisible and its row locked until commit or rollback.
-//! - An accrual batch's writes — the per-loan lock (with a cap), the corrections, the charges — are one step, taken
-//!   once nothing it must wait for is held: the lock, or (without a cap) a row with the same key another open
-//!   transaction inserted (the day's charge, or its correction with the same `seq`). The statements after the lock
-//!   read committed state after every other writer of the loan ended; without a cap, a statement that waits on a
-//!   key took its snapshot before the wait, but what it then writes is what the step writes in a behaviour where
-//!   libraryd's change (the only other writer, which commutes with the other transaction's commit or rollback)
-//!   comes after it. For one loan and day only one of the two statements writes: a correction needs the day's
-//!   charge committed, a charge needs it absent.
+//! - An accrual batch's writes — with a cap the per-loan lock and the relief, then the corrections and the
+//!   charges — are one step, taken once nothing it must wait for is held: the lock, or (without a cap) a row with
+//!   the same key another open transaction inserted (the day's charge, or its correction with the same `seq`).
+//!   The statements after the lock read committed state after every other writer of the loan ended, plus what the
+//!   batch's own earlier statements wrote (the relief's corrections, which the correction's and the charge's room
+//!   under the cap counts); without a cap (and so without relief), a statement that waits on a key took its
+//!   snapshot before the wait, but what it then writes is what the step writes in a behaviour where libraryd's
+//!   change (the only other writer, which commutes with the other transaction's commit or rollback) comes after
+//!   it. For one loan and day only one of the two statements writes: a correction needs the day's charge
+//!   committed, a charge needs it absent; the relief writes only on the loan's other days.
 
 use stateright::{Model, Property};
 
@@ -93,22 +95,18 @@ pub enum Action {
     Change(u8),
 }
 
-/// What a run's write of one accrual day does, read from committed state (`corrections::correct`, then
-/// `ledger::charge`).
+/// What a run's write of one accrual day does, read from committed state (`corrections::relieve` with a cap,
+/// `corrections::correct`, then `ledger::charge`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DayWrite {
+    /// The relief's corrections of the loan's other days, by day: `seq` and amount.
+    pub relief: [Option<(u8, i16)>; MAX_DAYS],
     /// The charge inserted, if the day has none.
     pub charge: Option<i16>,
     /// The correction inserted, if the day has a charge and its net is not its amount: `seq` and amount.
     pub correction: Option<(u8, i16)>,
     /// The cap held back some of a positive amount.
     pub held: bool,
-}
-
-impl DayWrite {
-    pub fn writes(&self) -> bool {
-        self.charge.is_some() || self.correction.is_some()
-    }
 }
 
 impl Protocol {
@@ -192,6 +190,7 @@ impl Protocol {
             faults_left: self.setup.faults,
             stale_commit: false,
             held_back: false,
+            relieved: false,
         }
     }
 
@@ -264,14 +263,55 @@ impl Protocol {
         (amount.min(room), amount > room)
     }
 
-    /// What a write of day `d` does against committed state `db`. The correction first (`corrections::correct`):
-    /// for a charged day whose net is not its canonical amount, the difference as the day's next `seq`, a positive
-    /// one within the cap. Then the charge (`ledger::charge`): for a day not charged, its canonical amount within
-    /// the cap — or, with [`Mutation::AmountFromLedgerTotal`], `least(rate, cap - sum)` for an owed day.
-    pub fn day_write(&self, db: &Db, d: usize) -> DayWrite {
+    /// The relief of a batch of day `d` (`corrections::relieve`, with a cap, under the lock, before anything else
+    /// the batch writes): for a changed loan whose day `d` is owed (its amount above 0) and would not fit under
+    /// the cap — what the loan holds in total plus `max(amount(d) - net(d), 0)` exceeds it — every other charged
+    /// day `e` whose net exceeds its amount gets the correction `amount(e) - net(e)`, as its next `seq`. Nothing
+    /// under [`Mutation::NoRelief`].
+    pub fn relief(&self, db: &Db, d: usize) -> [Option<(u8, i16)>; MAX_DAYS] {
+        let mut relief = [None; MAX_DAYS];
+        let Some(a) = self.setup.accrual else {
+            return relief;
+        };
+        let target = self.day_amount(&db.dates, d);
+        let owing = (target - db.ledger[d].net()).max(0);
+        if a.cap == 0
+            || self.mutated(Mutation::NoRelief)
+            || !db.dates.changed
+            || target <= 0
+            || self.ledger_total(db) + owing <= a.cap
+        {
+            return relief;
+        }
+        for e in self.days().filter(|&e| e != d) {
+            let entry = db.ledger[e];
+            let amount = self.day_amount(&db.dates, e);
+            if entry.charge.is_some() && amount < entry.net() {
+                relief[e] = Some((entry.seq + 1, amount - entry.net()));
+            }
+        }
+        relief
+    }
+
+    /// What a write of day `d` does against the `committed` state. With a cap, the relief first
+    /// ([`Self::relief`]); the statements after it see its corrections. Then the correction
+    /// (`corrections::correct`): for a charged day whose net is not its canonical amount, the difference as the
+    /// day's next `seq`, a positive one within the cap. Then the charge (`ledger::charge`): for a day not charged,
+    /// its canonical amount within the cap — or, with [`Mutation::AmountFromLedgerTotal`], `least(rate, cap -
+    /// sum)` for an owed day.
+    pub fn day_write(&self, committed: &Db, d: usize) -> DayWrite {
+        let relief = self.relief(committed, d);
+        let mut relieved = *committed;
+        for (entry, correction) in relieved.ledger.iter_mut().zip(relief) {
+            if let Some((seq, amount)) = correction {
+                self.commit_correction(entry, seq, amount);
+            }
+        }
+        let db = &relieved;
         let entry = db.ledger[d];
         let target = self.day_amount(&db.dates, d);
         let mut write = DayWrite {
+            relief,
             charge: None,
             correction: None,
             held: false,
@@ -308,14 +348,26 @@ impl Protocol {
 
     /// Whether loan `i` still needs work under `key`, as the batch query sees committed data, whichever loans the
     /// run looks at: for settlement `fine_settled_at is null and returned_on` in the month; for accrual a charge
-    /// or a correction of the key's day (`ledger::overdue_batch`: what [`Self::day_write`] would write).
+    /// or a correction of the key's day ([`Self::day_has_work`]).
     pub fn to_do(&self, db: &Db, key: usize, i: usize) -> bool {
         match self.setup.keys[key].job {
             Job::Settlement => db.loans[i].eligible && !db.loans[i].settled,
             Job::Accrual { day } => {
-                self.setup.accrual.is_some_and(|a| a.loan == i)
-                    && self.day_write(db, usize::from(day)).writes()
+                self.setup.accrual.is_some_and(|a| a.loan == i) && self.day_has_work(db, usize::from(day))
             }
+        }
+    }
+
+    /// Whether day `d` of the accrual loan has work, as `ledger::overdue_batch`, `ledger::day_has_work` and the
+    /// re-check find it: not charged and owed (its amount above 0), or charged and its net not its amount. The
+    /// cap is not asked: a loan at its cap is found too (its write is then what [`Self::day_write`] says, which
+    /// the relief keeps from being clamped).
+    pub fn day_has_work(&self, db: &Db, d: usize) -> bool {
+        let entry = db.ledger[d];
+        let target = self.day_amount(&db.dates, d);
+        match entry.charge {
+            None => target > 0,
+            Some(_) => entry.net() != target,
         }
     }
 
@@ -468,6 +520,7 @@ impl Protocol {
             skipped: 0,
             charge: None,
             correction: None,
+            relief: [None; MAX_DAYS],
             held: false,
             advisory: false,
             idle: self.setup.batch_timeout,
@@ -496,10 +549,14 @@ impl Protocol {
                 }
             }
             // With a cap: select pg_advisory_xact_lock(loan) (waits while another transaction holds it). Then, under
-            // it: insert into fine_ledger_corrections (loan, day, seq, amount) select ... the next seq, canonical -
-            // net (a positive one least(.., cap - net_total)) ... on conflict do nothing; and insert into
-            // fine_ledger (loan, day, amount) select least(canonical, cap - net_total) ... where amount > 0 on
-            // conflict do nothing. Without a cap, an insert waits for another transaction's row with its key.
+            // it, the relief: insert into fine_ledger_corrections (loan, other day, seq, amount) select ... the next
+            // seq, canonical - net ... where the loan is changed and its day would not fit under the cap and the
+            // other day's net exceeds its canonical amount ... on conflict do nothing. Then the day's own: insert
+            // into fine_ledger_corrections (loan, day, seq, amount) select ... the next seq, canonical - net (a
+            // positive one least(.., cap - net_total)) ... on conflict do nothing; and insert into fine_ledger
+            // (loan, day, amount) select least(canonical, cap - net_total) ... where amount > 0 on conflict do
+            // nothing. Without a cap, an insert waits for another transaction's row with its key (and there is no
+            // relief; with a cap, the lock keeps every other writer of the loan out).
             Job::Accrual { day } => {
                 let d = usize::from(day);
                 let write = self.day_write(&s.db, d);
@@ -507,6 +564,7 @@ impl Protocol {
                     return None;
                 }
                 tx.advisory = self.capped();
+                tx.relief = write.relief;
                 tx.correction = write.correction;
                 tx.held = write.held;
                 if self.mutated(Mutation::CapReadOutsideLock) && s.db.ledger[d].charge.is_none() {
@@ -539,7 +597,8 @@ impl Protocol {
         let key = usize::from(run.key);
         let row = s.db.runs[key];
         let current = row.status == Status::Running && row.epoch == run.epoch;
-        if (tx.locked != 0 || tx.charge.is_some() || tx.correction.is_some()) && !current {
+        let relief = tx.relief.iter().any(Option::is_some);
+        if (tx.locked != 0 || tx.charge.is_some() || tx.correction.is_some() || relief) && !current {
             s.stale_commit = true;
         }
         for (i, loan) in s.db.loans.iter_mut().enumerate() {
@@ -553,6 +612,12 @@ impl Protocol {
             }
         }
         if let Some(d) = self.day_of(key) {
+            for (entry, correction) in s.db.ledger.iter_mut().zip(tx.relief) {
+                if let Some((seq, amount)) = correction {
+                    self.commit_correction(entry, seq, amount);
+                }
+            }
+            s.relieved |= relief;
             let entry = &mut s.db.ledger[d];
             if let Some((seq, amount)) = tx.correction {
                 self.commit_correction(entry, seq, amount);
@@ -681,7 +746,8 @@ impl Protocol {
                 Phase::Fetched(run, batch) if !self.mutated(Mutation::CursorInOwnTransaction) => {
                     let mut tx = self.write(s, usize::from(a), &run, &batch)?;
                     if self.mutated(Mutation::CorrectionOutsideFence) {
-                        // The corrections commit on their own, ahead of the charges and the fence.
+                        // The corrections (the relief's too) commit on their own, ahead of the charges and the
+                        // fence.
                         let alone = Tx {
                             charge: None,
                             held: false,
@@ -689,6 +755,7 @@ impl Protocol {
                         };
                         self.commit_writes(n, &run, &alone);
                         tx.correction = None;
+                        tx.relief = [None; MAX_DAYS];
                     }
                     n.actors[usize::from(a)].phase = Phase::InTx(run, batch, tx);
                 }
@@ -1165,13 +1232,21 @@ impl Protocol {
         let Some(tx) = tx else {
             return format!("writes of {label} wait");
         };
+        let alone = if self.mutated(Mutation::CorrectionOutsideFence) {
+            ", committed at once on its own"
+        } else {
+            ""
+        };
         let mut parts = Vec::new();
+        for (e, correction) in tx.relief.iter().enumerate() {
+            if let (Some((seq, amount)), Some(a)) = (correction, self.setup.accrual) {
+                parts.push(format!(
+                    "relief: correction #{seq} of {amount:+} of day {}{alone}",
+                    a.days[e]
+                ));
+            }
+        }
         if let Some((seq, amount)) = tx.correction {
-            let alone = if self.mutated(Mutation::CorrectionOutsideFence) {
-                ", committed at once on its own"
-            } else {
-                ""
-            };
             parts.push(format!("correction #{seq} of {amount:+}{alone}"));
         }
         if let Some(amount) = tx.charge {
@@ -1394,6 +1469,7 @@ mod tests {
             skipped: 0,
             charge: None,
             correction: None,
+            relief: [None; MAX_DAYS],
             held: false,
             advisory: false,
             idle: 0,
@@ -1455,24 +1531,47 @@ mod tests {
     }
 
     #[test]
-    fn a_positive_correction_waits_for_the_room_a_negative_one_makes() {
-        let m = Protocol::new(Setup::accrual(), None);
-        let mut db = m.initial().db;
+    fn a_changed_loan_is_relieved_before_its_day_so_the_cap_holds_nothing_back() {
+        let mut db = Protocol::new(Setup::accrual(), None).initial().db;
         db.ledger = [charged(100), charged(50)];
         db.dates.due_on = 1; // moved later: day 1 owes 0, day 2 owes 100
         db.dates.changed = true;
-        let held = m.day_write(&db, 1);
-        assert_eq!(
-            (held.correction, held.held),
-            (None, true),
-            "no room under the cap"
-        );
-        assert!(!m.reopens(&db, 1), "nothing day 2 can write yet");
+        // Day 2's run corrects day 1 first (150 held + 50 owed > 150), then its own +50 fits.
+        let m = Protocol::new(Setup::accrual(), None);
+        assert!(m.reopens(&db, 1), "the re-check finds day 2 at the cap");
+        let write = m.day_write(&db, 1);
+        assert_eq!(write.relief, [Some((1, -100)), None]);
+        assert_eq!((write.correction, write.held), (Some((1, 50)), false));
+        // Day 1's own run needs no relief: its amount is 0.
+        assert_eq!(m.relief(&db, 0), [None, None]);
         assert_eq!(m.day_write(&db, 0).correction, Some((1, -100)));
-        db.ledger[0].corrected = -100;
-        db.ledger[0].seq = 1;
-        assert_eq!(m.day_write(&db, 1).correction, Some((1, 50)));
-        assert!(m.reopens(&db, 1), "the re-check re-opens day 2 again");
+        // Without the relief the cap leaves day 2 no room: found, written as nothing, until day 1 is corrected.
+        let old = Protocol::new(Setup::accrual(), Some(Mutation::NoRelief));
+        let held = old.day_write(&db, 1);
+        assert_eq!(
+            (held.relief, held.correction, held.held),
+            ([None, None], None, true)
+        );
+        assert!(old.reopens(&db, 1), "found again and again");
+        // A loan libraryd did not change is never relieved (its ledger holds no more than it owes anyway).
+        db.dates.changed = false;
+        assert_eq!(m.relief(&db, 1), [None, None]);
+    }
+
+    #[test]
+    fn the_relief_runs_only_where_the_day_would_not_fit_under_the_cap() {
+        let m = Protocol::new(Setup::accrual(), None);
+        let mut db = m.initial().db;
+        db.dates.due_on = 1; // day 1 owes 0, day 2 owes 100
+        db.dates.changed = true;
+        db.ledger[0] = charged(100);
+        // 100 held + 100 owed > 150: day 1 is brought down first, and day 2 is charged in full.
+        let write = m.day_write(&db, 1);
+        assert_eq!((write.relief, write.charge), ([Some((1, -100)), None], Some(100)));
+        // 50 held + 100 owed fits: day 1 (which owes 0, and holds 50) is left to its own run.
+        db.ledger[0] = charged(50);
+        let write = m.day_write(&db, 1);
+        assert_eq!((write.relief, write.charge), ([None, None], Some(100)));
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! late (back-dated into the month after the cursor passed it or after the key succeeded) and one that libraryd
 //! may hold locked for a while. *Accrual* is two accrual days of one capped loan run by the two replicas of its
 //! shard while libraryd back-dates the loan's return and moves its due date (later or earlier), the case the
-//! canonical amounts, the corrections and the per-loan lock exist for. *Overlap* is one day of one uncapped loan
+//! canonical amounts, the corrections, the per-loan lock and the relief of a changed loan's over-charged days
+//! exist for. *Overlap* is one day of one uncapped loan
 //! run under two shard counts at once (the fleet's key and an operator's `accrue --shards 1`): without a cap no
 //! lock serialises the two runs, and only the correction's number (`seq`, unique per loan and day) keeps them from
 //! correcting the day twice. Keeping them apart keeps each exhaustive: their state spaces would multiply, and the
@@ -156,8 +157,9 @@ impl Setup {
     /// Two accrual days (1 and 2) of shard 0 on loan 2, due on day 0, rate 100, cap 150: day 1 owes 100 and day 2
     /// the 50 that reaches the cap. The replicas 0 and 2 of shard 0 may run the two days at once; libraryd may
     /// back-date the return to day 1 (day 2 owes nothing) and move the due date later to day 1 (day 1 owes
-    /// nothing, day 2 the full 100: a positive correction the cap holds back until day 1 is corrected) or earlier to
-    /// day -1 (the cap comes sooner: day 1 owes 50, day 2 nothing), each at any point.
+    /// nothing, day 2 the full 100: with both days charged, day 2's +50 fits under the cap only once day 1's -100
+    /// is written, which day 2's run writes first, the relief) or earlier to day -1 (the cap comes sooner: day 1
+    /// owes 50, day 2 nothing), each at any point.
     pub fn accrual() -> Setup {
         Setup {
             name: "accrual",
@@ -275,10 +277,14 @@ pub enum Mutation {
     /// The correction written without its uniqueness: no primary key on `(loan_id, accrual_date, seq)`, so
     /// `on conflict do nothing` never finds a correction's number taken.
     CorrectionWithoutUniqueness,
+    /// No relief (`corrections::relieve` not called): a batch of a changed loan writes its day's correction and
+    /// charge without first bringing the loan's other over-charged days down, so the cap clamps them where they
+    /// do not fit (the batch walks still find the day, as they no longer skip a loan at its cap).
+    NoRelief,
 }
 
 impl Mutation {
-    pub const ALL: [Mutation; 8] = [
+    pub const ALL: [Mutation; 9] = [
         Mutation::FenceWithoutEpoch,
         Mutation::CursorInOwnTransaction,
         Mutation::UnconditionalWrite,
@@ -287,6 +293,7 @@ impl Mutation {
         Mutation::AmountFromLedgerTotal,
         Mutation::CorrectionOutsideFence,
         Mutation::CorrectionWithoutUniqueness,
+        Mutation::NoRelief,
     ];
 
     /// The scenario in which the mistake matters.
@@ -294,7 +301,8 @@ impl Mutation {
         match self {
             Mutation::CapReadOutsideLock
             | Mutation::AmountFromLedgerTotal
-            | Mutation::CorrectionOutsideFence => Setup::accrual(),
+            | Mutation::CorrectionOutsideFence
+            | Mutation::NoRelief => Setup::accrual(),
             // With a cap the per-loan lock serialises every writer of the loan; only without one do two runs of a
             // day correct it at the same time.
             Mutation::CorrectionWithoutUniqueness => Setup::overlap(),
@@ -308,7 +316,7 @@ impl Mutation {
     /// The property the mistake must break.
     pub fn breaks(self) -> &'static str {
         use crate::properties::{
-            CAP, CORRECTED_ONCE, CURRENT_EPOCH, CURSOR, NET_OWED, SETTLES, WRITTEN_ONCE,
+            CAP, CORRECTED_ONCE, CURRENT_EPOCH, CURSOR, NET_OWED, NOT_HELD_BACK, SETTLES, WRITTEN_ONCE,
         };
         match self {
             Mutation::FenceWithoutEpoch | Mutation::CorrectionOutsideFence => CURRENT_EPOCH,
@@ -318,6 +326,7 @@ impl Mutation {
             Mutation::NoReopen => SETTLES,
             Mutation::AmountFromLedgerTotal => NET_OWED,
             Mutation::CorrectionWithoutUniqueness => CORRECTED_ONCE,
+            Mutation::NoRelief => NOT_HELD_BACK,
         }
     }
 
@@ -333,6 +342,9 @@ impl Mutation {
             }
             Mutation::CorrectionOutsideFence => "corrections committed outside the fenced batch transaction",
             Mutation::CorrectionWithoutUniqueness => "correction without the uniqueness of its number",
+            Mutation::NoRelief => {
+                "no relief of a changed loan's over-charged days before the day's own amount"
+            }
         }
     }
 }

@@ -94,11 +94,13 @@ pub struct LoanDates {
     pub due_on: i8,
     pub returned_on: Option<i8>,
     /// The loan has rows in `fine_loan_changes` (a trigger on `loans` adds one at every change): the re-check
-    /// reads it, and a re-opened run of a day looks only at such loans. The model never removes it: the re-check
-    /// removes a loan's changes only once none of its days has work, and from then on only another change gives
-    /// one work again (every committed write brings its day to its amount, or short of it only where the cap
-    /// leaves no room while another day owes less, which only a change brings about), so a kept change re-opens
-    /// nothing.
+    /// reads it, a re-opened run of a day looks only at such loans, and a batch relieves only such a loan's
+    /// over-charged days (`corrections::relieve`). The model has no queue: a loan libraryd changed counts as
+    /// changed from then on, through quiescence. The re-check removes a loan's changes only once none of its days
+    /// has work, and from then on only another change gives one work again (every committed write brings its day
+    /// to its amount, relieving the loan's other days first where the cap would otherwise hold it short), so a
+    /// kept change re-opens nothing; and a relief needs a day that holds more than it owes, which a ledger with no
+    /// work left does not have, so a kept change relieves nothing either.
     pub changed: bool,
 }
 
@@ -175,6 +177,9 @@ pub struct Tx {
     pub charge: Option<i16>,
     /// Accrual: the correction inserted, uncommitted: its `seq` and amount.
     pub correction: Option<(u8, i16)>,
+    /// Accrual: the relief's corrections inserted, uncommitted, by the day they correct (never the batch's own
+    /// day): their `seq` and amount.
+    pub relief: [Option<(u8, i16)>; MAX_DAYS],
     /// Accrual: the cap held back some of the write's positive amount.
     pub held: bool,
     /// Accrual: `pg_advisory_xact_lock(loan)` held.
@@ -240,4 +245,6 @@ pub struct State {
     /// *History:* a batch committed a charge or a positive correction smaller than the day's difference from its
     /// canonical amount (or none at all), because the cap left no more room.
     pub held_back: bool,
+    /// *History:* a batch committed a relief: a correction of another day of the loan than its own.
+    pub relieved: bool,
 }

@@ -114,6 +114,23 @@ fn a_correction_without_its_uniqueness_corrects_a_day_twice() {
 }
 
 #[test]
+fn without_the_relief_the_cap_holds_back_a_changed_loans_day() {
+    let report = check_mutation(Mutation::NoRelief);
+    let trace = report.counterexample.expect("caught");
+    // Day 1 charged 100 before the due date moved later: day 2 now owes 100, and the cap leaves it 50.
+    let held = trace
+        .steps
+        .iter()
+        .any(|s| s.contains("overdue-accrual/day2/0: charge of 50 (the cap holds back the rest)"));
+    assert!(held, "{trace:#?}");
+    let last = trace.steps.last().map(String::as_str).unwrap_or_default();
+    assert!(
+        last.contains("fence of overdue-accrual/day2/0 commits"),
+        "{trace:#?}"
+    );
+}
+
+#[test]
 fn without_the_reopen_a_skipped_row_is_never_settled() {
     let report = check_mutation(Mutation::NoReopen);
     let trace = report.counterexample.expect("caught");
