@@ -92,10 +92,11 @@ async fn set_calendar(pool: &PgPool, days: &[NaiveDate]) {
 async fn by_sql(pool: &PgPool, cases: &[Case]) -> Vec<(i64, i64)> {
     let col = |f: fn(&Case) -> i64| cases.iter().map(f).collect::<Vec<i64>>();
     sqlx::query_as(
-        "select fine_settler_policy_day_amount(due, ret, day, rate, grace::int, cap, cc),
-                coalesce(fine_settler_policy_fine(due, ret, rate, grace::int, cap, cc), -1)
+        "select a.amount_cents, f.fine_cents
          from unnest($1::date[], $2::date[], $3::date[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bool[])
               with ordinality t(due, ret, day, rate, grace, cap, cc, i)
+         cross join lateral fine_settler_policy_day_amount(due, ret, day, rate, grace::int, cap, cc) a
+         cross join lateral fine_settler_policy_fine(due, ret, rate, grace::int, cap, cc) f
          order by i",
     )
     .bind(cases.iter().map(|c| c.due).collect::<Vec<_>>())
@@ -169,7 +170,8 @@ async fn the_sql_rule_and_the_rust_rule_agree(pool: PgPool) {
 }
 
 /// `fine_settler_policy_of` and `policy::governing` pick the same version for random versions of two classes
-/// and `default`, random classes (none, an unknown one) and due dates — including dates before any version.
+/// and `default`, random classes (none, an unknown one) and due dates — including dates before any version —
+/// and `fine_settler_loan_fine` prices a loan by the policy it picks.
 #[sqlx::test]
 async fn the_sql_and_rust_pick_the_same_policy(pool: PgPool) {
     let mut gen = TestRunner::deterministic();
@@ -231,6 +233,18 @@ async fn the_sql_and_rust_pick_the_same_policy(pool: PgPool) {
                 .expect("policy_of");
         let rust = governing(&kept, class, due).map(|v| (v.class.as_str().to_string(), v.effective_from));
         assert_eq!(sql, rust, "class {class:?}, due {due}");
+        // The scalar convenience looks the same policy up: a loan returned ten days late.
+        let returned = due + Duration::days(10);
+        let fine: Option<i64> = sqlx::query_scalar("select fine_settler_loan_fine($1, $2, $3)")
+            .bind(class)
+            .bind(due)
+            .bind(returned)
+            .fetch_one(&pool)
+            .await
+            .expect("loan_fine");
+        let rust =
+            governing(&kept, class, due).map(|v| v.policy.fine(&ClosedDays::default(), due, returned).get());
+        assert_eq!(fine, rust, "class {class:?}, due {due}");
     }
 }
 
