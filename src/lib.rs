@@ -6,7 +6,8 @@
 //!   into the types the code uses ([`config::settings`]; the database URL in [`config::database_url`]);
 //!   [`redact`] keeps the password out of everything printed.
 //! - [`calendar`], [`fine`], [`shard`]: the pure domain (business months, the fine policy, shard membership);
-//!   [`backoff`]: the one retry policy.
+//!   [`backoff`]: the one retry policy; [`policy`]: the fine rules as data (a versioned policy per item class,
+//!   the closed days, and the rule that prices a loan under them — the Rust twin of the SQL functions).
 //! - [`store`]: every SQL statement and the migrations; [`store`]'s root is the map. [`store::job_runs`] the claim
 //!   protocol, the claimed run's handle ([`store::job_runs::ClaimedRun`]: advance through the one fence, renew,
 //!   finish, hand back) and the tick's status statement; [`store::loans`] settlement; [`store::ledger`] accrual
@@ -39,6 +40,7 @@ pub mod health;
 pub mod http;
 pub mod jobs;
 pub mod metrics;
+pub mod policy;
 pub mod progress;
 pub mod redact;
 pub mod schedule;

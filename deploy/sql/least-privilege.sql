@@ -39,6 +39,13 @@ select format('grant select on fine_ledger_net to %I', :'role') \gexec
 select format('grant select on fine_settler_marks to %I', :'role') \gexec
 select format('grant select, delete on fine_loan_changes to %I', :'role') \gexec
 
+-- The fine rules: every batch reads the policies and the closed days; `policy add` and `calendar close/open`
+-- (operator commands, run with the replicas' configuration) add versions, add and remove closed days, and queue
+-- the loans a change to a past day concerns for the re-check.
+select format('grant select, insert on fine_policies to %I', :'role') \gexec
+select format('grant select, insert, delete on library_closed_days to %I', :'role') \gexec
+select format('grant insert on fine_loan_changes to %I', :'role') \gexec
+
 -- Optional, for throttle.max_replica_lag: with `-v monitor=on`, the role may read the standbys' replay positions
 -- in pg_stat_replication (pg_read_all_stats, the part of pg_monitor the throttle needs). Granting it takes a
 -- superuser (or, from PostgreSQL 16, a role holding pg_read_all_stats with the admin option). Without it a

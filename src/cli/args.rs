@@ -60,6 +60,16 @@ pub enum Command {
     /// Lift a pause set with `pause` (the same scope: the whole job, or the one shard); the next tick goes on
     /// from where the runs stopped.
     Resume(ResumeArgs),
+    /// The fine rules in the database (fine_policies): one version per item class and first due date.
+    Policy {
+        #[command(subcommand)]
+        action: PolicyAction,
+    },
+    /// The days the library is closed (library_closed_days), which are not charged.
+    Calendar {
+        #[command(subcommand)]
+        action: CalendarAction,
+    },
 }
 
 impl Command {
@@ -295,6 +305,98 @@ pub enum PendingAction {
         #[arg(long)]
         ignore_pause: bool,
     },
+}
+
+/// `policy`'s subcommands.
+#[derive(Debug, Subcommand)]
+pub enum PolicyAction {
+    /// List every version: class, first due date, rate, grace, cap, closed-day rule, who, when, why.
+    List {
+        /// Print one JSON object a line instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Add a version for loans of a class falling due from a date after today (in time.zone, by the database
+    /// clock). The same version twice is a no-op; a different one for the same class and date is refused.
+    Add(PolicyAddArgs),
+}
+
+/// `policy add`'s flags.
+#[derive(Debug, clap::Args)]
+pub struct PolicyAddArgs {
+    /// The item class (`default` for loans with no class or no policy of their own), 1 to 64 characters.
+    #[arg(long, value_name = "C")]
+    pub class: String,
+    /// The first due date the version governs; after today.
+    #[arg(long, value_name = "D")]
+    pub from: NaiveDate,
+    /// Cents charged per chargeable day.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub daily_rate_cents: i64,
+    /// Calendar days after the due date that are never charged.
+    #[arg(long, value_name = "G", default_value_t = 0, allow_negative_numbers = true)]
+    pub grace_days: i64,
+    /// The most a loan is charged in all; 0 for no cap.
+    #[arg(long, value_name = "X", default_value_t = 0, allow_negative_numbers = true)]
+    pub cap_cents: i64,
+    /// Charge the days the library is closed too.
+    #[arg(long)]
+    pub charge_closed_days: bool,
+    /// Why, for the record.
+    #[arg(long, value_name = "R", default_value = "")]
+    pub reason: String,
+    /// Who, for the record (default: $USER@host).
+    #[arg(long, value_name = "B")]
+    pub by: Option<String>,
+}
+
+/// `calendar`'s subcommands.
+#[derive(Debug, Subcommand)]
+pub enum CalendarAction {
+    /// Close the days from D1 to D2 (default: D1 alone); days already closed are left as they are.
+    Close(CalendarCloseArgs),
+    /// Open the closed days from D1 to D2 (default: D1 alone).
+    Open(CalendarRangeArgs),
+    /// List the closed days (of a range, with --from and --to).
+    List(CalendarListArgs),
+}
+
+/// `--from D1 [--to D2]` of `calendar close` and `calendar open`.
+#[derive(Debug, clap::Args)]
+pub struct CalendarRangeArgs {
+    /// The first day.
+    #[arg(long, value_name = "D1")]
+    pub from: NaiveDate,
+    /// The last day (default: the first), at most ten years after it.
+    #[arg(long, value_name = "D2")]
+    pub to: Option<NaiveDate>,
+}
+
+/// `calendar close`'s flags.
+#[derive(Debug, clap::Args)]
+pub struct CalendarCloseArgs {
+    #[command(flatten)]
+    pub range: CalendarRangeArgs,
+    /// Why the library is closed (a holiday, the snow day).
+    #[arg(long, value_name = "R")]
+    pub reason: String,
+    /// Who, for the record (default: $USER@host).
+    #[arg(long, value_name = "B")]
+    pub by: Option<String>,
+}
+
+/// `calendar list`'s flags.
+#[derive(Debug, clap::Args)]
+pub struct CalendarListArgs {
+    /// The first day listed (with --to).
+    #[arg(long, value_name = "D1", requires = "to")]
+    pub from: Option<NaiveDate>,
+    /// The last day listed (with --from).
+    #[arg(long, value_name = "D2", requires = "from")]
+    pub to: Option<NaiveDate>,
+    /// Print one JSON object a line instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// The scheduler modes `drift` can measure.

@@ -14,13 +14,15 @@ use std::{collections::HashMap, path::Path, process::ExitCode};
 use clap::Parser;
 
 use crate::{
-    config::{self, ConfigError, RawSettings, Settings},
+    config::{self, ConfigError, FineKeys, RawSettings, Settings},
     daemon,
     jobs::{backfill::BackfillError, oneshot},
     store::{Db, StoreError},
     telemetry,
 };
-pub use args::{Cli, Command, DriftMode, PauseScopeArgs, PendingAction, ShardArgs};
+pub use args::{
+    CalendarAction, Cli, Command, DriftMode, PauseScopeArgs, PendingAction, PolicyAction, ShardArgs,
+};
 
 /// Why a command could not do its work.
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +48,9 @@ pub enum CliError {
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers: {0}")]
     Signals(#[from] std::io::Error),
+    /// A `[fine]` key of this replica differs from the database's policy; nothing was written.
+    #[error(transparent)]
+    FineKeys(#[from] config::FineKeysDiffer),
     /// `settle`/`accrue` of a paused job (or shard) without `--ignore-pause`; nothing was written.
     #[error(transparent)]
     Paused(oneshot::Refused),
@@ -55,7 +60,9 @@ impl CliError {
     /// The process's exit code for this error: 2 when nothing was written because the input was wrong, else 1.
     pub fn exit_code(&self) -> ExitCode {
         match self {
-            CliError::Usage(_) | CliError::Config(_) | CliError::Start(_) => ExitCode::from(2),
+            CliError::Usage(_) | CliError::Config(_) | CliError::Start(_) | CliError::FineKeys(_) => {
+                ExitCode::from(2)
+            }
             CliError::Backfill(BackfillError::Usage { .. }) => ExitCode::from(2),
             CliError::Backfill(BackfillError::Paused(_)) => ExitCode::from(1),
             CliError::Store(_)
@@ -70,6 +77,7 @@ impl CliError {
     pub fn lines(&self) -> Vec<String> {
         match self {
             CliError::Config(e) => e.lines(),
+            CliError::FineKeys(e) => vec![e.to_string()],
             other => vec![format!("fine-settler: {other}")],
         }
     }
@@ -118,6 +126,8 @@ pub struct Context {
     pub raw: RawSettings,
     /// The validated settings every other command works with.
     pub settings: Settings,
+    /// The `[fine]` keys the file or environment sets, which `run` compares with the database's policy.
+    pub fine_keys: FineKeys,
 }
 
 impl Context {
@@ -126,7 +136,12 @@ impl Context {
         let env: HashMap<String, String> = std::env::vars().collect();
         let raw = config::load(file, &env)?;
         let settings = raw.validate(&env)?;
-        Ok(Context { raw, settings })
+        let fine_keys = FineKeys::read(file, &env, settings.fine)?;
+        Ok(Context {
+            raw,
+            settings,
+            fine_keys,
+        })
     }
 
     /// A pool for an operator command, named `application_name` in `pg_stat_activity`.
@@ -165,5 +180,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Resume(args) => commands::resume(&ctx, args).await,
         Command::Verify(args) => commands::verify(&ctx, args).await,
         Command::DemoData(args) => commands::demo_data(&ctx, args).await,
+        Command::Policy { action } => commands::policy(&ctx, action).await,
+        Command::Calendar { action } => commands::calendar(&ctx, action).await,
     }
 }

@@ -145,3 +145,46 @@ pub fn print_audit(business_date: NaiveDate, month: (NaiveDate, NaiveDate), audi
 pub fn print_json<T: serde::Serialize>(value: &T) {
     println!("{}", serde_json::to_string(value).unwrap_or_default());
 }
+
+/// `policy list`'s table.
+pub fn policies_table(rows: &[crate::policy::PolicyVersion]) -> String {
+    let mut out = format!(
+        "{:<16} {:<12} {:>10} {:>6} {:>10} {:<13} {:<25} {:<20} {}\n",
+        "CLASS", "FROM", "RATE", "GRACE", "CAP", "CLOSED_DAYS", "CREATED_AT", "BY", "REASON"
+    );
+    for r in rows {
+        let f = &r.policy.fine;
+        out.push_str(&format!(
+            "{:<16} {:<12} {:>10} {:>6} {:>10} {:<13} {:<25} {:<20} {}\n",
+            r.class,
+            r.effective_from.to_string(),
+            f.daily_rate().get(),
+            f.grace_days(),
+            f.cap().map_or(0, |c| c.get()),
+            if r.policy.charge_closed_days {
+                "charged"
+            } else {
+                "free"
+            },
+            r.created_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            r.created_by,
+            r.reason
+        ));
+    }
+    out
+}
+
+/// `calendar list`'s table.
+pub fn closed_days_table(rows: &[store::calendar::ClosedDay]) -> String {
+    let mut out = format!("{:<12} {:<25} {:<20} {}\n", "DAY", "CREATED_AT", "BY", "REASON");
+    for r in rows {
+        out.push_str(&format!(
+            "{:<12} {:<25} {:<20} {}\n",
+            r.day.to_string(),
+            r.created_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            r.created_by,
+            r.reason
+        ));
+    }
+    out
+}

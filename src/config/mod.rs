@@ -11,8 +11,10 @@
 //! - [`database_url`]: `database.url` parsed once ([`DatabaseUrl`]): libpq's multi-host form, its
 //!   `target_session_attrs` and `connect_timeout`, and the URL as it may be shown.
 //! - [`validate`]: from the one to the other, a function per section.
+//! - [`fine_keys`]: the `[fine]` keys a replica sets explicitly, checked against the database's policy at start.
 
 pub mod database_url;
+pub mod fine_keys;
 pub mod raw;
 pub mod settings;
 pub mod validate;
@@ -20,6 +22,7 @@ pub mod validate;
 use std::{collections::HashMap, path::Path};
 
 pub use database_url::{DatabaseUrl, DatabaseUrlError, PoolerOptionsError, TargetSessionAttrs};
+pub use fine_keys::{FineKey, FineKeys, FineKeysDiffer};
 pub use raw::RawSettings;
 pub use settings::{
     derived_batch_timeout, derived_lock_timeout, AccrualSettings, ClaimSettings, DatabaseSettings, Lease,

@@ -19,12 +19,14 @@
 //! What the product stores, one file per responsibility: [`job_runs`] the claim protocol, the fence and the
 //! tick's status statement; [`loans`] settlement; [`ledger`] accrual and the compensation queue; [`pauses`]
 //! `pause` / `resume`; [`audit`] `verify`; [`status`] the status page's reads; [`replication`] the standbys'
-//! lag.
+//! lag; [`policies`] the versioned fine rules (`policy list` / `policy add`, the seed of `migrate`);
+//! [`calendar`] the closed days (`calendar close` / `open` / `list`).
 //!
 //! The store depends on no layer above it (jobs, progress bars, the command line): what they need to know while
 //! a statement runs, they are told through a callback ([`IndexBuildObserver`]).
 
 pub mod audit;
+pub mod calendar;
 pub mod connect;
 pub mod corrections;
 pub mod db;
@@ -34,6 +36,7 @@ pub mod ledger;
 pub mod loans;
 pub mod migrations;
 pub mod pauses;
+pub mod policies;
 pub mod readiness;
 pub mod replication;
 mod route;

@@ -4,6 +4,7 @@
 mod accrual;
 mod backfill;
 mod bad_input;
+mod calendar;
 mod chaos;
 mod claim;
 mod claimed;
@@ -20,6 +21,7 @@ mod live;
 mod migrate;
 mod multihost;
 mod pause;
+mod policy;
 mod pooled;
 mod pooler;
 mod progress;

@@ -204,6 +204,8 @@ fn migrate(binary: &Path, url: &str) -> Result<(), Error> {
         .arg("migrate")
         .env("DATABASE_URL", url)
         .env("FINE_SETTLER__LOG__LEVEL", "warn")
+        // The policy's keys seed the database's first policy, which the replicas' keys must then equal.
+        .envs(policy_env())
         .stdout(std::process::Stdio::null())
         .status()?;
     if !status.success() {

@@ -9,7 +9,8 @@ use crate::{
 };
 
 /// Applies every migration not yet applied, rebuilding any index fine-settler owns that is INVALID or gone, and
-/// prints `{"migrate":"ok","migrations":N,"indexes":M,"rebuilt":[…]}`. Exits 1, naming each migration or index
+/// seeds the first `default` fine policy from the `[fine]` keys when `fine_policies` is empty, and prints
+/// `{"migrate":"ok","migrations":N,"indexes":M,"rebuilt":[…],"policy_seeded":true|false}`. Exits 1, naming each migration or index
 /// that falls short, if the schema is still incomplete at the end.
 pub async fn migrate(ctx: &Context) -> Result<ExitCode, CliError> {
     if ctx.settings.database.pooler == Pooler::Transaction {
@@ -31,6 +32,11 @@ pub async fn migrate(ctx: &Context) -> Result<ExitCode, CliError> {
         );
         return Ok(ExitCode::from(1));
     }
+    // The first `default` policy comes from this deployment's `[fine]` keys, when the table is still empty.
+    let pool = ctx.connect("fine-settler migrate").await?;
+    let seeded = store::policies::seed_default(&pool, &ctx.settings.fine).await;
+    pool.close().await;
+    let policy_seeded = seeded?;
     let rebuilt: Vec<&str> = migrated.rebuilt.iter().map(|i| i.name.as_str()).collect();
     println!(
         "{}",
@@ -39,6 +45,7 @@ pub async fn migrate(ctx: &Context) -> Result<ExitCode, CliError> {
             "migrations": store::MIGRATOR.iter().count(),
             "indexes": store::owned_indexes().len(),
             "rebuilt": rebuilt,
+            "policy_seeded": policy_seeded,
         })
     );
     Ok(ExitCode::SUCCESS)

@@ -4,6 +4,7 @@
 //! returns the exit code of a command that did its work.
 
 mod backfill;
+mod calendar;
 mod config;
 mod demo;
 mod drift;
@@ -11,6 +12,7 @@ mod migrate;
 mod pause;
 mod pending;
 mod plan;
+mod policy;
 mod release;
 mod run;
 mod runs;
@@ -18,6 +20,7 @@ mod settle_accrue;
 mod verify;
 
 pub use backfill::backfill;
+pub use calendar::calendar;
 pub use config::check_config;
 pub use demo::demo_data;
 pub use drift::drift;
@@ -25,6 +28,7 @@ pub use migrate::migrate;
 pub use pause::{pause, resume};
 pub use pending::pending;
 pub use plan::plan;
+pub use policy::policy;
 pub use release::release;
 pub use run::run;
 pub use runs::runs;
@@ -69,4 +73,13 @@ fn one_shot_shutdown() -> CancellationToken {
             CancellationToken::new()
         }
     }
+}
+
+/// Today in `time.zone`, by the database clock (the clock every replica agrees on).
+async fn database_today(
+    ctx: &super::Context,
+    pool: &crate::store::Db,
+) -> Result<chrono::NaiveDate, CliError> {
+    let now = crate::store::database_now(pool).await?;
+    Ok(now.with_timezone(&ctx.settings.zone).date_naive())
 }

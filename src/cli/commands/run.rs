@@ -9,6 +9,7 @@ use crate::{
     daemon::{self, Control},
     sdnotify::{Notifier, Watchdog},
     signals::Signals,
+    store::policies,
 };
 
 /// The service manager's notification socket and watchdog, each present only when the environment names it.
@@ -39,9 +40,39 @@ fn service_manager(settings: &Settings) -> Result<ServiceManager, CliError> {
     Ok((Some(notifier), dog.map(Arc::new)))
 }
 
+/// Refuses to start (exit 2) when a `[fine]` key set in this replica's file or environment differs from the
+/// database's `default` policy in force today. A replica that sets none is not asked; one whose database cannot
+/// be reached now starts anyway (it rides out the outage as ever) and says that the keys went unchecked.
+async fn check_fine_keys(ctx: &Context) -> Result<(), CliError> {
+    if ctx.fine_keys.is_empty() {
+        return Ok(());
+    }
+    let in_force = async {
+        let pool = ctx.connect("fine-settler run").await?;
+        let today = super::database_today(ctx, &pool).await;
+        let version = match today {
+            Ok(today) => policies::governing(&pool, None, today)
+                .await
+                .map_err(CliError::from),
+            Err(e) => Err(e),
+        };
+        pool.close().await;
+        version
+    };
+    match in_force.await {
+        Ok(version) => Ok(ctx.fine_keys.check(version.as_ref())?),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the fine policy in force: the [fine] keys of this replica were \
+                                        not compared with the database");
+            Ok(())
+        }
+    }
+}
+
 /// Runs the replica until a signal stops it (exit 0 after a clean drain), or, with `--once`, one tick whose
 /// reports it prints (exit: the worst run's).
 pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, CliError> {
+    check_fine_keys(ctx).await?;
     let (notifier, watchdog) = service_manager(&ctx.settings)?;
     let signals = Signals::install_notifying(notifier.clone())?;
     let control = Control::from_signals(signals, notifier, watchdog);

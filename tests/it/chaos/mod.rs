@@ -62,6 +62,15 @@ async fn chaos() {
         .connect(&url)
         .await
         .expect("connect");
+    // The database's default policy is the deployment's (`migrate` seeded it from the default keys).
+    sqlx::query(
+        "update fine_policies set daily_rate_cents = $1, cap_cents = $2 where fine_class = 'default'",
+    )
+    .bind(RATE)
+    .bind(CAP)
+    .execute(&pool)
+    .await
+    .expect("the deployment's policy");
     let world = World::load(&pool, &mode, seed).await;
     let history = History::install(&pool).await;
     let oracle = Oracle::new(&world.months, world.days[0], world.current);

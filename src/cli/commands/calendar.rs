@@ -1,0 +1,95 @@
+//! `calendar close`, `calendar open` and `calendar list`: the days the library is closed.
+
+use std::process::ExitCode;
+
+use chrono::{Months, NaiveDate};
+
+use super::{database_today, operator};
+use crate::{
+    cli::{
+        args::{CalendarAction, CalendarRangeArgs},
+        output, CliError, Context,
+    },
+    store::calendar::{self, CalendarError, Changed},
+};
+
+/// The longest range one command changes: ten years.
+const MAX_RANGE: Months = Months::new(120);
+
+/// `--from D1 [--to D2]` as a range, or a usage error naming the bad value.
+fn range(args: &CalendarRangeArgs) -> Result<(NaiveDate, NaiveDate), CliError> {
+    let from = args.from;
+    let to = args.to.unwrap_or(from);
+    if to < from {
+        return Err(CliError::Usage(format!(
+            "--to {to}: must not be before --from {from}"
+        )));
+    }
+    if from.checked_add_months(MAX_RANGE).is_none_or(|limit| to > limit) {
+        return Err(CliError::Usage(format!(
+            "--to {to}: the range from {from} is longer than ten years"
+        )));
+    }
+    Ok((from, to))
+}
+
+/// Closes days, opens them, or lists them.
+pub async fn calendar(ctx: &Context, action: CalendarAction) -> Result<ExitCode, CliError> {
+    match action {
+        CalendarAction::List(args) => {
+            if let (Some(from), Some(to)) = (args.from, args.to) {
+                range(&CalendarRangeArgs { from, to: Some(to) })?;
+            }
+            let pool = ctx.connect("fine-settler calendar").await?;
+            let days = calendar::list(&pool, args.from, args.to).await?;
+            pool.close().await;
+            output::print_rows(&days, args.json, output::closed_days_table);
+            Ok(ExitCode::SUCCESS)
+        }
+        CalendarAction::Close(args) => {
+            let days = range(&args.range)?;
+            let by = args.by.unwrap_or_else(operator);
+            let pool = ctx.connect("fine-settler calendar").await?;
+            let today = database_today(ctx, &pool).await?;
+            let changed = calendar::close(&pool, days, &args.reason, &by, today).await;
+            pool.close().await;
+            report("closed", days, changed)
+        }
+        CalendarAction::Open(args) => {
+            let days = range(&args)?;
+            let pool = ctx.connect("fine-settler calendar").await?;
+            let today = database_today(ctx, &pool).await?;
+            let changed = calendar::open(&pool, days, today).await;
+            pool.close().await;
+            report("opened", days, changed)
+        }
+    }
+}
+
+/// Prints `{"calendar": "closed"|"opened", "from", "to", "days": [...], "loans_queued"}`; a refusal is a usage
+/// error (exit 2, nothing written).
+fn report(
+    what: &str,
+    (from, to): (NaiveDate, NaiveDate),
+    changed: Result<Changed, CalendarError>,
+) -> Result<ExitCode, CliError> {
+    let changed = match changed {
+        Ok(c) => c,
+        Err(e @ CalendarError::Settled { .. }) => {
+            return Err(CliError::Usage(format!("calendar {what}: {e}")))
+        }
+        Err(CalendarError::Sql(e)) => return Err(e.into()),
+    };
+    println!(
+        "{}",
+        serde_json::json!({
+            "calendar": what, "from": from, "to": to, "days": changed.days,
+            "loans_queued": changed.loans_queued,
+        })
+    );
+    if !changed.days.is_empty() {
+        tracing::info!(what, from = %from, to = %to, days = changed.days.len(), loans_queued = changed.loans_queued,
+                       "library calendar changed");
+    }
+    Ok(ExitCode::SUCCESS)
+}

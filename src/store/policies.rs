@@ -1,0 +1,184 @@
+//! `fine_policies`: the versioned fine rules — `policy list`, `policy add`, the first `default` policy seeded by
+//! `migrate`, and the policy in force for a class on a date. The rule itself (which version governs a loan, and
+//! what it owes) is `crate::policy` and its SQL twin (migrations/20261203000053).
+
+use chrono::NaiveDate;
+
+use crate::{
+    fine::{Cents, FinePolicy},
+    policy::{FineClass, Policy, PolicyVersion},
+    store::Db,
+};
+
+/// The `effective_from` of the policy `migrate` seeds: PostgreSQL's earliest date (4714-11-24 BC, written
+/// -4713-11-24 in ISO 8601), so that it governs every loan no later version does.
+pub fn earliest_date() -> NaiveDate {
+    NaiveDate::from_ymd_opt(-4713, 11, 24).unwrap_or(NaiveDate::MIN)
+}
+
+/// A policy to add.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewPolicy {
+    pub class: FineClass,
+    /// The first due date it governs.
+    pub effective_from: NaiveDate,
+    pub policy: Policy,
+    pub reason: String,
+    pub by: String,
+}
+
+/// What `policy add` did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Added {
+    /// The row is new.
+    Added(PolicyVersion),
+    /// The same rule was already there for the class and date: nothing written.
+    Unchanged(PolicyVersion),
+    /// A different rule is there for the class and date: nothing written (a version is never rewritten).
+    Conflict(PolicyVersion),
+}
+
+/// The columns of a `fine_policies` row, as read.
+struct Row {
+    fine_class: String,
+    effective_from: NaiveDate,
+    daily_rate_cents: i64,
+    grace_days: i32,
+    cap_cents: i64,
+    charge_closed_days: bool,
+    created_at: chrono::DateTime<chrono::Utc>,
+    created_by: String,
+    reason: String,
+}
+
+impl Row {
+    /// The row as a version; the table's checks keep every stored row valid, so a refusal here is a row written
+    /// around them (reported as a decoding error naming it).
+    fn version(self) -> Result<PolicyVersion, sqlx::Error> {
+        let bad = |what: String| {
+            sqlx::Error::Decode(
+                format!(
+                    "fine_policies ({}, {}): {what}",
+                    self.fine_class, self.effective_from
+                )
+                .into(),
+            )
+        };
+        let class = FineClass::new(&self.fine_class).map_err(|e| bad(e.to_string()))?;
+        let fine = FinePolicy::new(self.daily_rate_cents, i64::from(self.grace_days), self.cap_cents)
+            .map_err(|e| bad(e.to_string()))?;
+        Ok(PolicyVersion {
+            class,
+            effective_from: self.effective_from,
+            policy: Policy {
+                fine,
+                charge_closed_days: self.charge_closed_days,
+            },
+            created_at: self.created_at,
+            created_by: self.created_by,
+            reason: self.reason,
+        })
+    }
+}
+
+/// Every version, by class and then date.
+pub async fn list(pool: &Db) -> Result<Vec<PolicyVersion>, sqlx::Error> {
+    sqlx::query_as!(
+        Row,
+        r#"select fine_class, effective_from, daily_rate_cents, grace_days, cap_cents, charge_closed_days,
+                  created_at, created_by, reason
+           from fine_policies order by fine_class, effective_from"#
+    )
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .map(Row::version)
+    .collect()
+}
+
+/// The policy of a loan of `class` (none: `default`) due on `due_on`, by the SQL rule
+/// (`fine_settler_policy_of`); `None` when no version governs it.
+pub async fn governing(
+    pool: &Db,
+    class: Option<&str>,
+    due_on: NaiveDate,
+) -> Result<Option<PolicyVersion>, sqlx::Error> {
+    sqlx::query_as!(
+        Row,
+        r#"select f.fine_class, f.effective_from, f.daily_rate_cents, f.grace_days, f.cap_cents,
+                  f.charge_closed_days, f.created_at, f.created_by, f.reason
+           from fine_settler_policy_of($1, $2) p
+           join fine_policies f on f.fine_class = p.fine_class and f.effective_from = p.effective_from"#,
+        class,
+        due_on,
+    )
+    .fetch_optional(pool)
+    .await?
+    .map(Row::version)
+    .transpose()
+}
+
+/// Adds a version: idempotent for the same rule, refused for a different one (see [`Added`]). The caller has
+/// checked that `effective_from` is after today.
+pub async fn add(pool: &Db, new: &NewPolicy) -> Result<Added, sqlx::Error> {
+    let f = &new.policy.fine;
+    let inserted = sqlx::query_as!(
+        Row,
+        r#"insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents,
+                                      charge_closed_days, created_by, reason)
+           values ($1, $2, $3, $4, $5, $6, $7, $8)
+           on conflict on constraint fine_policies_pkey do nothing
+           returning fine_class, effective_from, daily_rate_cents, grace_days, cap_cents, charge_closed_days,
+                     created_at, created_by, reason"#,
+        new.class.as_str(),
+        new.effective_from,
+        f.daily_rate().get(),
+        i32::try_from(f.grace_days()).unwrap_or(i32::MAX),
+        f.cap().map_or(0, Cents::get),
+        new.policy.charge_closed_days,
+        new.by,
+        new.reason,
+    )
+    .fetch_optional(pool)
+    .await?;
+    if let Some(row) = inserted {
+        return Ok(Added::Added(row.version()?));
+    }
+    // The key was taken (rows are never deleted, so it still is): the same rule or another one.
+    let existing = sqlx::query_as!(
+        Row,
+        r#"select fine_class, effective_from, daily_rate_cents, grace_days, cap_cents, charge_closed_days,
+                  created_at, created_by, reason
+           from fine_policies where fine_class = $1 and effective_from = $2"#,
+        new.class.as_str(),
+        new.effective_from,
+    )
+    .fetch_one(pool)
+    .await?
+    .version()?;
+    Ok(if existing.policy == new.policy {
+        Added::Unchanged(existing)
+    } else {
+        Added::Conflict(existing)
+    })
+}
+
+/// Seeds the first `default` version from the deployment's `[fine]` keys, effective from the earliest date,
+/// when the table is empty; returns whether it did. Two `migrate`s at once: the first one's row stays.
+pub async fn seed_default(pool: &Db, fine: &FinePolicy) -> Result<bool, sqlx::Error> {
+    let seeded = sqlx::query_scalar!(
+        r#"insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents,
+                                      charge_closed_days, reason)
+           select 'default', $1, $2, $3, $4, false, 'seeded by migrate from the [fine] configuration keys'
+           where not exists (select 1 from fine_policies)
+           on conflict on constraint fine_policies_pkey do nothing
+           returning true as "seeded!""#,
+        earliest_date(),
+        fine.daily_rate().get(),
+        i32::try_from(fine.grace_days()).unwrap_or(i32::MAX),
+        fine.cap().map_or(0, Cents::get),
+    )
+    .fetch_optional(pool)
+    .await?;
+    Ok(seeded.unwrap_or(false))
+}
