@@ -262,7 +262,7 @@ fn day_key(day: NaiveDate) -> RunKey {
 }
 
 async fn ledger_total(pool: &PgPool, loan_id: i64) -> i64 {
-    sqlx::query_scalar("select coalesce(sum(amount_cents), 0)::bigint from fine_ledger where loan_id = $1")
+    sqlx::query_scalar("select coalesce(sum(net_cents), 0)::bigint from fine_ledger_net where loan_id = $1")
         .bind(loan_id)
         .fetch_one(pool)
         .await
@@ -275,7 +275,8 @@ async fn two_runs_of_different_days_never_charge_a_capped_loan_past_its_cap(pool
     insert(&pool, &[loan(1, "2026-10-18", None)]).await;
     // Owed: 10-19 100, 10-20 100, 10-21 50 (cap 250). The ledger holds 200 on two later days, as a ledger charged
     // in another order (or before a due date moved) may, and each ledger insert takes half a second, so the two
-    // runs overlap: whichever locks the loan first gets what is left under the cap, the other nothing.
+    // runs overlap: whichever locks the loan first finds its day does not fit under the cap, corrects the later
+    // days (owed nothing) and charges its day; the other then finds room for its own.
     exec(
         &pool,
         "insert into fine_ledger (loan_id, accrual_date, amount_cents)
@@ -296,11 +297,15 @@ async fn two_runs_of_different_days_never_charge_a_capped_loan_past_its_cap(pool
         rb.run(&job, day_key(day + days(1)), false),
     );
     assert_eq!((a.outcome, b.outcome), (Outcome::Settled, Outcome::Settled));
-    assert_eq!(ledger_total(&pool, 1).await, 250, "the cap holds");
     assert_eq!(
-        a.updated + b.updated,
-        1,
-        "one run charged what was left, the other nothing"
+        ledger_total(&pool, 1).await,
+        150,
+        "10-20 and 10-21 as owed, the later days corrected to nothing: the cap holds"
+    );
+    assert_eq!(
+        (a.updated + b.updated, a.corrections + b.corrections),
+        (2, 2),
+        "both days charged in full, the two later days corrected once"
     );
 }
 
