@@ -179,7 +179,13 @@ impl Heartbeat {
     /// `/healthz` at `now_ms`: live while the last progress — or the start, `started_ms`, before the first — is
     /// at most `window` old, and ticks have not been failing (other than by an outage) for longer than `window`.
     pub fn health(&self, now_ms: i64, started_ms: i64, window: Duration) -> Health {
-        let age = millis_between(self.last_progress_ms().max(started_ms), now_ms);
+        // The start counts only before the first progress: after the host clock stepped back, the start may lie
+        // ahead of the progress that follows the step.
+        let last = match self.last_progress_ms() {
+            0 => started_ms,
+            progress => progress,
+        };
+        let age = millis_between(last, now_ms);
         if age > window {
             return Health::Stalled { age, window };
         }
@@ -303,6 +309,30 @@ mod tests {
             Some((Duration::from_secs(59), 1))
         );
         assert!(matches!(beat.health(1_760_000, 0, window), Health::Live { .. }));
+    }
+
+    #[test]
+    fn after_the_clock_stepped_back_an_hour_a_stall_is_seen_within_the_window() {
+        let beat = Heartbeat::default();
+        let window = Duration::from_secs(60);
+        let (started, stepped) = (1_700_003_600_000, 1_700_000_000_000);
+        beat.progress(started + 1_000);
+        // The clock steps back an hour; the replica makes progress once more, then stalls.
+        beat.progress(stepped);
+        assert_eq!(beat.last_progress_ms(), stepped);
+        assert_eq!(
+            beat.health(stepped + 30_000, started, window),
+            Health::Live {
+                age: Duration::from_secs(30)
+            }
+        );
+        assert_eq!(
+            beat.health(stepped + 61_000, started, window),
+            Health::Stalled {
+                age: Duration::from_secs(61),
+                window
+            }
+        );
     }
 
     #[test]

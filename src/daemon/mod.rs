@@ -246,8 +246,7 @@ impl Daemon {
         let mut next_prune = tokio::time::Instant::now() + FIRST_PRUNE_AFTER;
         while let Some(tick) = scheduler.next(&run_now, &shutdown).await {
             let stats = scheduler.stats();
-            self.metrics
-                .set_slot_totals(stats.dropped, stats.merged, stats.rebased);
+            self.metrics.set_slot_totals(stats);
             self.tick_through_outages(tick).await;
             if tokio::time::Instant::now() >= next_prune && !shutdown.is_cancelled() {
                 self.prune_history().await;

@@ -8,6 +8,7 @@ mod chaos;
 mod claim;
 mod claimed;
 mod cli;
+mod clock;
 mod daemon;
 mod deploy;
 mod docs;
