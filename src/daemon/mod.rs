@@ -11,7 +11,7 @@
 //! start to exit, `tick` one tick in its named steps, `outage` waiting for the database (at start and through
 //! outages), `compensation` the tick's pass over the pending charges, `episodes` what a tick notices and logs
 //! once per episode (clock skew, pauses, abandoned keys), `prune` the history's pruning, `plan` the `plan`
-//! command's view of a tick.
+//! command's view of a tick, `tick_clock` the one clock every date of a tick comes from.
 
 mod compensation;
 mod episodes;
@@ -21,6 +21,7 @@ mod plan;
 mod prune;
 pub mod recheck;
 mod tick;
+mod tick_clock;
 
 use std::{collections::HashSet, sync::Arc, time::Duration};
 
@@ -108,6 +109,8 @@ pub struct Daemon {
     shutdown: CancellationToken,
     run_now: Arc<Notify>,
     skew_warned: bool,
+    /// The host−database offset the last tick measured: the status statement's bounds come from it.
+    db_offset: tick_clock::DbOffset,
     metrics: Arc<Metrics>,
     /// The replica's liveness: `/healthz`, the status page and the systemd watchdog read it.
     heartbeat: Arc<Heartbeat>,
@@ -154,6 +157,7 @@ impl Daemon {
             shutdown,
             run_now,
             skew_warned: false,
+            db_offset: tick_clock::DbOffset::default(),
             metrics,
             heartbeat,
             notifier: None,

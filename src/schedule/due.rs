@@ -133,7 +133,7 @@ pub fn window_start(settings: &Settings, at: DateTime<Utc>) -> NaiveDate {
         .unwrap_or(NaiveDate::MIN)
 }
 
-/// What the tick status asks about SUCCESS keys at host time `at`: whether rows arrived after their run, for the
+/// What the tick status asks about SUCCESS keys at `at` (the tick's clock: see `daemon::tick_clock`): whether rows arrived after their run, for the
 /// settlement keys of the catch-up window (with two days of margin for the zone and the clocks' skew). The
 /// accrual's keys are re-opened by its own re-check.
 pub fn late_probe(settings: &Settings, at: DateTime<Utc>) -> LateProbe {

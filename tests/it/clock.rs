@@ -1,6 +1,8 @@
 //! The host clock stepped under a running replica (libfaketime, whose offset file the test rewrites while the
 //! process runs; scripts/test.sh installs it): back and ahead, by seconds and by hours, in every schedule mode,
-//! the replica re-bases once per step, says so, counts it, and goes on ticking.
+//! the replica re-bases once per step, says so, counts it, and goes on ticking. And a host clock running ahead
+//! or behind the database's never hides a late return: every date a tick computes comes from the database's
+//! time.
 
 use std::{path::PathBuf, process::Stdio, time::Duration};
 
@@ -8,7 +10,10 @@ use sqlx::PgPool;
 
 use crate::{
     daemon::http_get,
-    helpers::{database_url, fine_settler, free_port, spawn, stop, wait_until, Running},
+    helpers::{
+        assert_success, database_url, due_now, fine_settler, free_port, insert, loan, oracle, settled, spawn,
+        stop, wait_until, Running,
+    },
 };
 
 /// libfaketime's preload library, from Debian's libfaketime package.
@@ -139,4 +144,60 @@ async fn cron_survives_clock_steps(pool: PgPool) {
         ("FINE_SETTLER__SCHEDULE__CRON", "* * * * * *"),
     ];
     steps_are_survived(pool, &mode).await;
+}
+
+/// `run --once` with the host clock shifted by `shift` (libfaketime's `-f` syntax, e.g. `"+40d"`): its reports.
+fn run_once_shifted(url: &str, shift: &str) -> Vec<serde_json::Value> {
+    let mut cmd = fine_settler(url);
+    cmd.env("LD_PRELOAD", libfaketime())
+        .env("FAKETIME", shift)
+        .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+        .args(["run", "--once"]);
+    let out = cmd.output().expect("run --once");
+    assert_success(&out);
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a report is JSON"))
+        .collect()
+}
+
+/// A return back-dated into the oldest settled month of the catch-up window is settled at the first tick, with
+/// the host clock 40 days ahead of the database's and 40 days behind it; a return back-dated into a month that
+/// left the window (by the database's date) re-opens nothing, however far behind the host clock is.
+#[sqlx::test]
+async fn a_host_clock_ahead_or_behind_never_hides_a_late_return(pool: PgPool) {
+    let url = database_url(&pool);
+    let months = due_now(&pool, 3).await;
+    let (oldest, before_window) = (months[0], months[0] - chrono::Duration::days(40));
+    let day =
+        |month_end: chrono::NaiveDate, back: i64| (month_end - chrono::Duration::days(back)).to_string();
+    for (i, m) in months.iter().enumerate() {
+        insert(&pool, &[loan(10 + i as i64, &day(*m, 20), Some(&day(*m, 10)))]).await;
+    }
+    assert_eq!(run_once_shifted(&url, "+0").len(), 3, "the window settled");
+    for (n, shift) in ["+40d", "-40d"].into_iter().enumerate() {
+        let id = 100 + n as i64;
+        insert(&pool, &[loan(id, &day(oldest, 20), Some(&day(oldest, 5)))]).await;
+        insert(
+            &pool,
+            &[loan(
+                id + 50,
+                &day(before_window, 20),
+                Some(&day(before_window, 5)),
+            )],
+        )
+        .await;
+        let reports = run_once_shifted(&url, shift);
+        let dates: Vec<&str> = reports
+            .iter()
+            .filter_map(|r| r["business_date"].as_str())
+            .collect();
+        assert_eq!(dates, [oldest.to_string()], "host clock {shift}: {reports:?}");
+        assert_eq!(reports[0]["reopened"], true, "{reports:?}");
+        assert_eq!(
+            settled(&pool, &oldest.to_string()).await,
+            oracle(&pool, &oldest.to_string()).await,
+            "host clock {shift}"
+        );
+    }
 }
