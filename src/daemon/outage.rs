@@ -2,7 +2,7 @@
 //! outage during a tick. Both retry with [`TICK_BACKOFF`], nap in steps of a second so that the watchdog sees the
 //! loop alive, and log an episode once when it starts and once when it ends.
 
-use std::time::Duration;
+use std::{sync::atomic::Ordering, time::Duration};
 
 use super::{Daemon, TickError, TICK_BACKOFF};
 use crate::{
@@ -38,12 +38,29 @@ impl Daemon {
         }
     }
 
+    /// Looks for a server again (the next qualifying host, if the URL lists several), unless a shutdown comes
+    /// first: a search of hung hosts takes a connect timeout per host, which a stop does not wait for.
+    async fn reconnect(&self) {
+        tokio::select! {
+            biased;
+            () = self.shutdown.cancelled() => {}
+            found = self.pool.reconnect() => if let Err(e) = found {
+                tracing::debug!(error = %StoreError::from(e), "no qualifying host yet");
+            }
+        }
+    }
+
     /// Waits until the pool connects and every migration is applied (retrying with backoff, logged once), so
-    /// that READY=1 means the replica can work. `false` if shut down first.
+    /// that READY=1 means the replica can work. `false` if shut down first — at once, whatever the database is
+    /// doing: the replica holds no key yet.
     pub async fn await_ready(&self) -> bool {
         let mut failures = 0u32;
         loop {
-            let ready = store::readiness(&self.pool).await;
+            let ready = tokio::select! {
+                biased;
+                () = self.shutdown.cancelled() => return false,
+                ready = store::readiness(&self.pool) => ready,
+            };
             // Waiting for the database is not a stall: each attempt counts as progress for /healthz.
             self.heartbeat.progress_now();
             match ready {
@@ -57,9 +74,7 @@ impl Daemon {
                     failures += 1;
                     // A connection that found the server read-only (or broken) is not asked again: the next
                     // attempt opens new ones, on the next qualifying host if the URL lists several.
-                    if let Err(e) = self.pool.reconnect().await {
-                        tracing::debug!(error = %StoreError::from(e), "no qualifying host yet");
-                    }
+                    self.reconnect().await;
                     if failures == 1 {
                         tracing::error!(reason = %reason, "not ready: waiting for the database and migrations");
                         self.status(&format!("STATUS=not ready: {reason}"));
@@ -80,6 +95,10 @@ impl Daemon {
         let mut outage: Option<Outage> = None;
         loop {
             let result = self.tick().await;
+            self.in_pass.store(false, Ordering::SeqCst);
+            if matches!(result, Err(TickError::ShuttingDown)) {
+                return Vec::new();
+            }
             self.heartbeat.progress_now();
             match result {
                 Ok(reports) => {
@@ -99,9 +118,7 @@ impl Daemon {
                     }
                     // Drop every connection and look for a server again (the next qualifying host, if the URL
                     // lists several).
-                    if let Err(e) = self.pool.reconnect().await {
-                        tracing::debug!(error = %StoreError::from(e), "no qualifying host yet");
-                    }
+                    self.reconnect().await;
                     let wait = TICK_BACKOFF.delay(failures);
                     tracing::debug!(error = %e, attempt = failures, backoff_ms = wait.as_millis() as u64, "tick failed");
                     self.nap(wait).await;

@@ -6,6 +6,8 @@
 //! host, a step of either clock) the statement is asked again with the database's own time, so a host clock
 //! running ahead or behind never hides a late return; an idle tick with a settled offset stays one statement.
 
+use std::sync::atomic::Ordering;
+
 use chrono::{DateTime, Utc};
 
 use super::{Daemon, TickError};
@@ -42,10 +44,26 @@ impl Daemon {
     /// The tick's status statement, asked about the bounds of the tick's own clock: the database's time (through
     /// the estimate, checked against the time the statement read) or, with `time.source = "system"`, the host's
     /// time `host`.
+    ///
+    /// A shutdown ends the wait at once ([`TickError::ShuttingDown`]): nothing is claimed before this statement
+    /// answers, so there is nothing to drain. Once it answered, the tick may claim keys: it is in its pass.
     pub(super) async fn read_status_on_tick_clock(
         &mut self,
         host: DateTime<Utc>,
     ) -> Result<TickStatus, TickError> {
+        let shutdown = self.shutdown.clone();
+        let status = tokio::select! {
+            biased;
+            () = shutdown.cancelled() => Err(TickError::ShuttingDown),
+            status = self.read_status_by_tick_clock(host) => status,
+        };
+        if status.is_ok() {
+            self.in_pass.store(true, Ordering::SeqCst);
+        }
+        status
+    }
+
+    async fn read_status_by_tick_clock(&mut self, host: DateTime<Utc>) -> Result<TickStatus, TickError> {
         if self.settings.time_source == TimeSource::System {
             return self.read_status(host).await;
         }

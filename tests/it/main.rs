@@ -32,5 +32,6 @@ mod server;
 mod settlement;
 mod shards;
 mod status;
+mod stops;
 mod systemd;
 mod throttle;
