@@ -31,6 +31,7 @@ mod scripts;
 mod server;
 mod settlement;
 mod shards;
+mod standby_first;
 mod status;
 mod stops;
 mod systemd;
