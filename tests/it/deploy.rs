@@ -206,7 +206,7 @@ fn pod_is_locked_down(pod: &Value, c: &Value) {
     assert!(c["resources"]["limits"]["memory"].is_string());
 }
 
-/// The Service and the PodDisruptionBudget select the replicas.
+/// The Service and the PodDisruptionBudget select the replicas, and keep them scrapable and drainable when unready.
 fn service_and_budget_select_the_replicas(docs: &[Value], sts: &Value, replicas: i64) {
     let pod_labels = &sts["spec"]["template"]["metadata"]["labels"];
     let svc = the(docs, "Service");
@@ -214,7 +214,10 @@ fn service_and_budget_select_the_replicas(docs: &[Value], sts: &Value, replicas:
     assert_eq!(sts["spec"]["serviceName"], svc["metadata"]["name"]);
     assert!(labels_match(&svc["spec"]["selector"], pod_labels));
     assert_eq!(svc["spec"]["ports"][0]["targetPort"], "metrics");
+    // Metrics stay discoverable and drains stay possible while a database outage makes every pod unready.
+    assert_eq!(svc["spec"]["publishNotReadyAddresses"], true);
     let pdb = the(docs, "PodDisruptionBudget");
+    assert_eq!(pdb["spec"]["unhealthyPodEvictionPolicy"], "AlwaysAllow");
     assert!(labels_match(&pdb["spec"]["selector"]["matchLabels"], pod_labels));
     assert!(pdb["spec"]["maxUnavailable"]
         .as_i64()
