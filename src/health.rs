@@ -37,6 +37,10 @@ pub struct Heartbeat {
     failing: Mutex<Option<Spell>>,
     /// The systemd watchdog, petted on every report.
     watchdog: OnceLock<Arc<Watchdog>>,
+    /// Since when (unix ms) tick attempts fail because the database is unreachable or read-only, if they do.
+    outage: Mutex<Option<i64>>,
+    /// Told when the database answers again while the loop waits out an outage: it retries at once.
+    retry: tokio::sync::Notify,
 }
 
 /// Why a tick attempt failed, as far as liveness is concerned.
@@ -140,14 +144,41 @@ impl Heartbeat {
         self.tick.unix_ms()
     }
 
-    /// Notes that a tick attempt succeeded: a failing spell, if any, is over.
+    /// Notes that a tick attempt succeeded: a failing spell or an outage, if any, is over.
     pub fn tick_succeeded(&self) {
         *self.spell() = None;
+        *lock(&self.outage) = None;
+    }
+
+    /// Since when (unix ms) the replica's tick attempts have failed for an outage, if the last one did: it is not
+    /// ready, whatever a probe of the database finds, until a tick succeeds.
+    pub fn outage_since(&self) -> Option<i64> {
+        *lock(&self.outage)
+    }
+
+    /// Notes that the database answers again (a readiness check found it so) while the loop waits out an outage:
+    /// the loop's wait ends, so that it retries at once rather than after its backoff.
+    pub fn database_answers(&self) {
+        if self.outage_since().is_some() {
+            self.retry.notify_one();
+        }
+    }
+
+    /// Resolves once [`Heartbeat::database_answers`] was told during an outage.
+    pub async fn database_answered(&self) {
+        self.retry.notified().await;
     }
 
     /// Notes that a tick attempt failed at `unix_ms`. An outage ends a failing spell (the replica is waiting for
     /// the database, as it should); any other failure starts one, or lengthens the one in progress.
     pub fn tick_failed(&self, unix_ms: i64, failure: TickFailure) {
+        {
+            let mut outage = lock(&self.outage);
+            *outage = match failure {
+                TickFailure::Outage => Some(outage.unwrap_or(unix_ms)),
+                TickFailure::Error(_) => None,
+            };
+        }
         let mut spell = self.spell();
         *spell = match failure {
             TickFailure::Outage => None,
@@ -199,6 +230,11 @@ impl Heartbeat {
         // A reporter that panicked left a whole value behind: the spell is still what it says.
         self.failing.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// `m`'s value, even if a reporter panicked while holding it (it left a whole value behind).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The time from `from_ms` to `to_ms` (zero if `to_ms` is earlier: two clocks read out of order).
@@ -333,6 +369,26 @@ mod tests {
                 window
             }
         );
+    }
+
+    /// The work loop's outage is what `/readyz` agrees with: from the first failed attempt until a tick succeeds;
+    /// a readiness check that finds the database answering meanwhile ends the loop's wait.
+    #[tokio::test]
+    async fn an_outage_lasts_until_a_tick_succeeds_and_a_database_that_answers_wakes_the_loop() {
+        let beat = Heartbeat::default();
+        let woken = || tokio::time::timeout(Duration::from_millis(50), beat.database_answered());
+        beat.database_answers();
+        assert!(woken().await.is_err(), "no outage: nothing to wake");
+        beat.tick_failed(1_000, TickFailure::Outage);
+        beat.tick_failed(2_000, TickFailure::Outage);
+        assert_eq!(beat.outage_since(), Some(1_000));
+        beat.database_answers();
+        assert!(woken().await.is_ok(), "the loop's wait ends");
+        beat.tick_succeeded();
+        assert_eq!(beat.outage_since(), None);
+        beat.tick_failed(3_000, TickFailure::Outage);
+        beat.tick_failed(4_000, TickFailure::Error("boom".into()));
+        assert_eq!(beat.outage_since(), None, "a server that answers is no outage");
     }
 
     #[test]

@@ -12,6 +12,9 @@ use crate::{
     store::{self, StoreError},
 };
 
+/// With several hosts in `database.url`, the longest wait between two searches of the hosts during an outage.
+pub const HOST_SEARCH_EVERY: Duration = Duration::from_secs(1);
+
 /// An outage in progress: when it started, and whether the server is read-only (rather than unreachable).
 #[derive(Debug, Clone, Copy)]
 struct Outage {
@@ -21,7 +24,8 @@ struct Outage {
 
 impl Daemon {
     /// Sleeps `wait` in naps of at most a second, telling the watchdog the loop is alive (an outage is handled
-    /// here; restarting the process would not help). Returns early on shutdown or run-now.
+    /// here; restarting the process would not help). Returns early on shutdown, run-now, or a readiness check
+    /// that found the database answering again.
     async fn nap(&self, wait: Duration) {
         let until = tokio::time::Instant::now() + wait;
         loop {
@@ -33,20 +37,32 @@ impl Daemon {
             tokio::select! {
                 _ = self.shutdown.cancelled() => return,
                 _ = self.run_now.notified() => return,
+                _ = self.heartbeat.database_answered() => return,
                 _ = tokio::time::sleep(left.min(Duration::from_secs(1))) => {}
             }
         }
     }
 
     /// Looks for a server again (the next qualifying host, if the URL lists several), unless a shutdown comes
-    /// first: a search of hung hosts takes a connect timeout per host, which a stop does not wait for.
-    async fn reconnect(&self) {
+    /// first: a search of hung hosts takes a connect timeout per host, which a stop does not wait for. Returns
+    /// how long to wait before the next attempt, after `failures` failed ones: none when the search moved the
+    /// pool to another host (a promoted standby: use it at once); with several hosts at most
+    /// [`HOST_SEARCH_EVERY`], so that a promotion is found within about a connect timeout, whatever the backoff
+    /// has grown to; otherwise the backoff.
+    async fn reconnect(&self, failures: u32) -> Duration {
+        let switches = self.pool.switches();
         tokio::select! {
             biased;
             () = self.shutdown.cancelled() => {}
             found = self.pool.reconnect() => if let Err(e) = found {
                 tracing::debug!(error = %StoreError::from(e), "no qualifying host yet");
             }
+        }
+        let backoff = TICK_BACKOFF.delay(failures);
+        match (self.pool.switches() != switches, self.pool.follows_hosts()) {
+            (true, _) => Duration::ZERO,
+            (false, true) => backoff.min(HOST_SEARCH_EVERY),
+            (false, false) => backoff,
         }
     }
 
@@ -74,12 +90,12 @@ impl Daemon {
                     failures += 1;
                     // A connection that found the server read-only (or broken) is not asked again: the next
                     // attempt opens new ones, on the next qualifying host if the URL lists several.
-                    self.reconnect().await;
+                    let wait = self.reconnect(failures).await;
                     if failures == 1 {
                         tracing::error!(reason = %reason, "not ready: waiting for the database and migrations");
                         self.status(&format!("STATUS=not ready: {reason}"));
                     }
-                    self.nap(TICK_BACKOFF.delay(failures)).await;
+                    self.nap(wait).await;
                     if self.shutdown.is_cancelled() {
                         return false;
                     }
@@ -118,8 +134,7 @@ impl Daemon {
                     }
                     // Drop every connection and look for a server again (the next qualifying host, if the URL
                     // lists several).
-                    self.reconnect().await;
-                    let wait = TICK_BACKOFF.delay(failures);
+                    let wait = self.reconnect(failures).await;
                     tracing::debug!(error = %e, attempt = failures, backoff_ms = wait.as_millis() as u64, "tick failed");
                     self.nap(wait).await;
                     if self.shutdown.is_cancelled() {

@@ -24,6 +24,7 @@ mod pause;
 mod pooled;
 mod pooler;
 mod progress;
+mod promotion;
 mod read_only;
 mod recheck;
 mod replication;
