@@ -480,6 +480,25 @@ mod tests {
         }
     }
 
+    /// `/readyz` agrees with the work loop: on a database that answers, not ready while the loop is in an outage
+    /// (and the loop is woken to retry at once), ready once a tick succeeded.
+    #[sqlx::test]
+    async fn readyz_is_not_ready_until_the_work_loop_has_left_its_outage(pool: sqlx::PgPool) {
+        let probes = Probes {
+            pool: crate::store::Db::from(pool),
+            ..probes()
+        };
+        let heartbeat = probes.heartbeat.clone();
+        let answer = |probes: Probes| async move { ready(State(probes)).await.status() };
+        assert_eq!(answer(probes.clone()).await, StatusCode::OK);
+        heartbeat.tick_failed(unix_now_ms(), TickFailure::Outage);
+        assert_eq!(answer(probes.clone()).await, StatusCode::SERVICE_UNAVAILABLE);
+        let woken = tokio::time::timeout(Duration::from_secs(1), heartbeat.database_answered());
+        assert!(woken.await.is_ok(), "the probe woke the loop");
+        heartbeat.tick_succeeded();
+        assert_eq!(answer(probes).await, StatusCode::OK);
+    }
+
     /// A listener being served, its port, its places and the token that stops it.
     struct Served {
         port: u16,

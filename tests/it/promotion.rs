@@ -100,6 +100,7 @@ async fn after_a_late_promotion_work_resumes_within_connect_timeout_plus_lease_p
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let took = promoted.elapsed();
+    eprintln!("resumed {took:?} after the promotion");
     // Two seconds of slack for a loaded test machine.
     let promise = CONNECT_TIMEOUT + LEASE + PERIOD + Duration::from_secs(2);
     assert!(

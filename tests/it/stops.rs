@@ -51,6 +51,7 @@ async fn a_sigterm_during_a_search_of_hung_hosts_exits_0_at_once_holding_no_key(
     let (code, _) = exit_of(replica, Duration::from_secs(5)).await;
     let took = stopped_at.elapsed();
     let stderr = log.finish();
+    eprintln!("stopped {took:?} after SIGTERM during a search of 4 hung hosts");
     assert_eq!(code, Some(0), "{stderr}");
     assert!(took < Duration::from_secs(3), "stopped after {took:?}: {stderr}");
     assert!(stderr.contains("held no key"), "{stderr}");
@@ -92,6 +93,7 @@ async fn a_sigterm_after_the_server_died_mid_run_says_the_key_could_not_be_hande
     let (code, _) = exit_of(replica, Duration::from_secs(20)).await;
     let took = stopped_at.elapsed();
     let stderr = log.finish();
+    eprintln!("stopped {took:?} after SIGTERM with the server gone mid-run");
     assert!(took < Duration::from_secs(5), "stopped after {took:?}: {stderr}");
     assert_eq!(code, Some(1), "{stderr}");
     assert!(
