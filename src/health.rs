@@ -37,6 +37,10 @@ pub struct Heartbeat {
     failing: Mutex<Option<Spell>>,
     /// The systemd watchdog, petted on every report.
     watchdog: OnceLock<Arc<Watchdog>>,
+    /// Since when (unix ms) tick attempts fail because the database is unreachable or read-only, if they do.
+    outage: Mutex<Option<i64>>,
+    /// Told when the database answers again while the loop waits out an outage: it retries at once.
+    retry: tokio::sync::Notify,
 }
 
 /// Why a tick attempt failed, as far as liveness is concerned.
@@ -140,14 +144,41 @@ impl Heartbeat {
         self.tick.unix_ms()
     }
 
-    /// Notes that a tick attempt succeeded: a failing spell, if any, is over.
+    /// Notes that a tick attempt succeeded: a failing spell or an outage, if any, is over.
     pub fn tick_succeeded(&self) {
         *self.spell() = None;
+        *lock(&self.outage) = None;
+    }
+
+    /// Since when (unix ms) the replica's tick attempts have failed for an outage, if the last one did: it is not
+    /// ready, whatever a probe of the database finds, until a tick succeeds.
+    pub fn outage_since(&self) -> Option<i64> {
+        *lock(&self.outage)
+    }
+
+    /// Notes that the database answers again (a readiness check found it so) while the loop waits out an outage:
+    /// the loop's wait ends, so that it retries at once rather than after its backoff.
+    pub fn database_answers(&self) {
+        if self.outage_since().is_some() {
+            self.retry.notify_one();
+        }
+    }
+
+    /// Resolves once [`Heartbeat::database_answers`] was told during an outage.
+    pub async fn database_answered(&self) {
+        self.retry.notified().await;
     }
 
     /// Notes that a tick attempt failed at `unix_ms`. An outage ends a failing spell (the replica is waiting for
     /// the database, as it should); any other failure starts one, or lengthens the one in progress.
     pub fn tick_failed(&self, unix_ms: i64, failure: TickFailure) {
+        {
+            let mut outage = lock(&self.outage);
+            *outage = match failure {
+                TickFailure::Outage => Some(outage.unwrap_or(unix_ms)),
+                TickFailure::Error(_) => None,
+            };
+        }
         let mut spell = self.spell();
         *spell = match failure {
             TickFailure::Outage => None,
@@ -179,7 +210,13 @@ impl Heartbeat {
     /// `/healthz` at `now_ms`: live while the last progress — or the start, `started_ms`, before the first — is
     /// at most `window` old, and ticks have not been failing (other than by an outage) for longer than `window`.
     pub fn health(&self, now_ms: i64, started_ms: i64, window: Duration) -> Health {
-        let age = millis_between(self.last_progress_ms().max(started_ms), now_ms);
+        // The start counts only before the first progress: after the host clock stepped back, the start may lie
+        // ahead of the progress that follows the step.
+        let last = match self.last_progress_ms() {
+            0 => started_ms,
+            progress => progress,
+        };
+        let age = millis_between(last, now_ms);
         if age > window {
             return Health::Stalled { age, window };
         }
@@ -193,6 +230,11 @@ impl Heartbeat {
         // A reporter that panicked left a whole value behind: the spell is still what it says.
         self.failing.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// `m`'s value, even if a reporter panicked while holding it (it left a whole value behind).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The time from `from_ms` to `to_ms` (zero if `to_ms` is earlier: two clocks read out of order).
@@ -303,6 +345,50 @@ mod tests {
             Some((Duration::from_secs(59), 1))
         );
         assert!(matches!(beat.health(1_760_000, 0, window), Health::Live { .. }));
+    }
+
+    #[test]
+    fn after_the_clock_stepped_back_an_hour_a_stall_is_seen_within_the_window() {
+        let beat = Heartbeat::default();
+        let window = Duration::from_secs(60);
+        let (started, stepped) = (1_700_003_600_000, 1_700_000_000_000);
+        beat.progress(started + 1_000);
+        // The clock steps back an hour; the replica makes progress once more, then stalls.
+        beat.progress(stepped);
+        assert_eq!(beat.last_progress_ms(), stepped);
+        assert_eq!(
+            beat.health(stepped + 30_000, started, window),
+            Health::Live {
+                age: Duration::from_secs(30)
+            }
+        );
+        assert_eq!(
+            beat.health(stepped + 61_000, started, window),
+            Health::Stalled {
+                age: Duration::from_secs(61),
+                window
+            }
+        );
+    }
+
+    /// The work loop's outage is what `/readyz` agrees with: from the first failed attempt until a tick succeeds;
+    /// a readiness check that finds the database answering meanwhile ends the loop's wait.
+    #[tokio::test]
+    async fn an_outage_lasts_until_a_tick_succeeds_and_a_database_that_answers_wakes_the_loop() {
+        let beat = Heartbeat::default();
+        let woken = || tokio::time::timeout(Duration::from_millis(50), beat.database_answered());
+        beat.database_answers();
+        assert!(woken().await.is_err(), "no outage: nothing to wake");
+        beat.tick_failed(1_000, TickFailure::Outage);
+        beat.tick_failed(2_000, TickFailure::Outage);
+        assert_eq!(beat.outage_since(), Some(1_000));
+        beat.database_answers();
+        assert!(woken().await.is_ok(), "the loop's wait ends");
+        beat.tick_succeeded();
+        assert_eq!(beat.outage_since(), None);
+        beat.tick_failed(3_000, TickFailure::Outage);
+        beat.tick_failed(4_000, TickFailure::Error("boom".into()));
+        assert_eq!(beat.outage_since(), None, "a server that answers is no outage");
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //!   at least every `window`, and its ticks have not been failing for longer than `window` for a reason other
 //!   than an outage; 503 with the reason otherwise (see [`crate::health`]).
 //! - `/readyz` (readiness): 200 when the replica's ticks are not failing, the database answers and every
-//!   migration this binary knows is applied; 503 with the reason otherwise.
+//!   migration this binary knows is applied, and no outage is in progress for the work loop (ready only when a
+//!   tick can succeed: after an outage, once one has); 503 with the reason otherwise.
 //! - `/metrics`: the Prometheus text format (see [`crate::metrics`]).
 //! - `/status` (HTML) and `/status.json`: where every shard of every job stands (see [`crate::status`]); 503
 //!   with the reason when the database cannot be read within a few seconds, or at once when
@@ -404,7 +405,21 @@ async fn ready(State(probes): State<Probes>) -> Response {
     if let Some(failing) = probes.heartbeat.failing(unix_now_ms()) {
         return reply(StatusCode::SERVICE_UNAVAILABLE, TEXT, format!("{failing}\n"));
     }
+    let outage = probes.heartbeat.outage_since();
     match crate::store::readiness(&probes.pool).await {
+        // The work loop has not succeeded a tick since the outage began: ready only once it does (it retries at
+        // once, now that the database answers).
+        Ok(()) if outage.is_some() => {
+            probes.heartbeat.database_answers();
+            let since = outage.map_or(0, |since| unix_now_ms().saturating_sub(since));
+            reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                TEXT,
+                format!(
+                    "database reachable again; no tick has succeeded since the outage began {since} ms ago\n"
+                ),
+            )
+        }
         Ok(()) => reply(StatusCode::OK, TEXT, "ready\n".into()),
         Err(reason) => reply(StatusCode::SERVICE_UNAVAILABLE, TEXT, format!("{reason}\n")),
     }
@@ -463,6 +478,25 @@ mod tests {
             started_ms: unix_now_ms(),
             status: StatusSource::new(&settings, "test", metrics, heartbeat),
         }
+    }
+
+    /// `/readyz` agrees with the work loop: on a database that answers, not ready while the loop is in an outage
+    /// (and the loop is woken to retry at once), ready once a tick succeeded.
+    #[sqlx::test]
+    async fn readyz_is_not_ready_until_the_work_loop_has_left_its_outage(pool: sqlx::PgPool) {
+        let probes = Probes {
+            pool: crate::store::Db::from(pool),
+            ..probes()
+        };
+        let heartbeat = probes.heartbeat.clone();
+        let answer = |probes: Probes| async move { ready(State(probes)).await.status() };
+        assert_eq!(answer(probes.clone()).await, StatusCode::OK);
+        heartbeat.tick_failed(unix_now_ms(), TickFailure::Outage);
+        assert_eq!(answer(probes.clone()).await, StatusCode::SERVICE_UNAVAILABLE);
+        let woken = tokio::time::timeout(Duration::from_secs(1), heartbeat.database_answered());
+        assert!(woken.await.is_ok(), "the probe woke the loop");
+        heartbeat.tick_succeeded();
+        assert_eq!(answer(probes).await, StatusCode::OK);
     }
 
     /// A listener being served, its port, its places and the token that stops it.

@@ -39,6 +39,7 @@ use prometheus_client::{
 
 use crate::{
     jobs::{throttle::Reason, JobName, Outcome},
+    schedule::{scheduler::SlotStats, CLOCK_STEP_TOLERANCE},
     store::{corrections::Reason as CorrectionReason, job_runs::ClaimKind},
 };
 
@@ -141,9 +142,14 @@ struct CorrectionLabels {
 pub struct UnixTime(Arc<AtomicI64>);
 
 impl UnixTime {
-    /// Moves the time to `unix_ms`, unless it is already later (two tasks may report out of order).
+    /// Moves the time to `unix_ms`, unless it is already a little later (two tasks may report out of order). A
+    /// time more than [`CLOCK_STEP_TOLERANCE`] earlier is taken: the host clock stepped back, and keeping a time
+    /// ahead of the clock would show a negative age and hide a stall until the clock caught up.
     pub fn advance_to(&self, unix_ms: i64) {
-        self.0.fetch_max(unix_ms, Ordering::Relaxed);
+        let tolerance = i64::try_from(CLOCK_STEP_TOLERANCE.as_millis()).unwrap_or(i64::MAX);
+        let _ = self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+            (unix_ms > held || held.saturating_sub(unix_ms) > tolerance).then_some(unix_ms)
+        });
     }
 
     /// The time in Unix milliseconds (0: never set).
@@ -279,6 +285,7 @@ struct TickFamilies {
     slots_dropped: Counters<ShardLabels>,
     slots_merged: Counters<ShardLabels>,
     slot_rebases: Counters<ShardLabels>,
+    clock_steps: Counters<ShardLabels>,
     due_unsettled: Gauges<JobLabels>,
     pending: Gauges<ShardLabels>,
     pending_dead: Gauges<ShardLabels>,
@@ -317,7 +324,12 @@ impl TickFamilies {
             ),
             slot_rebases: b.add(
                 "fine_settler_slot_rebases_total",
-                "Ticks that fell more than max_catch_up slots behind and re-based.",
+                "Ticks that re-based: more than max_catch_up slots behind, or after a step of the host clock.",
+                Family::default(),
+            ),
+            clock_steps: b.add(
+                "fine_settler_clock_steps_total",
+                "Steps of the host clock (back or ahead, or a suspend) the scheduler saw and re-based on.",
                 Family::default(),
             ),
             due_unsettled: b.add(
@@ -545,13 +557,14 @@ impl Metrics {
     }
 
     /// Brings the slot counters up to the scheduler's totals since start (dropped triggers, merged slots,
-    /// re-bases): the scheduler keeps totals, a counter only goes up.
-    pub fn set_slot_totals(&self, dropped: u64, merged: u64, rebased: u64) {
+    /// re-bases, steps of the host clock): the scheduler keeps totals, a counter only goes up.
+    pub fn set_slot_totals(&self, stats: SlotStats) {
         let labels = self.only_shard();
         for (family, total) in [
-            (&self.tick.slots_dropped, dropped),
-            (&self.tick.slots_merged, merged),
-            (&self.tick.slot_rebases, rebased),
+            (&self.tick.slots_dropped, stats.dropped),
+            (&self.tick.slots_merged, stats.merged),
+            (&self.tick.slot_rebases, stats.rebased),
+            (&self.tick.clock_steps, stats.clock_steps),
         ] {
             let counter = family.get_or_create(&labels);
             counter.inc_by(total.saturating_sub(counter.get()));
@@ -750,7 +763,13 @@ mod tests {
         m.add_throttled(job, Reason::Rate, 0.25);
         m.count_tick();
         m.count_tick_error();
-        m.set_slot_totals(1, 2, 3);
+        m.set_slot_totals(SlotStats {
+            ticks: 4,
+            dropped: 1,
+            merged: 2,
+            rebased: 3,
+            clock_steps: 1,
+        });
         m.set_due_unsettled(job, 1);
         m.set_pending(1, 1);
         m.set_clock_skew(0.5);
@@ -765,7 +784,7 @@ mod tests {
         );
         let text = m.render();
         assert_eq!(names_in(&text), m.series_names(), "{text}");
-        assert_eq!(m.families.len(), 26);
+        assert_eq!(m.families.len(), 27);
         assert!(text.contains("result=\"takeover\""), "{text}");
         assert!(text.contains("fine_settler_lease_lost_total{job=\"fine-settlement\",shard=\"0/1\"} 1"));
         assert!(text.contains("fine_settler_paused{job=\"fine-settlement\",shard=\"0/1\"} 1"));
@@ -774,13 +793,21 @@ mod tests {
     #[test]
     fn slot_counters_follow_the_scheduler_totals() {
         let m = Metrics::new("0/1".into());
-        m.set_slot_totals(2, 5, 0);
-        m.set_slot_totals(3, 5, 1);
+        let totals = |dropped, merged, rebased, clock_steps| SlotStats {
+            ticks: 0,
+            dropped,
+            merged,
+            rebased,
+            clock_steps,
+        };
+        m.set_slot_totals(totals(2, 5, 0, 0));
+        m.set_slot_totals(totals(3, 5, 1, 1));
         let text = m.render();
         for line in [
             "fine_settler_slots_dropped_total{shard=\"0/1\"} 3",
             "fine_settler_slots_merged_total{shard=\"0/1\"} 5",
             "fine_settler_slot_rebases_total{shard=\"0/1\"} 1",
+            "fine_settler_clock_steps_total{shard=\"0/1\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing from:\n{text}");
         }
@@ -799,7 +826,19 @@ mod tests {
         let t = UnixTime::default();
         let shared = t.clone();
         t.advance_to(2_000);
-        shared.advance_to(1_000);
+        shared.advance_to(1_800);
         assert_eq!(t.unix_ms(), 2_000);
+    }
+
+    #[test]
+    fn unix_time_follows_a_clock_stepped_back() {
+        let t = UnixTime::default();
+        t.advance_to(1_700_003_600_000);
+        t.advance_to(1_700_000_000_000);
+        assert_eq!(
+            t.unix_ms(),
+            1_700_000_000_000,
+            "an hour back is a step, not a late report"
+        );
     }
 }

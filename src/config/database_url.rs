@@ -179,6 +179,14 @@ impl DatabaseUrl {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // fine-settler writes: of several hosts, one that answers but cannot write (a standby listed first, the
+        // routine layout after a failover) must not hold the replica, so `any` — libpq's "the first that
+        // answers" — means `read-write` there. With one host there is no other to move to: a read-only server
+        // is an outage the replica waits out.
+        let target = match target {
+            TargetSessionAttrs::Any if hosts.len() > 1 => TargetSessionAttrs::ReadWrite,
+            target => target,
+        };
         Ok(DatabaseUrl {
             hosts,
             target,
@@ -199,7 +207,8 @@ impl DatabaseUrl {
         &self.hosts[0]
     }
 
-    /// Which server of the list a connection may settle on (`target_session_attrs`, default `any`).
+    /// Which server of the list a connection may settle on (`target_session_attrs`, default `any`; with several
+    /// hosts `any` is `read-write`: a host that cannot write is passed over).
     pub fn target(&self) -> TargetSessionAttrs {
         self.target
     }
@@ -789,11 +798,22 @@ mod tests {
             ("read-write", TargetSessionAttrs::ReadWrite),
             ("primary", TargetSessionAttrs::Primary),
         ] {
-            let url = parse(&format!("postgres://h1,h2/db?target_session_attrs={value}"));
+            let url = parse(&format!("postgres://h1/db?target_session_attrs={value}"));
             assert_eq!(url.target(), target);
             assert_eq!(target.to_string(), value);
         }
-        assert_eq!(parse("postgres://h1,h2/db").target(), TargetSessionAttrs::Any);
+        assert_eq!(parse("postgres://h1/db").target(), TargetSessionAttrs::Any);
+        // Of several hosts, a read-only one never holds the replica: `any` (said or not) is `read-write`.
+        for url in [
+            "postgres://h1,h2/db",
+            "postgres://h1,h2/db?target_session_attrs=any",
+        ] {
+            assert_eq!(parse(url).target(), TargetSessionAttrs::ReadWrite, "{url}");
+        }
+        assert_eq!(
+            parse("postgres://h1,h2/db?target_session_attrs=primary").target(),
+            TargetSessionAttrs::Primary
+        );
         for value in ["read-only", "standby", "prefer-standby"] {
             assert_eq!(
                 error(&format!("postgres://h/db?target_session_attrs={value}")),

@@ -133,6 +133,9 @@ impl RawSettings {
         let text = |d: Duration| humantime::format_duration(d).to_string();
         shown.claim.batch_timeout = Some(text(settings.claim.lease.batch_timeout()));
         shown.claim.lock_timeout = Some(text(settings.claim.lease.lock_timeout()));
+        // The shard the replica will run: with `shard_from` a pod's index or name, not the file's `shard`.
+        shown.instance.shard = i64::from(settings.instance.shard());
+        shown.instance.shards = i64::from(settings.instance.shards());
         toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render configuration: {e}\n"))
     }
 }

@@ -2,13 +2,16 @@
 //! timeout — one entry point, [`run`], that the command line calls with the process's signals and a test calls
 //! with tokens of its own.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{atomic::Ordering, Arc},
+    time::Duration,
+};
 
 use chrono::Utc;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::{Daemon, TickError};
+use super::{stop, Daemon, TickError};
 use crate::{
     config::Settings,
     http::{self, Probes},
@@ -71,13 +74,16 @@ impl Default for Control {
 /// How a replica stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stopped {
-    /// Shut down cleanly: the batch in flight finished and its key was handed back.
+    /// Shut down cleanly: the batch in flight finished and its key was handed back, or the replica held no key.
     Drained,
     /// Told to exit at once (a second SIGTERM).
     HardStop,
     /// The drain took longer than `schedule.drain_timeout`: exited with a batch in flight, whose key is taken
     /// over when its lease expires.
     DrainTimeout,
+    /// Told to stop while running keys, and the database was gone: the key could not be handed back; its lease
+    /// frees it for a peer.
+    DatabaseGone,
 }
 
 impl Stopped {
@@ -85,7 +91,7 @@ impl Stopped {
     pub fn exit_code(self) -> u8 {
         match self {
             Stopped::Drained => 0,
-            Stopped::HardStop | Stopped::DrainTimeout => 1,
+            Stopped::HardStop | Stopped::DrainTimeout | Stopped::DatabaseGone => 1,
         }
     }
 }
@@ -105,6 +111,7 @@ pub enum StartError {
 /// its port is free again.
 pub async fn run(settings: Settings, control: Control) -> Result<Stopped, StartError> {
     let drain_timeout = settings.schedule.drain_timeout;
+    let connect_timeout = settings.database.connect_timeout;
     let http_listen = settings.http_listen;
     let health_window = due::health_window(&settings, Utc::now());
     let status_settings = settings.clone();
@@ -136,21 +143,7 @@ pub async fn run(settings: Settings, control: Control) -> Result<Stopped, StartE
         }
         None => None,
     };
-    let drain_expired = async {
-        control.shutdown.cancelled().await;
-        tokio::time::sleep(drain_timeout).await;
-    };
-    let stopped = tokio::select! {
-        () = daemon.run() => Stopped::Drained,
-        () = control.hard_stop.cancelled() => Stopped::HardStop,
-        () = drain_expired => {
-            tracing::error!(
-                drain_timeout_ms = duration_ms(drain_timeout),
-                "drain timeout: exiting with a batch in flight; its key is taken over when the lease expires"
-            );
-            Stopped::DrainTimeout
-        }
-    };
+    let stopped = until_stopped(daemon, &control, drain_timeout, connect_timeout).await;
     // The listener stops on shutdown (which a hard stop implies).
     control.shutdown.cancel();
     if let Some(listener) = listener {
@@ -159,6 +152,48 @@ pub async fn run(settings: Settings, control: Control) -> Result<Stopped, StartE
         }
     }
     Ok(stopped)
+}
+
+/// Runs `daemon` until it stops: by itself after a shutdown (drained, or holding no key), at a hard stop, when
+/// the database is found gone during a shutdown while the replica ran keys, or at the drain timeout.
+async fn until_stopped(
+    daemon: Daemon,
+    control: &Control,
+    drain_timeout: Duration,
+    connect_timeout: Duration,
+) -> Stopped {
+    let (in_pass, pool) = (daemon.in_pass(), daemon.pool());
+    let drain_expired = async {
+        control.shutdown.cancelled().await;
+        tokio::time::sleep(drain_timeout).await;
+    };
+    let gone = async {
+        control.shutdown.cancelled().await;
+        stop::database_gone(&pool, &in_pass, connect_timeout).await
+    };
+    tokio::select! {
+        () = daemon.run() => Stopped::Drained,
+        () = control.hard_stop.cancelled() => Stopped::HardStop,
+        stop::DatabaseGone(reason) = gone => {
+            tracing::error!(
+                reason = %reason,
+                "the database is unreachable: could not hand the key back; its lease frees it for a peer"
+            );
+            Stopped::DatabaseGone
+        }
+        () = drain_expired => {
+            if in_pass.load(Ordering::SeqCst) {
+                tracing::error!(
+                    drain_timeout_ms = duration_ms(drain_timeout),
+                    "drain timeout: exiting with a batch in flight; its key is taken over when the lease expires"
+                );
+                Stopped::DrainTimeout
+            } else {
+                tracing::warn!(drain_timeout_ms = duration_ms(drain_timeout), "drain timeout; the replica held no key");
+                Stopped::Drained
+            }
+        }
+    }
 }
 
 /// One tick, then return its runs' reports (`run --once`).

@@ -11,7 +11,8 @@
 //! start to exit, `tick` one tick in its named steps, `outage` waiting for the database (at start and through
 //! outages), `compensation` the tick's pass over the pending charges, `episodes` what a tick notices and logs
 //! once per episode (clock skew, pauses, abandoned keys), `prune` the history's pruning, `plan` the `plan`
-//! command's view of a tick.
+//! command's view of a tick, `tick_clock` the one clock every date of a tick comes from, `stop` what a stop
+//! waits for and says.
 
 mod compensation;
 mod episodes;
@@ -20,9 +21,15 @@ mod outage;
 mod plan;
 mod prune;
 pub mod recheck;
+mod stop;
 mod tick;
+mod tick_clock;
 
-use std::{collections::HashSet, sync::Arc, time::Duration};
+use std::{
+    collections::HashSet,
+    sync::{atomic::AtomicBool, Arc},
+    time::Duration,
+};
 
 use crate::store::Db;
 use chrono::NaiveDate;
@@ -68,6 +75,9 @@ pub enum TickError {
     /// A run of the tick lost its connection.
     #[error("a run lost its database connection: {0}")]
     Connection(String),
+    /// A shutdown was asked for while the tick waited for the database, before it claimed anything.
+    #[error("shutdown requested before the tick could read its status")]
+    ShuttingDown,
 }
 
 impl TickError {
@@ -90,7 +100,9 @@ impl TickError {
     /// write is an outage the replica waits out; anything else failed on a server that answered.
     pub fn liveness(&self) -> TickFailure {
         match self {
-            TickError::ReadOnly(_) | TickError::Connection(_) => TickFailure::Outage,
+            TickError::ReadOnly(_) | TickError::Connection(_) | TickError::ShuttingDown => {
+                TickFailure::Outage
+            }
             TickError::Database(e) if store::classify(e).transient() => TickFailure::Outage,
             TickError::Database(_) => TickFailure::Error(self.to_string()),
         }
@@ -108,6 +120,8 @@ pub struct Daemon {
     shutdown: CancellationToken,
     run_now: Arc<Notify>,
     skew_warned: bool,
+    /// The host−database offset the last tick measured: the status statement's bounds come from it.
+    db_offset: tick_clock::DbOffset,
     metrics: Arc<Metrics>,
     /// The replica's liveness: `/healthz`, the status page and the systemd watchdog read it.
     heartbeat: Arc<Heartbeat>,
@@ -123,6 +137,9 @@ pub struct Daemon {
     paused: Vec<Pause>,
     /// `[throttle]`, shared by every run of the replica.
     throttle: Arc<Throttle>,
+    /// Whether a tick is past its status statement, running keys: only then may the replica hold a key (what a
+    /// stop says about it, see [`lifecycle`]).
+    in_pass: Arc<AtomicBool>,
 }
 
 impl Daemon {
@@ -154,6 +171,7 @@ impl Daemon {
             shutdown,
             run_now,
             skew_warned: false,
+            db_offset: tick_clock::DbOffset::default(),
             metrics,
             heartbeat,
             notifier: None,
@@ -162,6 +180,7 @@ impl Daemon {
             rechecks: recheck::Rechecks::default(),
             paused: Vec::new(),
             throttle,
+            in_pass: Arc::default(),
         }
     }
 
@@ -190,6 +209,11 @@ impl Daemon {
     /// The owner name this replica claims keys under (for the status page).
     pub fn owner(&self) -> &str {
         &self.owner
+    }
+
+    /// Set while a tick runs keys, so may hold one (for the stop).
+    pub fn in_pass(&self) -> Arc<AtomicBool> {
+        self.in_pass.clone()
     }
 
     /// The pool the jobs use (for the readiness probe).
@@ -222,7 +246,7 @@ impl Daemon {
         );
         if !self.await_ready().await {
             self.pool.close().await;
-            tracing::info!("replica stopped before it was ready");
+            tracing::info!("replica stopped before it was ready; it held no key");
             return;
         }
         // A lag limit this role cannot read is said once, now (and asked again at the first batch if this fails).
@@ -246,8 +270,7 @@ impl Daemon {
         let mut next_prune = tokio::time::Instant::now() + FIRST_PRUNE_AFTER;
         while let Some(tick) = scheduler.next(&run_now, &shutdown).await {
             let stats = scheduler.stats();
-            self.metrics
-                .set_slot_totals(stats.dropped, stats.merged, stats.rebased);
+            self.metrics.set_slot_totals(stats);
             self.tick_through_outages(tick).await;
             if tokio::time::Instant::now() >= next_prune && !shutdown.is_cancelled() {
                 self.prune_history().await;

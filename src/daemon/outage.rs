@@ -2,7 +2,7 @@
 //! outage during a tick. Both retry with [`TICK_BACKOFF`], nap in steps of a second so that the watchdog sees the
 //! loop alive, and log an episode once when it starts and once when it ends.
 
-use std::time::Duration;
+use std::{sync::atomic::Ordering, time::Duration};
 
 use super::{Daemon, TickError, TICK_BACKOFF};
 use crate::{
@@ -11,6 +11,9 @@ use crate::{
     schedule::scheduler::Tick,
     store::{self, StoreError},
 };
+
+/// With several hosts in `database.url`, the longest wait between two searches of the hosts during an outage.
+pub const HOST_SEARCH_EVERY: Duration = Duration::from_secs(1);
 
 /// An outage in progress: when it started, and whether the server is read-only (rather than unreachable).
 #[derive(Debug, Clone, Copy)]
@@ -21,7 +24,8 @@ struct Outage {
 
 impl Daemon {
     /// Sleeps `wait` in naps of at most a second, telling the watchdog the loop is alive (an outage is handled
-    /// here; restarting the process would not help). Returns early on shutdown or run-now.
+    /// here; restarting the process would not help). Returns early on shutdown, run-now, or a readiness check
+    /// that found the database answering again.
     async fn nap(&self, wait: Duration) {
         let until = tokio::time::Instant::now() + wait;
         loop {
@@ -33,17 +37,46 @@ impl Daemon {
             tokio::select! {
                 _ = self.shutdown.cancelled() => return,
                 _ = self.run_now.notified() => return,
+                _ = self.heartbeat.database_answered() => return,
                 _ = tokio::time::sleep(left.min(Duration::from_secs(1))) => {}
             }
         }
     }
 
+    /// Looks for a server again (the next qualifying host, if the URL lists several), unless a shutdown comes
+    /// first: a search of hung hosts takes a connect timeout per host, which a stop does not wait for. Returns
+    /// how long to wait before the next attempt, after `failures` failed ones: none when the search moved the
+    /// pool to another host (a promoted standby: use it at once); with several hosts at most
+    /// [`HOST_SEARCH_EVERY`], so that a promotion is found within about a connect timeout, whatever the backoff
+    /// has grown to; otherwise the backoff.
+    async fn reconnect(&self, failures: u32) -> Duration {
+        let switches = self.pool.switches();
+        tokio::select! {
+            biased;
+            () = self.shutdown.cancelled() => {}
+            found = self.pool.reconnect() => if let Err(e) = found {
+                tracing::debug!(error = %StoreError::from(e), "no qualifying host yet");
+            }
+        }
+        let backoff = TICK_BACKOFF.delay(failures);
+        match (self.pool.switches() != switches, self.pool.follows_hosts()) {
+            (true, _) => Duration::ZERO,
+            (false, true) => backoff.min(HOST_SEARCH_EVERY),
+            (false, false) => backoff,
+        }
+    }
+
     /// Waits until the pool connects and every migration is applied (retrying with backoff, logged once), so
-    /// that READY=1 means the replica can work. `false` if shut down first.
+    /// that READY=1 means the replica can work. `false` if shut down first — at once, whatever the database is
+    /// doing: the replica holds no key yet.
     pub async fn await_ready(&self) -> bool {
         let mut failures = 0u32;
         loop {
-            let ready = store::readiness(&self.pool).await;
+            let ready = tokio::select! {
+                biased;
+                () = self.shutdown.cancelled() => return false,
+                ready = store::readiness(&self.pool) => ready,
+            };
             // Waiting for the database is not a stall: each attempt counts as progress for /healthz.
             self.heartbeat.progress_now();
             match ready {
@@ -57,14 +90,12 @@ impl Daemon {
                     failures += 1;
                     // A connection that found the server read-only (or broken) is not asked again: the next
                     // attempt opens new ones, on the next qualifying host if the URL lists several.
-                    if let Err(e) = self.pool.reconnect().await {
-                        tracing::debug!(error = %StoreError::from(e), "no qualifying host yet");
-                    }
+                    let wait = self.reconnect(failures).await;
                     if failures == 1 {
                         tracing::error!(reason = %reason, "not ready: waiting for the database and migrations");
                         self.status(&format!("STATUS=not ready: {reason}"));
                     }
-                    self.nap(TICK_BACKOFF.delay(failures)).await;
+                    self.nap(wait).await;
                     if self.shutdown.is_cancelled() {
                         return false;
                     }
@@ -80,6 +111,10 @@ impl Daemon {
         let mut outage: Option<Outage> = None;
         loop {
             let result = self.tick().await;
+            self.in_pass.store(false, Ordering::SeqCst);
+            if matches!(result, Err(TickError::ShuttingDown)) {
+                return Vec::new();
+            }
             self.heartbeat.progress_now();
             match result {
                 Ok(reports) => {
@@ -99,10 +134,7 @@ impl Daemon {
                     }
                     // Drop every connection and look for a server again (the next qualifying host, if the URL
                     // lists several).
-                    if let Err(e) = self.pool.reconnect().await {
-                        tracing::debug!(error = %StoreError::from(e), "no qualifying host yet");
-                    }
-                    let wait = TICK_BACKOFF.delay(failures);
+                    let wait = self.reconnect(failures).await;
                     tracing::debug!(error = %e, attempt = failures, backoff_ms = wait.as_millis() as u64, "tick failed");
                     self.nap(wait).await;
                     if self.shutdown.is_cancelled() {

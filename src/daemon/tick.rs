@@ -62,9 +62,10 @@ impl Daemon {
     /// Reads the tick status (the time is read once, here), logs the clock skew, and sets the queue's gauges.
     async fn look(&mut self) -> Result<Seen, TickError> {
         let before = self.wall.now();
-        let status = self.read_status(before).await?;
+        let status = self.read_status_on_tick_clock(before).await?;
         self.heartbeat.ticked_now();
         let after = self.wall.now();
+        self.db_offset.measured(before + (after - before) / 2, status.now);
         self.observe_skew(before + (after - before) / 2, status.now);
         let now = match self.settings.time_source {
             TimeSource::Database => status.now,
@@ -157,8 +158,8 @@ impl Daemon {
         }
     }
 
-    /// The tick's status statement at host time `before`.
-    async fn read_status(&mut self, before: DateTime<Utc>) -> Result<TickStatus, TickError> {
+    /// The tick's status statement, asking about the bounds of a tick at `before`.
+    pub(super) async fn read_status(&mut self, before: DateTime<Utc>) -> Result<TickStatus, TickError> {
         let since = due::window_start(&self.settings, before);
         let late = due::late_probe(&self.settings, before);
         self.session

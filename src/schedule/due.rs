@@ -133,7 +133,7 @@ pub fn window_start(settings: &Settings, at: DateTime<Utc>) -> NaiveDate {
         .unwrap_or(NaiveDate::MIN)
 }
 
-/// What the tick status asks about SUCCESS keys at host time `at`: whether rows arrived after their run, for the
+/// What the tick status asks about SUCCESS keys at `at` (the tick's clock: see `daemon::tick_clock`): whether rows arrived after their run, for the
 /// settlement keys of the catch-up window (with two days of margin for the zone and the clocks' skew). The
 /// accrual's keys are re-opened by its own re-check.
 pub fn late_probe(settings: &Settings, at: DateTime<Utc>) -> LateProbe {
@@ -176,7 +176,14 @@ pub fn abandoned<'a>(settings: &Settings, now: DateTime<Utc>, states: &'a [KeySt
 }
 
 /// How long the replica may go without progress before `/healthz` fails: two periods of its schedule (for cron,
-/// two intervals between its next occurrences after `now`), plus the batch timeout, and at least a minute.
+/// two intervals between its next occurrences after `now`) or a third of the lease, whichever is longer, plus the
+/// batch timeout, and at least a minute.
+///
+/// A third of the lease: a run waiting on the throttle (its pace, a lagging standby) makes progress only when it
+/// renews its lease, and the runner renews a waiting run at most a third of the lease apart, each renewal a
+/// statement of up to the batch timeout. Without it a healthy wait under a long lease (4 minutes: renewals 80 s
+/// apart) would fail `/healthz` for part of every interval — and a liveness probe would kill a replica that was
+/// merely waiting, leaving its key RUNNING for the whole lease.
 pub fn health_window(settings: &Settings, now: DateTime<Utc>) -> Duration {
     let period = match &settings.schedule.mode {
         ScheduleMode::FixedRate(p) | ScheduleMode::FixedDelay(p) => *p,
@@ -188,7 +195,8 @@ pub fn health_window(settings: &Settings, now: DateTime<Utc>) -> Duration {
             }
         }
     };
-    (period * 2 + settings.claim.lease.batch_timeout()).max(Duration::from_secs(60))
+    let renewals = settings.claim.lease.duration() / 3;
+    ((period * 2).max(renewals) + settings.claim.lease.batch_timeout()).max(Duration::from_secs(60))
 }
 
 /// The order one tick's pass visits its due keys in: each once, oldest first per job — except that a key a live
@@ -448,16 +456,47 @@ mod tests {
     }
 
     #[test]
-    fn the_health_window_is_two_periods_plus_a_batch_and_at_least_a_minute() {
+    fn the_health_window_is_two_periods_or_a_third_of_the_lease_plus_a_batch_and_at_least_a_minute() {
         let mut s = settings();
         let now: DateTime<Utc> = "2026-12-01T02:00:00Z".parse().expect("time");
         s.schedule.mode = ScheduleMode::FixedRate(Duration::from_secs(600));
         assert_eq!(health_window(&s, now), Duration::from_secs(1230));
         s.schedule.mode = ScheduleMode::FixedRate(Duration::from_secs(1));
+        // A third of the default lease (2 min) plus its batch timeout (30 s).
+        assert_eq!(health_window(&s, now), Duration::from_secs(70));
+        s.claim.lease = crate::config::Lease::new(Duration::from_secs(30), None, None).expect("lease");
         assert_eq!(health_window(&s, now), Duration::from_secs(60));
         let hourly: croner::Cron = "0 * * * *".parse().expect("cron");
         s.schedule.mode = ScheduleMode::Cron(Box::new(hourly));
-        assert_eq!(health_window(&s, now), Duration::from_secs(7230));
+        assert_eq!(health_window(&s, now), Duration::from_millis(7_207_500));
+    }
+
+    /// A run waiting on a lagging standby under a lease of 4 minutes (period 1 s) renews its lease every 80 s,
+    /// each renewal taking up to the batch timeout: `/healthz`, asked every second of the wait, is always live.
+    #[test]
+    fn a_healthy_wait_under_a_long_lease_never_fails_health() {
+        let mut s = settings();
+        let now: DateTime<Utc> = "2026-12-01T02:00:00Z".parse().expect("time");
+        s.schedule.mode = ScheduleMode::FixedRate(Duration::from_secs(1));
+        s.claim.lease = crate::config::Lease::new(Duration::from_secs(240), None, None).expect("lease");
+        let window = health_window(&s, now);
+        let (renew_every, renewal_takes) = (80_000i64, s.claim.lease.batch_timeout().as_millis() as i64);
+        let beat = crate::health::Heartbeat::default();
+        let start = 1_700_000_000_000i64;
+        beat.progress(start);
+        let mut next_renewal = start + renew_every + renewal_takes;
+        for at in (start..start + 10 * renew_every).step_by(1_000) {
+            if at >= next_renewal {
+                beat.progress(at);
+                next_renewal = at + renew_every + renewal_takes;
+            }
+            assert!(
+                matches!(beat.health(at, start, window), crate::health::Health::Live { .. }),
+                "{:?} at +{} ms (window {window:?})",
+                beat.health(at, start, window),
+                at - start
+            );
+        }
     }
 
     fn at(s: i64) -> DateTime<Utc> {

@@ -11,7 +11,8 @@
 //!   jumped forward) the run is a **re-base**: still one run, reported as a stall;
 //! - a trigger more than `max_catch_up` slots *behind* the last processed slot means the wall clock jumped
 //!   back: the guard re-bases onto it rather than stay silent until the clock catches up. A smaller step back is
-//!   a duplicate and dropped.
+//!   a duplicate and dropped. A step the scheduler sees for what it is (see [`super::ClockWatch`]) makes it
+//!   [`SlotGuard::forget`] the last slot instead, whatever the step's size.
 
 /// What to do with a trigger.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,6 +41,12 @@ impl SlotGuard {
     /// The last slot admitted, if any.
     pub fn last(&self) -> Option<i64> {
         self.last
+    }
+
+    /// Forgets the last processed slot: the wall clock stepped, so slots counted on the old time say nothing
+    /// about the new one. The next trigger runs.
+    pub fn forget(&mut self) {
+        self.last = None;
     }
 
     /// Decides on a trigger for `slot`. `missed(last, slot)` counts the slots strictly between the last processed

@@ -4,13 +4,26 @@
 //! Slot identity always comes from the wall clock (never the monotonic clock), read through [`WallClock`] so
 //! tests can drive it with tokio's paused time. Waiting uses bounded naps that re-read the wall clock: a
 //! suspended host or a clock step is noticed within one nap, and nothing ever bursts to catch up.
+//!
+//! A step of the wall clock is told apart from time passing by [`ClockWatch`]: between two readings the wall
+//! clock should move as far as the monotonic clock did. When it moves more than [`CLOCK_STEP_TOLERANCE`] further
+//! (forward: a step ahead or a suspend) or less (a step back: NTP, a VM restored from a snapshot), the wait ends
+//! with [`Wake::ClockStep`] and the scheduler re-bases on the new time at once, rather than wait for a due time
+//! computed on the old one.
 
 pub mod drift;
 pub mod due;
 pub mod guard;
 pub mod scheduler;
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{
+    fmt,
+    sync::{
+        atomic::{AtomicI64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use chrono::{DateTime, TimeZone, Utc};
 use chrono_tz::Tz;
@@ -35,11 +48,13 @@ impl WallClock for SystemWall {
 }
 
 /// A wall clock that advances with tokio's clock, from a fixed origin: under `tokio::time::pause()` it moves
-/// only when the test advances time.
+/// only when the test advances time. [`TokioWall::step`] steps it as an operator or NTP steps a host's clock
+/// (clones share the steps).
 #[derive(Debug, Clone)]
 pub struct TokioWall {
     origin: DateTime<Utc>,
     start: tokio::time::Instant,
+    stepped_ms: Arc<AtomicI64>,
 }
 
 impl TokioWall {
@@ -47,16 +62,58 @@ impl TokioWall {
         TokioWall {
             origin,
             start: tokio::time::Instant::now(),
+            stepped_ms: Arc::default(),
         }
+    }
+
+    /// Steps the clock by `by` (negative: back), without any time passing.
+    pub fn step(&self, by: chrono::Duration) {
+        self.stepped_ms
+            .fetch_add(by.num_milliseconds(), Ordering::Relaxed);
     }
 }
 
 impl WallClock for TokioWall {
     fn now(&self) -> DateTime<Utc> {
         let elapsed = chrono::Duration::from_std(self.start.elapsed()).unwrap_or(chrono::Duration::MAX);
+        let stepped = chrono::Duration::milliseconds(self.stepped_ms.load(Ordering::Relaxed));
         self.origin
             .checked_add_signed(elapsed)
+            .and_then(|t| t.checked_add_signed(stepped))
             .unwrap_or(DateTime::<Utc>::MAX_UTC)
+    }
+}
+
+/// How far the wall clock may move apart from the monotonic clock between two readings before it counts as a
+/// step. Both are read back to back, so only a step (or a suspend) moves them apart by this much; NTP's slewing
+/// (at most 0.5 ms a second) and a busy host's late wake-ups do not.
+pub const CLOCK_STEP_TOLERANCE: Duration = Duration::from_millis(500);
+
+/// Tells a step of the wall clock from time passing: remembers the last reading of both clocks.
+#[derive(Debug, Clone)]
+pub struct ClockWatch {
+    wall: DateTime<Utc>,
+    mono: tokio::time::Instant,
+}
+
+impl ClockWatch {
+    /// Starts watching from `wall`, the wall clock's reading now.
+    pub fn new(wall: DateTime<Utc>) -> Self {
+        ClockWatch {
+            wall,
+            mono: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Takes a new reading, `wall`: the step since the last one (positive: ahead) if the wall clock moved more than
+    /// [`CLOCK_STEP_TOLERANCE`] apart from the monotonic clock.
+    pub fn observe(&mut self, wall: DateTime<Utc>) -> Option<chrono::Duration> {
+        let mono = tokio::time::Instant::now();
+        let passed = chrono::Duration::from_std(mono - self.mono).unwrap_or(chrono::Duration::MAX);
+        let step = (wall - self.wall) - passed;
+        (self.wall, self.mono) = (wall, mono);
+        let tolerance = chrono::Duration::from_std(CLOCK_STEP_TOLERANCE).unwrap_or(chrono::Duration::MAX);
+        (step.abs() > tolerance).then_some(step)
     }
 }
 
@@ -183,12 +240,16 @@ pub enum Wake {
     RunNow,
     /// Shutdown.
     Cancelled,
+    /// The wall clock stepped by this much (positive: ahead): the due time was computed on the old time.
+    ClockStep(chrono::Duration),
 }
 
 /// Waits until the wall clock reaches `due`, in naps of at most [`MAX_NAP`] that re-read it; returns early on a
-/// run-now notification or cancellation. `beat` is called at every wake (the loop is alive).
+/// run-now notification, cancellation, or a step of the wall clock that `watch` sees. `beat` is called at every
+/// wake (the loop is alive).
 pub async fn wait_until(
     wall: &Arc<dyn WallClock>,
+    watch: &mut ClockWatch,
     due: DateTime<Utc>,
     run_now: &Notify,
     cancel: &CancellationToken,
@@ -197,6 +258,9 @@ pub async fn wait_until(
     loop {
         beat();
         let now = wall.now();
+        if let Some(step) = watch.observe(now) {
+            return Wake::ClockStep(step);
+        }
         if now >= due {
             return Wake::Due;
         }
@@ -328,21 +392,53 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn waiting_uses_bounded_naps_and_honours_run_now() {
         let wall: Arc<dyn WallClock> = Arc::new(TokioWall::new(utc("2026-11-30T10:00:00Z")));
+        let mut watch = ClockWatch::new(wall.now());
         let (notify, cancel) = (Notify::new(), CancellationToken::new());
+        let (soon, later) = (utc("2026-11-30T10:00:05Z"), utc("2026-11-30T11:00:00Z"));
         assert_eq!(
-            wait_until(&wall, utc("2026-11-30T10:00:05Z"), &notify, &cancel, || {}).await,
+            wait_until(&wall, &mut watch, soon, &notify, &cancel, || {}).await,
             Wake::Due
         );
-        assert_eq!(wall.now(), utc("2026-11-30T10:00:05Z"));
+        assert_eq!(wall.now(), soon);
         notify.notify_one();
         assert_eq!(
-            wait_until(&wall, utc("2026-11-30T11:00:00Z"), &notify, &cancel, || {}).await,
+            wait_until(&wall, &mut watch, later, &notify, &cancel, || {}).await,
             Wake::RunNow
         );
         cancel.cancel();
         assert_eq!(
-            wait_until(&wall, utc("2026-11-30T11:00:00Z"), &notify, &cancel, || {}).await,
+            wait_until(&wall, &mut watch, later, &notify, &cancel, || {}).await,
             Wake::Cancelled
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_ends_when_the_wall_clock_steps_either_way() {
+        let stepping = TokioWall::new(utc("2026-11-30T10:00:00Z"));
+        let wall: Arc<dyn WallClock> = Arc::new(stepping.clone());
+        let mut watch = ClockWatch::new(wall.now());
+        let (notify, cancel) = (Notify::new(), CancellationToken::new());
+        let step_later = |by: chrono::Duration| {
+            let stepping = stepping.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(2_500)).await;
+                stepping.step(by);
+            })
+        };
+        for by in [
+            chrono::Duration::hours(-1),
+            chrono::Duration::seconds(3),
+            chrono::Duration::hours(2),
+        ] {
+            step_later(by);
+            let started = tokio::time::Instant::now();
+            let due = wall.now() + chrono::Duration::days(1);
+            let woke = wait_until(&wall, &mut watch, due, &notify, &cancel, || {}).await;
+            assert_eq!(woke, Wake::ClockStep(by));
+            assert!(started.elapsed() <= Duration::from_millis(2_500) + MAX_NAP);
+        }
+        // A step smaller than the tolerance is time passing (NTP slewing, a late wake-up).
+        stepping.step(chrono::Duration::milliseconds(-400));
+        assert_eq!(watch.observe(wall.now()), None);
     }
 }

@@ -11,7 +11,7 @@ use crate::health::Heartbeat;
 
 use super::{
     guard::{Decision, SlotGuard},
-    wait_until, Schedule, Wake, WallClock,
+    wait_until, ClockWatch, Schedule, Wake, WallClock,
 };
 
 /// What started a tick.
@@ -28,7 +28,7 @@ pub struct Tick {
     pub slot: i64,
     /// Missed slots this tick covers.
     pub merged: u64,
-    /// The scheduler fell behind by more than `max_catch_up` slots (or the clock jumped) and re-based.
+    /// The scheduler fell behind by more than `max_catch_up` slots, or the wall clock stepped, and re-based.
     pub rebased: bool,
     pub trigger: Trigger,
     /// Wall time at which the tick was admitted.
@@ -42,6 +42,8 @@ pub struct SlotStats {
     pub dropped: u64,
     pub merged: u64,
     pub rebased: u64,
+    /// Steps of the wall clock seen (each re-based the schedule once).
+    pub clock_steps: u64,
 }
 
 #[derive(Debug)]
@@ -55,6 +57,10 @@ pub struct Scheduler {
     started: bool,
     last_end: DateTime<Utc>,
     stats: SlotStats,
+    /// Tells a step of the wall clock from time passing, across waits and ticks alike.
+    watch: ClockWatch,
+    /// The wall clock stepped since the last admitted tick: the next one is a re-base.
+    stepped: bool,
     /// Told at every wake of the loop (at most [`super::MAX_NAP`] apart while idle): the watchdog's feed.
     heartbeat: Option<Arc<Heartbeat>>,
 }
@@ -71,6 +77,8 @@ impl Scheduler {
             started: false,
             last_end: now,
             stats: SlotStats::default(),
+            watch: ClockWatch::new(now),
+            stepped: false,
             heartbeat: None,
         }
     }
@@ -94,6 +102,10 @@ impl Scheduler {
             } else {
                 self.started = true;
                 let now = self.wall.now();
+                // A step while the last tick ran.
+                if let Some(step) = self.watch.observe(now) {
+                    self.rebase_after(step, now);
+                }
                 let due = self.schedule.next_due(self.guard.last(), self.last_end, now);
                 let heartbeat = self.heartbeat.clone();
                 let beat = move || {
@@ -101,10 +113,14 @@ impl Scheduler {
                         h.alive();
                     }
                 };
-                match wait_until(&self.wall, due, run_now, cancel, beat).await {
+                match wait_until(&self.wall, &mut self.watch, due, run_now, cancel, beat).await {
                     Wake::Cancelled => return None,
                     Wake::RunNow => Trigger::RunNow,
                     Wake::Due => Trigger::Timer,
+                    Wake::ClockStep(step) => {
+                        self.rebase_after(step, self.wall.now());
+                        continue;
+                    }
                 }
             };
             if cancel.is_cancelled() {
@@ -128,6 +144,17 @@ impl Scheduler {
                 } => {
                     self.stats.ticks += 1;
                     self.stats.merged += merged;
+                    if std::mem::take(&mut self.stepped) {
+                        // Logged when the step was seen.
+                        self.stats.rebased += 1;
+                        return Some(Tick {
+                            slot,
+                            merged,
+                            rebased: true,
+                            trigger,
+                            at,
+                        });
+                    }
                     if rebased {
                         self.stats.rebased += 1;
                         tracing::warn!(
@@ -154,6 +181,23 @@ impl Scheduler {
                 }
             }
         }
+    }
+
+    /// Re-bases the schedule on the wall clock's new time `now` after it stepped by `step`: slots counted on the old
+    /// time are forgotten, so the next slot of the new time runs (within one period), whichever way it stepped.
+    /// Fixed-delay waits its delay from the step.
+    fn rebase_after(&mut self, step: chrono::Duration, now: DateTime<Utc>) {
+        self.stats.clock_steps += 1;
+        self.guard.forget();
+        self.last_end = now;
+        self.stepped = true;
+        tracing::warn!(
+            step_ms = step.num_milliseconds(),
+            direction = if step < chrono::Duration::zero() { "back" } else { "ahead" },
+            now = %now,
+            clock_steps_total = self.stats.clock_steps,
+            "the host clock stepped (or the host was suspended): re-basing the schedule on the new time"
+        );
     }
 
     /// Records the end of the tick just run (fixed-delay waits from here).
@@ -227,7 +271,8 @@ mod tests {
                 ticks: 4,
                 dropped: 0,
                 merged: 6,
-                rebased: 0
+                rebased: 0,
+                clock_steps: 0
             }
         );
     }
@@ -240,6 +285,61 @@ mod tests {
         let ticks = run(&mut s, 2, Duration::from_millis(1_000)).await;
         assert_eq!(ticks[0], (100, 0, false));
         assert_eq!(ticks[1], (1100, 9, true));
+    }
+
+    /// Steps of the wall clock back and ahead, by seconds and by hours, in every mode: each is seen once,
+    /// re-based once, and the next tick comes within one period of the new time.
+    #[tokio::test(start_paused = true)]
+    async fn a_clock_step_re_bases_once_and_ticking_goes_on_within_a_period() {
+        let modes = [
+            ScheduleMode::FixedRate(Duration::from_secs(1)),
+            ScheduleMode::FixedDelay(Duration::from_secs(1)),
+            ScheduleMode::Cron(Box::new(
+                std::str::FromStr::from_str("* * * * * *").expect("every second"),
+            )),
+        ];
+        let steps = [-5, -3_600, 3_600, 20, -600].map(chrono::Duration::seconds);
+        for mode in modes {
+            let wall = TokioWall::new(origin());
+            let shared: Arc<dyn WallClock> = Arc::new(wall.clone());
+            let mut s = Scheduler::new(Schedule::new(mode.clone(), chrono_tz::UTC), 3, shared, true);
+            let (notify, cancel) = (Notify::new(), CancellationToken::new());
+            s.next(&notify, &cancel).await.expect("startup tick");
+            s.finished();
+            for (n, by) in steps.into_iter().enumerate() {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                wall.step(by);
+                let stepped_at = tokio::time::Instant::now();
+                let tick = s.next(&notify, &cancel).await.expect("tick");
+                s.finished();
+                let waited = stepped_at.elapsed();
+                assert!(
+                    tick.rebased && waited <= Duration::from_secs(1),
+                    "{mode:?}, step {by}: {tick:?} after {waited:?}"
+                );
+                let next = s.next(&notify, &cancel).await.expect("tick");
+                s.finished();
+                assert!(!next.rebased, "{mode:?}, step {by}: re-based once: {next:?}");
+                assert_eq!(s.stats().clock_steps, n as u64 + 1, "{mode:?}");
+            }
+        }
+    }
+
+    /// A step during a tick (not during a wait) is seen when the next wait starts.
+    #[tokio::test(start_paused = true)]
+    async fn a_clock_stepped_back_during_a_tick_does_not_silence_the_schedule() {
+        let wall = TokioWall::new(origin());
+        let shared: Arc<dyn WallClock> = Arc::new(wall.clone());
+        let mode = ScheduleMode::FixedRate(Duration::from_secs(1));
+        let mut s = Scheduler::new(Schedule::new(mode, chrono_tz::UTC), 3, shared, true);
+        let (notify, cancel) = (Notify::new(), CancellationToken::new());
+        s.next(&notify, &cancel).await.expect("startup tick");
+        wall.step(chrono::Duration::hours(-1));
+        s.finished();
+        let started = tokio::time::Instant::now();
+        let tick = s.next(&notify, &cancel).await.expect("tick");
+        assert!(tick.rebased && started.elapsed() <= Duration::from_secs(1));
+        assert_eq!(s.stats().clock_steps, 1);
     }
 
     #[tokio::test(start_paused = true)]

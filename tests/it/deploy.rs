@@ -206,7 +206,7 @@ fn pod_is_locked_down(pod: &Value, c: &Value) {
     assert!(c["resources"]["limits"]["memory"].is_string());
 }
 
-/// The Service and the PodDisruptionBudget select the replicas.
+/// The Service and the PodDisruptionBudget select the replicas, and keep them scrapable and drainable when unready.
 fn service_and_budget_select_the_replicas(docs: &[Value], sts: &Value, replicas: i64) {
     let pod_labels = &sts["spec"]["template"]["metadata"]["labels"];
     let svc = the(docs, "Service");
@@ -214,7 +214,10 @@ fn service_and_budget_select_the_replicas(docs: &[Value], sts: &Value, replicas:
     assert_eq!(sts["spec"]["serviceName"], svc["metadata"]["name"]);
     assert!(labels_match(&svc["spec"]["selector"], pod_labels));
     assert_eq!(svc["spec"]["ports"][0]["targetPort"], "metrics");
+    // Metrics stay discoverable and drains stay possible while a database outage makes every pod unready.
+    assert_eq!(svc["spec"]["publishNotReadyAddresses"], true);
     let pdb = the(docs, "PodDisruptionBudget");
+    assert_eq!(pdb["spec"]["unhealthyPodEvictionPolicy"], "AlwaysAllow");
     assert!(labels_match(&pdb["spec"]["selector"]["matchLabels"], pod_labels));
     assert!(pdb["spec"]["maxUnavailable"]
         .as_i64()
@@ -287,6 +290,13 @@ fn kubernetes_manifests_agree_with_the_binary() {
         let out = check_config(&config, &[shards.clone(), (index_env, index.to_string())]);
         assert_exit(&out, 0, &format!("pod index {index}"));
         assert!(!String::from_utf8_lossy(&out.stdout).contains("hunter2"));
+        // It prints the shard the pod will run, resolved from its index.
+        let shown: toml::Value = toml::from_str(&String::from_utf8_lossy(&out.stdout)).expect("TOML");
+        assert_eq!(
+            shown["instance"]["shard"].as_integer(),
+            Some(index),
+            "pod index {index}"
+        );
     }
     let out = check_config(&config, &[shards.clone(), (index_env, replicas.to_string())]);
     assert_exit(&out, 2, "a pod index past the shard count");
@@ -613,5 +623,26 @@ async fn a_running_replicas_metrics_pass_promtool_check_metrics(pool: PgPool) {
         "fine_settler_last_progress_timestamp_seconds",
     ] {
         assert!(served.contains(name), "{name} missing from:\n{scrape}");
+    }
+}
+
+/// `check-config` prints the shard the replica will run when it comes from the pod (its name or its index), not
+/// the file's `instance.shard`.
+#[test]
+fn check_config_prints_the_shard_resolved_from_the_pod() {
+    for (from, var, value, shard) in [
+        ("pod-name", "POD_NAME", "fine-settler-10", 10),
+        ("pod-index", "POD_INDEX", "7", 7),
+    ] {
+        let mut cmd = crate::helpers::fine_settler("postgres://settler@db.example/libraryd");
+        cmd.env("FINE_SETTLER__INSTANCE__SHARDS", "12")
+            .env("FINE_SETTLER__INSTANCE__SHARD_FROM", from)
+            .env(var, value)
+            .arg("check-config");
+        let out = crate::helpers::output(cmd);
+        assert_exit(&out, 0, from);
+        let shown: toml::Value = toml::from_str(&String::from_utf8_lossy(&out.stdout)).expect("TOML");
+        assert_eq!(shown["instance"]["shard"].as_integer(), Some(shard), "{from}");
+        assert_eq!(shown["instance"]["shard_from"].as_str(), Some(from));
     }
 }

@@ -1,0 +1,104 @@
+//! Stops are prompt whatever the database does: a SIGTERM ends a search of hung hosts at once (the replica holds
+//! no key: it says so and exits 0), and a replica whose server died mid-run says it could not hand its key back
+//! (its lease frees it) and exits within a few seconds, without claiming a batch in flight.
+
+use std::{
+    net::TcpListener,
+    time::{Duration, Instant},
+};
+
+use chrono::Datelike;
+use sqlx::{postgres::PgPoolOptions, PgPool};
+
+use crate::helpers::{
+    daemon, due_now, exit_of, fine_settler, insert, loan, migrate, signal, slow_down, spawn, wait_until,
+    Cluster, StderrLog,
+};
+
+/// `n` servers that accept a connection and never answer (the kernel completes the handshake for the listen
+/// backlog): each costs a connection attempt its whole connect timeout.
+fn hung_hosts(n: usize) -> Vec<TcpListener> {
+    (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_sigterm_during_a_search_of_hung_hosts_exits_0_at_once_holding_no_key() {
+    let hung = hung_hosts(4);
+    let hosts: Vec<String> = hung
+        .iter()
+        .map(|l| format!("127.0.0.1:{}", l.local_addr().expect("addr").port()))
+        .collect();
+    let url = format!(
+        "postgres://fine_settler@{}/libraryd?connect_timeout=10",
+        hosts.join(",")
+    );
+    let mut cmd = fine_settler(&url);
+    cmd.arg("run")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    let mut replica = spawn(&mut cmd);
+    let log = StderrLog::collect(&mut replica);
+    wait_until("the replica started", Duration::from_secs(10), || async {
+        log.contains("replica started")
+    })
+    .await;
+    // Well into the first host's connect timeout.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stopped_at = Instant::now();
+    signal(&replica, "TERM");
+    let (code, _) = exit_of(replica, Duration::from_secs(5)).await;
+    let took = stopped_at.elapsed();
+    let stderr = log.finish();
+    eprintln!("stopped {took:?} after SIGTERM during a search of 4 hung hosts");
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(took < Duration::from_secs(3), "stopped after {took:?}: {stderr}");
+    assert!(stderr.contains("held no key"), "{stderr}");
+    assert!(!stderr.contains("batch in flight"), "{stderr}");
+}
+
+#[tokio::test]
+async fn a_sigterm_after_the_server_died_mid_run_says_the_key_could_not_be_handed_back() {
+    let primary = Cluster::primary_with_libraryd().await;
+    let url = primary.url("libraryd");
+    migrate(&url);
+    let pool: PgPool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .expect("connect");
+    let month = due_now(&pool, 1).await[0];
+    let first = month.with_day(1).expect("first day").to_string();
+    let loans: Vec<_> = (1..=400)
+        .map(|n| loan(n, &first, Some(&month.to_string())))
+        .collect();
+    insert(&pool, &loans).await;
+    // Batches of 25 at 20 ms a row: half a second each, so the run is mid-way when the server dies.
+    slow_down(&pool, "update on loans", 0.02).await;
+    let mut replica = daemon(&url, 0, 1, &[("FINE_SETTLER__DATABASE__CONNECT_TIMEOUT", "10s")]);
+    let log = StderrLog::collect(&mut replica);
+    wait_until("a key claimed", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'RUNNING' and scanned > 0")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+            > 0
+    })
+    .await;
+    pool.close().await;
+    primary.stop_immediate().await;
+    let stopped_at = Instant::now();
+    signal(&replica, "TERM");
+    let (code, _) = exit_of(replica, Duration::from_secs(20)).await;
+    let took = stopped_at.elapsed();
+    let stderr = log.finish();
+    eprintln!("stopped {took:?} after SIGTERM with the server gone mid-run");
+    assert!(took < Duration::from_secs(5), "stopped after {took:?}: {stderr}");
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("could not hand the key back; its lease frees it for a peer"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("batch in flight"), "{stderr}");
+}
