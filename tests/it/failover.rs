@@ -238,17 +238,10 @@ async fn one_shot_commands_use_the_first_qualifying_host_of_a_multi_host_url() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(report(&out)["outcome"], "settled");
-    // `any` takes the first host that answers, the standby: refused in one line, nothing done.
+    // `any` with several hosts needs a writable server as read-write does (docs/configuration.md): the standby
+    // listed first is passed over, and the month, settled already, is skipped on the primary.
     let out = settle(both("any"));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(
-        stderr.contains("connected to a read-only server (in recovery"),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains(&format!("127.0.0.1:{}", standby.port())),
-        "{stderr}"
-    );
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(report(&out)["outcome"], "skipped", "{stderr}");
 }

@@ -50,15 +50,16 @@ fn schedule(mode: &Mode, rng: &mut SplitMix64) -> Vec<(Duration, Fault)> {
         (Fault::Edit, mode.edit_rounds),
     ] {
         for _ in 0..n {
-            // Zombies and restarts land in the first half, while work is certainly in flight; zombies after the
-            // shard-count change, so that their peers keep running.
+            // Zombies land in the first half, restarts in the first third, while work is certainly in flight (a
+            // replica back within a second of a restart finishes the short mode's work in about 40 s); zombies
+            // after the shard-count change, so that their peers keep running.
             let at = if matches!(fault, Fault::Zombie | Fault::Restart) {
-                let start = if fault == Fault::Zombie {
-                    mode.reshard_at + Duration::from_secs(1)
+                let (start, part) = if fault == Fault::Zombie {
+                    (mode.reshard_at + Duration::from_secs(1), 2)
                 } else {
-                    from
+                    (from, 3)
                 };
-                start + Duration::from_millis(rng.below(span / 2))
+                start + Duration::from_millis(rng.below(span / part))
             } else {
                 from + Duration::from_millis(rng.below(span))
             };
