@@ -40,7 +40,10 @@ use prometheus_client::{
 use crate::{
     jobs::{throttle::Reason, JobName, Outcome},
     schedule::{scheduler::SlotStats, CLOCK_STEP_TOLERANCE},
-    store::{corrections::Reason as CorrectionReason, job_runs::ClaimKind},
+    store::{
+        corrections::Reason as CorrectionReason,
+        job_runs::{ClaimKind, Unclaimed},
+    },
 };
 
 /// Upper bounds (seconds) of the run duration histogram's buckets: from a run that found little to do to a month
@@ -287,6 +290,7 @@ struct TickFamilies {
     slot_rebases: Counters<ShardLabels>,
     clock_steps: Counters<ShardLabels>,
     due_unsettled: Gauges<JobLabels>,
+    keys_unclaimed: Gauges<JobLabels>,
     pending: Gauges<ShardLabels>,
     pending_dead: Gauges<ShardLabels>,
     clock_skew: FloatGauges<ShardLabels>,
@@ -335,6 +339,11 @@ impl TickFamilies {
             due_unsettled: b.add(
                 "fine_settler_due_unsettled",
                 "Due business dates not SUCCESS for this shard after the last tick.",
+                Family::default(),
+            ),
+            keys_unclaimed: b.add(
+                "fine_settler_keys_unclaimed",
+                "Due keys of the other shards of this shard count that nobody runs (no row, or no live owner for longer than the lease), at the last tick.",
                 Family::default(),
             ),
             pending: b.add(
@@ -577,6 +586,16 @@ impl Metrics {
         self.tick.due_unsettled.get_or_create(&self.job(job)).set(dates);
     }
 
+    /// Sets the due keys of the other shards nobody runs, per job, as the last tick's status read them.
+    pub fn set_keys_unclaimed(&self, unclaimed: Unclaimed) {
+        for job in [JobName::FineSettlement, JobName::OverdueAccrual] {
+            self.tick
+                .keys_unclaimed
+                .get_or_create(&self.job(job))
+                .set(unclaimed.of(job));
+        }
+    }
+
     /// Sets the shard's PENDING and DEAD charges.
     pub fn set_pending(&self, pending: i64, dead: i64) {
         let labels = self.only_shard();
@@ -771,6 +790,10 @@ mod tests {
             clock_steps: 1,
         });
         m.set_due_unsettled(job, 1);
+        m.set_keys_unclaimed(Unclaimed {
+            settlement: 2,
+            accrual: 0,
+        });
         m.set_pending(1, 1);
         m.set_clock_skew(0.5);
         m.count_key_abandoned(job);

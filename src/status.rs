@@ -11,13 +11,15 @@
 //! (its clock skew).
 //!
 //! Per job, the grid is every business date of this replica's catch-up window, plus every older key that is
-//! not SUCCESS (abandoned by the window), × every shard count and shard found in `job_runs` (and this
-//! replica's own). A cell without a row is shown as absent. The pauses in force for a job (`pause`) are listed
+//! not SUCCESS (abandoned by the window), × every shard count and shard found in `job_runs` and every shard of
+//! this replica's own shard count ([`fleet`]). A cell without a row is shown as absent; a due key of another
+//! shard that nobody runs is marked unclaimed. The pauses in force for a job (`pause`) are listed
 //! above its grid.
 //!
 //! The HTML is built with `maud`, which escapes every value it interpolates: an owner or an error message is
 //! text, never markup. The page has no script; it reloads itself every [`RELOAD_SECONDS`].
 
+mod fleet;
 mod flight;
 
 use std::{
@@ -218,8 +220,11 @@ pub struct JobStatus {
     /// The pauses in force for the job: `job`, `shards` and `shard` (null for the whole job), `by`, `reason`,
     /// `since` — as `runs --json` prints them.
     pub paused: Vec<serde_json::Value>,
-    /// The grid's columns: every shard count and shard found in `job_runs` for the job, and this replica's own.
+    /// The grid's columns: every shard count and shard found in `job_runs` for the job, and every shard of this
+    /// replica's own shard count (when it runs the job).
     pub shards: Vec<ShardColumn>,
+    /// The shards of this replica's shard count with a due key nobody runs (a cell with `unclaimed: true`).
+    pub unclaimed_shards: Vec<i32>,
     /// The grid's cells, newest business date first, then by shard count and shard. A cell of the window with no
     /// row has `status: null`.
     pub keys: Vec<KeyStatus>,
@@ -250,6 +255,9 @@ pub struct KeyStatus {
     pub in_window: bool,
     /// Not SUCCESS, and older than the window: nothing runs it by itself any more.
     pub abandoned: bool,
+    /// A due key of another shard of this replica's shard count that nobody runs: no row, or not SUCCESS with a
+    /// lease that ended more than the lease ago; not paused (see [`fleet`]).
+    pub unclaimed: bool,
 }
 
 /// How far a RUNNING key has come.
@@ -303,6 +311,12 @@ pub fn assemble(
             .filter(|p| p.job_name == job.as_str())
             .map(Pause::json)
             .collect();
+        fleet::mark(
+            &mut status,
+            settings.instance,
+            settings.claim.lease.duration(),
+            pauses,
+        );
         status
     })
     .collect();
@@ -337,10 +351,7 @@ fn job_status(
         })
         .collect();
     if enabled {
-        columns.insert(ShardColumn {
-            shards: settings.instance.shards(),
-            shard: settings.instance.shard(),
-        });
+        columns.extend(fleet::every_shard(settings.instance));
     }
     // The window's dates, and the older keys that did not succeed.
     let mut dates: BTreeSet<NaiveDate> = window.iter().copied().collect();
@@ -372,6 +383,7 @@ fn job_status(
                     last_error: k.last_error.clone(),
                     in_window: in_window(*date),
                     abandoned: !in_window(*date) && k.status != RunStatus::Success,
+                    unclaimed: false,
                 }),
                 // An older date shows only its rows; a column with no row there stays empty.
                 None if in_window(*date) => cells.push(KeyStatus {
@@ -386,6 +398,7 @@ fn job_status(
                     last_error: None,
                     in_window: true,
                     abandoned: false,
+                    unclaimed: false,
                 }),
                 None => {}
             }
@@ -397,6 +410,7 @@ fn job_status(
         window,
         paused: Vec::new(),
         shards: columns.into_iter().collect(),
+        unclaimed_shards: Vec::new(),
         keys: cells,
     }
 }
@@ -408,6 +422,7 @@ table { border-collapse: collapse; } th, td { border: 1px solid #ccc; padding: .
 th { background: #f3f3f3; text-align: left; } td.key { min-width: 11em; }
 .SUCCESS { background: #dcf5dc; } .RUNNING { background: #dbe9ff; } .FAILED { background: #ffdcdc; }
 .absent { background: #f7f7f7; color: #888; } .abandoned { outline: 3px solid #c00; outline-offset: -3px; }
+.unclaimed { outline: 3px dashed #c00; outline-offset: -3px; }
 .paused { background: #fff3cd; border: 1px solid #e0c060; padding: .3em .6em; }
 .status { font-weight: 600; } .small { font-size: .85em; color: #555; } .error { color: #a00; }
 progress { width: 10em; } dl { display: grid; grid-template-columns: max-content auto; gap: .1em 1em; }
@@ -515,16 +530,22 @@ fn cell(job: JobName, k: &KeyStatus) -> Markup {
     let id = format!("{}-{}-{}-{}", job.as_str(), k.business_date, k.shards, k.shard);
     let class = match k.status {
         Some(s) if k.abandoned => format!("key {} abandoned", s.as_str()),
+        Some(s) if k.unclaimed => format!("key {} unclaimed", s.as_str()),
         Some(s) => format!("key {}", s.as_str()),
+        None if k.unclaimed => "key absent unclaimed".to_string(),
         None => "key absent".to_string(),
     };
     html! {
         td id=(id) class=(class) {
             @match k.status {
-                None => { span.status { "absent" } }
+                None => {
+                    span.status { "absent" }
+                    @if k.unclaimed { " " span.error { "unclaimed" } }
+                }
                 Some(status) => {
                     span.status { (status.as_str()) }
                     @if k.abandoned { " " span.error { "abandoned" } }
+                    @if k.unclaimed { " " span.error { "unclaimed" } }
                     div.small { "epoch " (k.epoch.unwrap_or(0)) }
                     @if let Some(owner) = &k.owner { div.small { code { (owner) } } }
                     @if let Some(left) = k.lease_left_s {
@@ -690,6 +711,72 @@ mod tests {
         );
         // The accrual is off by default: no window, no cells.
         assert!(!s.jobs[1].enabled && s.jobs[1].keys.is_empty());
+    }
+
+    /// Shard 0 of 3: shard 1 has a live key and a key whose lease ended long ago (a host down), shard 2 no row at
+    /// all (nobody runs it).
+    #[test]
+    fn every_shard_of_the_count_is_a_column_and_keys_nobody_runs_are_unclaimed() {
+        let env = crate::testing::env(&[
+            ("DATABASE_URL", "postgres://u@h/db"),
+            ("FINE_SETTLER__INSTANCE__SHARD", "0"),
+            ("FINE_SETTLER__INSTANCE__SHARDS", "3"),
+        ]);
+        let settings = crate::config::load(None, &env)
+            .and_then(|raw| raw.validate(&env))
+            .expect("valid");
+        let of = |date: &str, shard: i32, status: RunStatus, lease_left_s: f64| KeyRow {
+            shards: 3,
+            shard,
+            lease_left_s,
+            ..row(date, status, "a", None)
+        };
+        let keys = vec![
+            of("2026-11-30", 0, RunStatus::Success, 0.0),
+            of("2026-11-30", 1, RunStatus::Running, 30.0),
+            of("2026-10-31", 1, RunStatus::Running, -3600.0),
+        ];
+        let now = "2026-12-01T04:00:00Z".parse().expect("time");
+        let rows = rows::StatusRows {
+            now,
+            keys,
+            pending: 0,
+            pending_due: 0,
+            dead: 0,
+        };
+        let s = assemble(&settings, rows, Vec::new(), &[], replica("a"));
+        let settlement = &s.jobs[0];
+        assert_eq!(
+            settlement
+                .shards
+                .iter()
+                .map(|c| (c.shards, c.shard))
+                .collect::<Vec<_>>(),
+            [(3, 0), (3, 1), (3, 2)]
+        );
+        let unclaimed: Vec<(String, i32)> = settlement
+            .keys
+            .iter()
+            .filter(|k| k.unclaimed)
+            .map(|k| (k.business_date.to_string(), k.shard))
+            .collect();
+        assert_eq!(
+            unclaimed,
+            [
+                ("2026-11-30".into(), 2),
+                ("2026-10-31".into(), 1),
+                ("2026-10-31".into(), 2),
+                ("2026-09-30".into(), 1),
+                ("2026-09-30".into(), 2),
+            ],
+            "shard 0 is this replica's own: never unclaimed"
+        );
+        assert_eq!(settlement.unclaimed_shards, [1, 2]);
+        let page = render(&s);
+        assert!(
+            page.contains(r#"<td id="fine-settlement-2026-11-30-3-2" class="key absent unclaimed">"#),
+            "{page}"
+        );
     }
 
     #[test]

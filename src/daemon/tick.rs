@@ -72,6 +72,7 @@ impl Daemon {
             TimeSource::System => after,
         };
         self.metrics.set_pending(status.pending, status.dead);
+        self.metrics.set_keys_unclaimed(status.unclaimed);
         Ok(Seen { status, now })
     }
 

@@ -15,7 +15,7 @@ use crate::{
     config::{ScheduleMode, Settings},
     jobs::JobName,
     store::{
-        job_runs::{Action, KeyState, LateProbe},
+        job_runs::{Action, DueKeys, KeyState, LateProbe},
         pauses::Pause,
     },
 };
@@ -146,6 +146,26 @@ pub fn late_probe(settings: &Settings, at: DateTime<Utc>) -> LateProbe {
             .enabled
             .then(|| settlement_due(early, settings.settlement.catch_up_months))
             .and_then(|dates| dates.first().copied()),
+        due: due_keys(settings, at),
+    }
+}
+
+/// The keys due at `at`, as ranges, for the status statement's count of keys nobody runs.
+fn due_keys(settings: &Settings, at: DateTime<Utc>) -> DueKeys {
+    let today = calendar::local_date(at, settings.zone);
+    let range = |dates: Vec<NaiveDate>| Some((*dates.first()?, *dates.last()?));
+    DueKeys {
+        settlement: settings
+            .settlement
+            .enabled
+            .then(|| settlement_due(today, settings.settlement.catch_up_months))
+            .and_then(range),
+        accrual: settings
+            .accrual
+            .enabled
+            .then(|| accrual_due(today, settings.accrual.catch_up_days))
+            .and_then(range),
+        grace: settings.claim.lease.duration(),
     }
 }
 

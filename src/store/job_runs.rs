@@ -34,7 +34,7 @@ pub use self::{
     fence::{advance, renew, Fence, Progress},
     finish::{finish, record_lease_lost, release, Ending, Released},
     history::{history, list, prune_history, range, Attempt, JobRun, RangeKey},
-    tick::{tick_status, Action, KeyState, LateProbe, TickStatus},
+    tick::{tick_status, Action, DueKeys, KeyState, LateProbe, TickStatus, Unclaimed},
 };
 
 fn millis(d: Duration) -> i64 {

@@ -425,11 +425,12 @@ async fn the_fence_renews_the_lease_from_the_moment_it_runs(pool: PgPool) {
 async fn the_tick_s_action_and_the_claim_agree_on_every_state(pool: PgPool) {
     use fine_settler::{
         shard::ShardSpec,
-        store::job_runs::{tick_status, Action, LateProbe},
+        store::job_runs::{tick_status, Action, DueKeys, LateProbe},
     };
     let k = key("2026-10-31", 0, 1);
     let no_probe = LateProbe {
         settlement_since: None,
+        due: DueKeys::NONE,
     };
     // Late: an unsettled loan returned in the month, so that the probe finds rows left in a SUCCESS key.
     crate::helpers::insert(
@@ -439,6 +440,7 @@ async fn the_tick_s_action_and_the_claim_agree_on_every_state(pool: PgPool) {
     .await;
     let late_probe = LateProbe {
         settlement_since: Some(crate::helpers::d("2026-01-01")),
+        due: DueKeys::NONE,
     };
     let states: [(&str, &str, LateProbe, Action); 6] = [
         ("none", "", no_probe, Action::Claim),

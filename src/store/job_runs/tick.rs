@@ -1,12 +1,13 @@
 //! The tick's view of its shard: one status statement (the database clock, this shard's keys in the window and
-//! which of them have late rows, the pending charges, the pauses) and what the tick does with each key
-//! ([`Action`]).
+//! which of them have late rows, the pending charges, the pauses, and the due keys of the other shards that
+//! nobody runs) and what the tick does with each key ([`Action`]).
 
 use chrono::{DateTime, NaiveDate, Utc};
 use sqlx::PgConnection;
 
 use super::{ClaimMode, RunStatus};
 use crate::{
+    jobs::JobName,
     shard::ShardSpec,
     store::pauses::{Pause, PauseScope},
 };
@@ -93,6 +94,52 @@ pub struct LateProbe {
     /// Settlement keys from this business date on: any unsettled loan of the shard returned in the month. `None`
     /// turns the probe off (settlement is disabled).
     pub settlement_since: Option<NaiveDate>,
+    /// The keys due at the tick's time, which the statement also asks every other shard of the shard count about
+    /// (see [`Unclaimed`]).
+    pub due: DueKeys,
+}
+
+/// The business dates due at the tick's time, per job, as ranges the statement expands (`None`: the job is
+/// disabled here), and how long a key may go without a live owner before it counts as unclaimed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DueKeys {
+    /// The first and last settlement month ends due (every month end between them is).
+    pub settlement: Option<(NaiveDate, NaiveDate)>,
+    /// The first and last accrual days due (every day between them is).
+    pub accrual: Option<(NaiveDate, NaiveDate)>,
+    /// A RUNNING or FAILED row counts as unclaimed once its lease ended more than this long ago. The lease: a
+    /// shard that is run takes such a key over at its first tick after the lease ends.
+    pub grace: std::time::Duration,
+}
+
+impl DueKeys {
+    /// Asks about no key (a statement that needs only this shard's own rows).
+    pub const NONE: DueKeys = DueKeys {
+        settlement: None,
+        accrual: None,
+        grace: std::time::Duration::ZERO,
+    };
+}
+
+/// How many due keys of the other shards of this shard count nobody runs, per job: no `job_runs` row at all (a
+/// shard no replica was ever started for), or a row that is not SUCCESS whose lease ended more than the grace
+/// ago (a host down). Keys a pause covers are not counted (a pause is an operator's choice, shown by its own
+/// gauge). This replica's own shard is never counted: the tick about to run is its owner. A key that just came
+/// due is unclaimed until its shard's replica ticks: the alert waits for longer than a period.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Unclaimed {
+    pub settlement: i64,
+    pub accrual: i64,
+}
+
+impl Unclaimed {
+    /// The count for `job`.
+    pub fn of(self, job: JobName) -> i64 {
+        match job {
+            JobName::FineSettlement => self.settlement,
+            JobName::OverdueAccrual => self.accrual,
+        }
+    }
 }
 
 /// What a tick sees before it claims anything.
@@ -109,13 +156,16 @@ pub struct TickStatus {
     pub dead: i64,
     /// The pauses covering this shard, at most one per job (the whole job's before the shard's own).
     pub pauses: Vec<Pause>,
+    /// The due keys of the other shards nobody runs.
+    pub unclaimed: Unclaimed,
 }
 
 /// Everything a tick needs to know before it claims anything, in one statement: the database clock, this
 /// shard's `job_runs` rows for business dates from `since` on — each SUCCESS settlement key in `late`'s window
 /// with whether rows of it are still to do — how many of its pending charges are due, and the pauses that cover
-/// the shard (`job_pauses`, a table of a few rows, aggregated into arrays on the one first row). An idle tick
-/// costs exactly this one round trip.
+/// the shard (`job_pauses`, a table of a few rows, aggregated into arrays on the one first row), and how many due
+/// keys of the other shards nobody runs ([`Unclaimed`]: the due keys × the other shards, each a primary-key probe
+/// of `job_runs`). An idle tick costs exactly this one round trip.
 ///
 /// The settlement probe is the predicate [`crate::store::loans::month_has_unsettled`] asks for one key (and the
 /// one the batches select); it reads the partial index of unsettled loans by return date: a settled month has no
@@ -132,6 +182,10 @@ pub async fn tick_status(
     crate::store::ReadOnlyServer::check(first.in_recovery, first.read_only)?;
     let (now, due_pending, pending, dead) = (first.now, first.due_pending, first.pending, first.dead);
     let pauses = first.pauses(shard);
+    let unclaimed = Unclaimed {
+        settlement: first.unclaimed_settlement,
+        accrual: first.unclaimed_accrual,
+    };
     Ok(TickStatus {
         now,
         keys: rows.into_iter().filter_map(StatusRow::key_state).collect(),
@@ -139,6 +193,7 @@ pub async fn tick_status(
         pending,
         dead,
         pauses,
+        unclaimed,
     })
 }
 
@@ -157,6 +212,8 @@ struct StatusRow {
     paused_by: Vec<String>,
     paused_reasons: Vec<String>,
     paused_since: Vec<DateTime<Utc>>,
+    unclaimed_settlement: i64,
+    unclaimed_accrual: i64,
     job_name: Option<String>,
     business_date: Option<NaiveDate>,
     status: Option<RunStatus>,
@@ -221,6 +278,7 @@ async fn status_rows(
                   t.in_recovery as "in_recovery!", t.read_only as "read_only!",
                   pz.jobs as "paused_jobs!", pz.shards as "paused_shards!", pz.bys as "paused_by!",
                   pz.reasons as "paused_reasons!", pz.since as "paused_since!",
+                  uc.settlement as "unclaimed_settlement!", uc.accrual as "unclaimed_accrual!",
                   r.job_name as "job_name?", r.business_date as "business_date?",
                   r.status as "status?: RunStatus", r.owner as "owner?", (r.lease_until < t.now) as "expired?",
                   (r.status = 'SUCCESS' and r.job_name = 'fine-settlement' and r.business_date >= $4::date
@@ -246,6 +304,24 @@ async fn status_rows(
                               coalesce(array_agg(p.paused_at order by p.job_name, p.shards), '{}') as since
                        from job_pauses p
                        where (p.shards = 0 and p.shard = 0) or (p.shards = $1::int and p.shard = $2::int)) pz
+           cross join (select count(*) filter (where k.job = 'fine-settlement') as settlement,
+                              count(*) filter (where k.job = 'overdue-accrual') as accrual
+                       from (select 'fine-settlement'::text as job, (m + interval '1 month - 1 day')::date as day
+                             from generate_series(date_trunc('month', $5::date), $6::date, interval '1 month') m
+                             union all
+                             select 'overdue-accrual'::text, a::date
+                             from generate_series($7::date, $8::date, interval '1 day') a) k
+                       cross join generate_series(0, $1::int - 1) s(shard)
+                       where s.shard <> $2::int
+                         and not exists (
+                             select 1 from job_runs o
+                             where o.job_name = k.job and o.business_date = k.day
+                               and o.shards = $1::int and o.shard = s.shard
+                               and (o.status = 'SUCCESS' or o.lease_until >= now() - $9::bigint * interval '1 millisecond'))
+                         and not exists (
+                             select 1 from job_pauses p
+                             where p.job_name = k.job
+                               and ((p.shards = 0 and p.shard = 0) or (p.shards = $1::int and p.shard = s.shard)))) uc
            left join job_runs r
              on r.shards = $1::int and r.shard = $2::int
             and r.business_date >= $3"#,
@@ -254,6 +330,12 @@ async fn status_rows(
         since,
         // A disabled probe asks from a date no key has, so that its subqueries are never evaluated.
         late.settlement_since.unwrap_or(NaiveDate::MAX),
+        // A disabled job's range is null: its series is empty.
+        late.due.settlement.map(|(first, _)| first),
+        late.due.settlement.map(|(_, last)| last),
+        late.due.accrual.map(|(first, _)| first),
+        late.due.accrual.map(|(_, last)| last),
+        i64::try_from(late.due.grace.as_millis()).unwrap_or(i64::MAX),
     )
     .fetch_all(&mut *conn)
     .await

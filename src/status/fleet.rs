@@ -1,0 +1,47 @@
+//! The fleet in the status grid: every shard of this replica's shard count is a column, whether or not any
+//! replica ever wrote a row for it, and a due key nobody runs is marked `unclaimed` — by the rule the tick's
+//! status statement counts for `fine_settler_keys_unclaimed` (see `store::job_runs::Unclaimed`): a key of
+//! another shard of this shard count in the catch-up window with no row, or with a row that is not SUCCESS whose
+//! lease ended more than the grace (the lease) ago, and that no pause covers. This replica's own shard is never
+//! unclaimed: it runs it.
+
+use std::time::Duration;
+
+use super::{JobStatus, KeyStatus, ShardColumn};
+use crate::{shard::ShardSpec, store::job_runs::RunStatus, store::pauses::Pause};
+
+/// Every shard `0..shards` of `own`'s shard count, as grid columns.
+pub(super) fn every_shard(own: ShardSpec) -> impl Iterator<Item = ShardColumn> {
+    (0..own.shards()).map(move |shard| ShardColumn {
+        shards: own.shards(),
+        shard,
+    })
+}
+
+/// Marks the job's unclaimed cells and lists their shards (`unclaimed_shards`), for a replica running `own`.
+pub(super) fn mark(job: &mut JobStatus, own: ShardSpec, grace: Duration, pauses: &[Pause]) {
+    let name = job.job.as_str();
+    for cell in &mut job.keys {
+        let paused = pauses.iter().any(|p| {
+            p.job_name == name
+                && ShardSpec::new(cell.shard.into(), cell.shards.into()).is_ok_and(|s| p.scope.covers(s))
+        });
+        cell.unclaimed = job.enabled && !paused && unclaimed(own, grace, cell);
+    }
+    let mut shards: Vec<i32> = job.keys.iter().filter(|k| k.unclaimed).map(|k| k.shard).collect();
+    shards.sort_unstable();
+    shards.dedup();
+    job.unclaimed_shards = shards;
+}
+
+/// Whether `cell` is a key nobody runs (see the module's rule; pauses aside).
+fn unclaimed(own: ShardSpec, grace: Duration, cell: &KeyStatus) -> bool {
+    let another_of_mine = cell.shards == own.shards() && cell.shard != own.shard();
+    cell.in_window
+        && another_of_mine
+        && match cell.status {
+            None => true,
+            Some(RunStatus::Success) => false,
+            Some(_) => cell.lease_left_s.is_some_and(|left| left < -grace.as_secs_f64()),
+        }
+}
