@@ -15,6 +15,7 @@ mod deploy;
 mod docs;
 mod failover;
 mod fencing;
+mod fleet;
 mod helpers;
 mod ledger;
 mod lifecycle;
