@@ -256,7 +256,8 @@ pub struct KeyStatus {
     /// Not SUCCESS, and older than the window: nothing runs it by itself any more.
     pub abandoned: bool,
     /// A due key of another shard of this replica's shard count that nobody runs: no row, or not SUCCESS with a
-    /// lease that ended more than the lease ago; not paused (see [`fleet`]).
+    /// lease that ended more than the lease ago; not paused; of a date this replica's own shard has a row of (see
+    /// [`fleet`]).
     pub unclaimed: bool,
 }
 
@@ -713,7 +714,7 @@ mod tests {
         assert!(!s.jobs[1].enabled && s.jobs[1].keys.is_empty());
     }
 
-    /// Shard 0 of 3: shard 1 has a live key and a key whose lease ended long ago (a host down), shard 2 no row at
+    /// Shard 0 of 3: shard 1 has a live key and keys whose lease ended long ago (a host down), shard 2 no row at
     /// all (nobody runs it).
     #[test]
     fn every_shard_of_the_count_is_a_column_and_keys_nobody_runs_are_unclaimed() {
@@ -734,7 +735,10 @@ mod tests {
         let keys = vec![
             of("2026-11-30", 0, RunStatus::Success, 0.0),
             of("2026-11-30", 1, RunStatus::Running, 30.0),
+            of("2026-10-31", 0, RunStatus::Success, 0.0),
             of("2026-10-31", 1, RunStatus::Running, -3600.0),
+            // This shard has no row of the month: it has not claimed it yet, so neither is anyone else's missing.
+            of("2026-09-30", 1, RunStatus::Running, -3600.0),
         ];
         let now = "2026-12-01T04:00:00Z".parse().expect("time");
         let rows = rows::StatusRows {
@@ -766,8 +770,6 @@ mod tests {
                 ("2026-11-30".into(), 2),
                 ("2026-10-31".into(), 1),
                 ("2026-10-31".into(), 2),
-                ("2026-09-30".into(), 1),
-                ("2026-09-30".into(), 2),
             ],
             "shard 0 is this replica's own: never unclaimed"
         );

@@ -2,8 +2,9 @@
 //! replica ever wrote a row for it, and a due key nobody runs is marked `unclaimed` — by the rule the tick's
 //! status statement counts for `fine_settler_keys_unclaimed` (see `store::job_runs::Unclaimed`): a key of
 //! another shard of this shard count in the catch-up window with no row, or with a row that is not SUCCESS whose
-//! lease ended more than the grace (the lease) ago, and that no pause covers. This replica's own shard is never
-//! unclaimed: it runs it.
+//! lease ended more than the grace (the lease) ago, that no pause covers, on a business date this replica's own
+//! shard has a row of. This replica's own shard is never unclaimed: it runs it. (The metric also waits a grace
+//! after its own claim; the page, a snapshot an operator reads, does not.)
 
 use std::time::Duration;
 
@@ -21,12 +22,21 @@ pub(super) fn every_shard(own: ShardSpec) -> impl Iterator<Item = ShardColumn> {
 /// Marks the job's unclaimed cells and lists their shards (`unclaimed_shards`), for a replica running `own`.
 pub(super) fn mark(job: &mut JobStatus, own: ShardSpec, grace: Duration, pauses: &[Pause]) {
     let name = job.job.as_str();
+    let claimed_here: Vec<_> = job
+        .keys
+        .iter()
+        .filter(|k| k.shards == own.shards() && k.shard == own.shard() && k.status.is_some())
+        .map(|k| k.business_date)
+        .collect();
     for cell in &mut job.keys {
         let paused = pauses.iter().any(|p| {
             p.job_name == name
                 && ShardSpec::new(cell.shard.into(), cell.shards.into()).is_ok_and(|s| p.scope.covers(s))
         });
-        cell.unclaimed = job.enabled && !paused && unclaimed(own, grace, cell);
+        cell.unclaimed = job.enabled
+            && !paused
+            && claimed_here.contains(&cell.business_date)
+            && unclaimed(own, grace, cell);
     }
     let mut shards: Vec<i32> = job.keys.iter().filter(|k| k.unclaimed).map(|k| k.shard).collect();
     shards.sort_unstable();

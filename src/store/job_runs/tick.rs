@@ -124,8 +124,12 @@ impl DueKeys {
 /// How many due keys of the other shards of this shard count nobody runs, per job: no `job_runs` row at all (a
 /// shard no replica was ever started for), or a row that is not SUCCESS whose lease ended more than the grace
 /// ago (a host down). Keys a pause covers are not counted (a pause is an operator's choice, shown by its own
-/// gauge). This replica's own shard is never counted: the tick about to run is its owner. A key that just came
-/// due is unclaimed until its shard's replica ticks: the alert waits for longer than a period.
+/// gauge). This replica's own shard is never counted: the tick about to run is its owner.
+///
+/// A key counts only once this replica's own shard claimed it more than the grace ago (or claimed it again
+/// since): replicas tick at the same moments (the fixed-rate grid, the cron times), so at the tick a key comes
+/// due its peers' rows are being written while this statement reads. A replica whose own shard has no row of a
+/// key (paused, or its first tick) counts nothing for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Unclaimed {
     pub settlement: i64,
@@ -313,6 +317,13 @@ async fn status_rows(
                              from generate_series($7::date, $8::date, interval '1 day') a) k
                        cross join generate_series(0, $1::int - 1) s(shard)
                        where s.shard <> $2::int
+                         -- Due long enough: this shard claimed the key at an earlier tick (a grace ago, or it was
+                         -- claimed again since), so every replica that runs has had a tick to claim its own.
+                         and exists (
+                             select 1 from job_runs m
+                             where m.job_name = k.job and m.business_date = k.day
+                               and m.shards = $1::int and m.shard = $2::int
+                               and (m.epoch > 1 or m.started_at < now() - $9::bigint * interval '1 millisecond'))
                          and not exists (
                              select 1 from job_runs o
                              where o.job_name = k.job and o.business_date = k.day
