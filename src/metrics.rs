@@ -807,10 +807,12 @@ mod tests {
         );
         let text = m.render();
         assert_eq!(names_in(&text), m.series_names(), "{text}");
-        assert_eq!(m.families.len(), 27);
+        assert_eq!(m.families.len(), 28);
         assert!(text.contains("result=\"takeover\""), "{text}");
         assert!(text.contains("fine_settler_lease_lost_total{job=\"fine-settlement\",shard=\"0/1\"} 1"));
         assert!(text.contains("fine_settler_paused{job=\"fine-settlement\",shard=\"0/1\"} 1"));
+        assert!(text.contains("fine_settler_keys_unclaimed{job=\"fine-settlement\",shard=\"0/1\"} 2"));
+        assert!(text.contains("fine_settler_keys_unclaimed{job=\"overdue-accrual\",shard=\"0/1\"} 0"));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! A shard nobody runs, seen from the replicas that do run: three shards, replicas for shards 0 and 1 only. Both
 //! replicas count shard 2's due key in `fine_settler_keys_unclaimed` and list it on `/status.json`, until a row
-//! of it appears.
+//! of it appears. And the status statement's rule, row by row: a lease that ended within the grace, a pause, and
+//! a key this shard has only just claimed are not counted.
 
 use serde_json::Value;
 use sqlx::PgPool;
@@ -131,4 +132,67 @@ async fn the_due_key_of_a_shard_nobody_runs_is_counted_and_listed(pool: PgPool) 
     for r in replicas {
         stop(r).await;
     }
+}
+
+/// Runs `sql` (a fixture) on `pool`.
+async fn exec(pool: &PgPool, sql: &str) {
+    sqlx::query(sql).execute(pool).await.expect(sql);
+}
+
+#[sqlx::test]
+async fn the_status_statement_counts_keys_without_a_live_owner_beyond_the_grace(pool: PgPool) {
+    use fine_settler::{
+        shard::ShardSpec,
+        store::job_runs::{tick_status, DueKeys, LateProbe},
+    };
+    let month = crate::helpers::d("2026-10-31");
+    let probe = LateProbe {
+        settlement_since: None,
+        due: DueKeys {
+            settlement: Some((month, month)),
+            accrual: None,
+            grace: Duration::from_secs(120),
+        },
+    };
+    let shard0 = ShardSpec::new(0, 3).expect("shard");
+    let count = || async {
+        let mut conn = pool.acquire().await.expect("connection");
+        let status = tick_status(&mut conn, shard0, crate::helpers::d("2026-01-01"), probe)
+            .await
+            .expect("status");
+        (status.unclaimed.settlement, status.unclaimed.accrual)
+    };
+    let row = |shard: i32, status: &str, epoch: i32, started: &str, lease: &str| {
+        format!(
+            "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, started_at, lease_until)
+             values ('fine-settlement', '2026-10-31', 3, {shard}, '{status}', 'o{shard}', {epoch},
+                     now() - interval '{started}', now() - interval '{lease}')"
+        )
+    };
+    // This shard claimed the month just now: its peers may be claiming theirs at the same moment.
+    exec(&pool, &row(0, "SUCCESS", 1, "1 second", "0 seconds")).await;
+    exec(&pool, &row(1, "RUNNING", 1, "1 hour", "1 hour")).await;
+    assert_eq!(count().await, (0, 0));
+    // Claimed an hour ago: shard 1's lease ended an hour ago (a host down), shard 2 has no row.
+    exec(
+        &pool,
+        "update job_runs set started_at = now() - interval '1 hour' where shard = 0",
+    )
+    .await;
+    assert_eq!(count().await, (2, 0));
+    // A lease that ended within the grace is a replica between two ticks, not a host down.
+    exec(
+        &pool,
+        "update job_runs set lease_until = now() - interval '30 seconds' where shard = 1",
+    )
+    .await;
+    assert_eq!(count().await, (1, 0));
+    // A pause of shard 2 is the operator's choice, shown by its own gauge.
+    exec(
+        &pool,
+        "insert into job_pauses (job_name, shards, shard, paused_by, reason)
+         values ('fine-settlement', 3, 2, 'ops', 'test')",
+    )
+    .await;
+    assert_eq!(count().await, (0, 0));
 }
