@@ -248,6 +248,9 @@ pub struct KeyStatus {
     pub owner: Option<String>,
     /// Seconds of lease left, by the database clock.
     pub lease_left_s: Option<f64>,
+    /// Seconds since the lease ended, by the database clock (what tells a host down; not in the JSON).
+    #[serde(skip)]
+    pub lease_ended_s: Option<f64>,
     /// RUNNING keys only.
     pub progress: Option<Progress>,
     pub last_error: Option<String>,
@@ -376,6 +379,7 @@ fn job_status(
                     epoch: Some(k.epoch),
                     owner: Some(k.owner.clone()),
                     lease_left_s: Some(k.lease_left_s),
+                    lease_ended_s: Some(k.lease_ended_s),
                     progress: (k.status == RunStatus::Running).then_some(Progress {
                         scanned: k.scanned,
                         updated: k.updated,
@@ -395,6 +399,7 @@ fn job_status(
                     epoch: None,
                     owner: None,
                     lease_left_s: None,
+                    lease_ended_s: None,
                     progress: None,
                     last_error: None,
                     in_window: true,
@@ -621,6 +626,7 @@ mod tests {
             owner: owner.into(),
             epoch: 2,
             lease_left_s: 41.4,
+            lease_ended_s: 0.0,
             scanned: 30,
             updated: 28,
             to_do: Some(70),
@@ -726,10 +732,12 @@ mod tests {
         let settings = crate::config::load(None, &env)
             .and_then(|raw| raw.validate(&env))
             .expect("valid");
-        let of = |date: &str, shard: i32, status: RunStatus, lease_left_s: f64| KeyRow {
+        // `lease`: seconds left (positive) or since it ended (negative), as the statement reads them.
+        let of = |date: &str, shard: i32, status: RunStatus, lease: f64| KeyRow {
             shards: 3,
             shard,
-            lease_left_s,
+            lease_left_s: lease.max(0.0),
+            lease_ended_s: (-lease).max(0.0),
             ..row(date, status, "a", None)
         };
         let keys = vec![

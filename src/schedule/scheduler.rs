@@ -183,13 +183,17 @@ impl Scheduler {
         }
     }
 
-    /// Re-bases the schedule on the wall clock's new time `now` after it stepped by `step`: slots counted on the old
-    /// time are forgotten, so the next slot of the new time runs (within one period), whichever way it stepped.
-    /// Fixed-delay waits its delay from the step.
+    /// Re-bases the schedule on the wall clock's new time `now` after it stepped by `step`. Back: the slots counted
+    /// on the old time are forgotten (they lie in the future now), so the next slot of the new time runs within
+    /// one period, and fixed-delay waits its delay from the step. Ahead (or a suspend): the slots the step crossed
+    /// are due, so the tick runs at once, merging them (or re-basing past `max_catch_up`) — a forward step must
+    /// not skip the slot it jumped over (a daily cron stepped past 02:30 would otherwise run a day late).
     fn rebase_after(&mut self, step: chrono::Duration, now: DateTime<Utc>) {
         self.stats.clock_steps += 1;
-        self.guard.forget();
-        self.last_end = now;
+        if step < chrono::Duration::zero() {
+            self.guard.forget();
+            self.last_end = now;
+        }
         self.stepped = true;
         tracing::warn!(
             step_ms = step.num_milliseconds(),
@@ -322,6 +326,38 @@ mod tests {
                 assert!(!next.rebased, "{mode:?}, step {by}: re-based once: {next:?}");
                 assert_eq!(s.stats().clock_steps, n as u64 + 1, "{mode:?}");
             }
+        }
+    }
+
+    /// A forward step (an NTP correction of a slow clock, a VM resumed) across a slot runs that slot at once: an
+    /// hourly schedule stepped from 10:50 to 11:10, or a daily cron stepped past its time, does not wait for the
+    /// next slot of the new time.
+    #[tokio::test(start_paused = true)]
+    async fn a_forward_step_across_a_slot_runs_it_at_once() {
+        let modes = [
+            ScheduleMode::FixedRate(Duration::from_secs(3_600)),
+            ScheduleMode::Cron(Box::new(
+                std::str::FromStr::from_str("0 0 * * * *").expect("hourly"),
+            )),
+        ];
+        for mode in modes {
+            let wall = TokioWall::new(origin());
+            let shared: Arc<dyn WallClock> = Arc::new(wall.clone());
+            let mut s = Scheduler::new(Schedule::new(mode.clone(), chrono_tz::UTC), 3, shared, true);
+            let (notify, cancel) = (Notify::new(), CancellationToken::new());
+            s.next(&notify, &cancel).await.expect("startup tick");
+            s.finished();
+            tokio::time::sleep(Duration::from_secs(50 * 60)).await;
+            wall.step(chrono::Duration::minutes(20));
+            let stepped_at = tokio::time::Instant::now();
+            let tick = s.next(&notify, &cancel).await.expect("tick");
+            assert!(
+                stepped_at.elapsed() <= Duration::from_secs(1),
+                "{mode:?}: the 11:00 slot ran {:?} after the step",
+                stepped_at.elapsed()
+            );
+            assert_eq!(tick.slot, s.schedule.slot_of(wall.now()), "{mode:?}");
+            assert_eq!(s.stats().clock_steps, 1, "{mode:?}");
         }
     }
 

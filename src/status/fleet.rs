@@ -52,6 +52,8 @@ fn unclaimed(own: ShardSpec, grace: Duration, cell: &KeyStatus) -> bool {
         && match cell.status {
             None => true,
             Some(RunStatus::Success) => false,
-            Some(_) => cell.lease_left_s.is_some_and(|left| left < -grace.as_secs_f64()),
+            Some(_) => cell
+                .lease_ended_s
+                .is_some_and(|ended| ended > grace.as_secs_f64()),
         }
 }

@@ -19,6 +19,8 @@ pub struct KeyRow {
     pub epoch: i64,
     /// Seconds of lease left by the database clock (0 when it has run out or the key is finished).
     pub lease_left_s: f64,
+    /// Seconds since the lease ended by the database clock (0 while it lasts).
+    pub lease_ended_s: f64,
     pub scanned: i64,
     pub updated: i64,
     /// RUNNING keys only: the rows the run has still to do after its cursor, by the predicate its batches select
@@ -61,6 +63,7 @@ pub async fn keys(pool: &Db, since: NaiveDate, policy: AccrualPolicy) -> Result<
                   r.job_name as "job_name?", r.business_date as "business_date?", r.shards as "shards?",
                   r.shard as "shard?", r.status as "status?: RunStatus", r.owner as "owner?", r.epoch as "epoch?",
                   greatest(0, extract(epoch from r.lease_until - t.now))::float8 as "lease_left_s?",
+                  greatest(0, extract(epoch from t.now - r.lease_until))::float8 as "lease_ended_s?",
                   r.scanned as "scanned?", r.updated as "updated?", r.last_error,
                   case when r.status = 'RUNNING' and r.job_name = 'fine-settlement' then
                            (select count(*) from loans l
@@ -110,6 +113,7 @@ pub async fn keys(pool: &Db, since: NaiveDate, policy: AccrualPolicy) -> Result<
                 owner: r.owner?,
                 epoch: r.epoch?,
                 lease_left_s: r.lease_left_s?,
+                lease_ended_s: r.lease_ended_s?,
                 scanned: r.scanned?,
                 updated: r.updated?,
                 to_do: r.to_do,

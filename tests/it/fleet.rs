@@ -29,7 +29,7 @@ async fn settlement_status(port: u16) -> Value {
     status["jobs"][0].clone()
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_due_key_of_a_shard_nobody_runs_is_counted_and_listed(pool: PgPool) {
     let month = due_now(&pool, 1).await[0];
     let returned = (month - chrono::Duration::days(1)).to_string();
@@ -110,15 +110,43 @@ async fn the_due_key_of_a_shard_nobody_runs_is_counted_and_listed(pool: PgPool) 
             .expect("count");
     assert_eq!(unsettled, 10, "shard 2's loans wait for a replica");
 
-    // A replica of shard 2 ran it once (its row is SUCCESS): nothing is unclaimed any more.
+    // A replica of shard 2 claimed it an hour ago and its host died mid-run: still nobody runs it, and the page
+    // says so (the lease ended long ago).
     sqlx::query(
-        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
-         values ('fine-settlement', $1, 3, 2, 'SUCCESS', 'shard-2', 1, now())",
+        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, started_at, lease_until)
+         values ('fine-settlement', $1, 3, 2, 'RUNNING', 'shard-2', 1, now() - interval '1 hour',
+                 now() - interval '1 hour')",
     )
     .bind(month)
     .execute(&pool)
     .await
     .expect("shard 2's row");
+    for port in ports {
+        wait_until(
+            "the key of a host down listed",
+            Duration::from_secs(10),
+            || async {
+                let settlement = settlement_status(port).await;
+                let running = settlement["keys"].as_array().is_some_and(|keys| {
+                    keys.iter().any(|k| {
+                        k["shards"] == 3
+                            && k["shard"] == 2
+                            && k["status"] == "RUNNING"
+                            && k["unclaimed"] == true
+                    })
+                });
+                running && settlement["unclaimed_shards"] == serde_json::json!([2])
+            },
+        )
+        .await;
+        assert_eq!(unclaimed(port, "fine-settlement").await, Some(1.0));
+    }
+
+    // A replica of shard 2 ran it (its row is SUCCESS): nothing is unclaimed any more.
+    sqlx::query("update job_runs set status = 'SUCCESS', lease_until = now() where shards = 3 and shard = 2")
+        .execute(&pool)
+        .await
+        .expect("shard 2's run");
     for port in ports {
         wait_until("the metric back at 0", Duration::from_secs(10), || async {
             unclaimed(port, "fine-settlement").await == Some(0.0)
@@ -139,7 +167,7 @@ async fn exec(pool: &PgPool, sql: &str) {
     sqlx::query(sql).execute(pool).await.expect(sql);
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_status_statement_counts_keys_without_a_live_owner_beyond_the_grace(pool: PgPool) {
     use fine_settler::{
         shard::ShardSpec,

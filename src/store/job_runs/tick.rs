@@ -319,16 +319,19 @@ async fn status_rows(
                        where s.shard <> $2::int
                          -- Due long enough: this shard claimed the key at an earlier tick (a grace ago, or it was
                          -- claimed again since), so every replica that runs has had a tick to claim its own.
-                         and exists (
-                             select 1 from job_runs m
-                             where m.job_name = k.job and m.business_date = k.day
-                               and m.shards = $1::int and m.shard = $2::int
-                               and (m.epoch > 1 or m.started_at < now() - $9::bigint * interval '1 millisecond'))
-                         and not exists (
-                             select 1 from job_runs o
-                             where o.job_name = k.job and o.business_date = k.day
-                               and o.shards = $1::int and o.shard = s.shard
-                               and (o.status = 'SUCCESS' or o.lease_until >= now() - $9::bigint * interval '1 millisecond'))
+                         -- (Scalar probes with `limit 1`, not `exists`: with the series' sizes unknown in the
+                         -- generic plan, `exists` was planned as hash joins over the whole of job_runs.)
+                         and (select true from job_runs m
+                              where m.job_name = k.job and m.business_date = k.day
+                                and m.shards = $1::int and m.shard = $2::int
+                                and (m.epoch > 1 or m.started_at < now() - $9::bigint * interval '1 millisecond')
+                              limit 1)
+                         and (select true from job_runs o
+                              where o.job_name = k.job and o.business_date = k.day
+                                and o.shards = $1::int and o.shard = s.shard
+                                and (o.status = 'SUCCESS'
+                                     or o.lease_until >= now() - $9::bigint * interval '1 millisecond')
+                              limit 1) is null
                          and not exists (
                              select 1 from job_pauses p
                              where p.job_name = k.job
