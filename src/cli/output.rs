@@ -115,9 +115,10 @@ pub fn runs_table(rows: &[store::job_runs::JobRun]) -> String {
 /// `verify`'s report: one JSON object with `--json`, else text.
 pub fn print_audit(business_date: NaiveDate, month: (NaiveDate, NaiveDate), audit: &MonthAudit, json: bool) {
     let violations = audit.violations();
+    let notes = audit.notes();
     if json {
-        let out =
-            serde_json::json!({"business_date": business_date, "audit": audit, "violations": violations});
+        let out = serde_json::json!({"business_date": business_date, "audit": audit, "violations": violations,
+                                     "notes": notes});
         println!("{out}");
         return;
     }
@@ -135,9 +136,13 @@ pub fn print_audit(business_date: NaiveDate, month: (NaiveDate, NaiveDate), audi
     );
     println!("  over-accrued loans  {}", audit.over_accrued);
     println!("  non-finite dates    {}", audit.not_finite);
+    println!("  unknown classes     {} loans", audit.loans_without_class_policy);
     println!("  violations          {}", violations.len());
     for v in &violations {
         println!("    - {v}");
+    }
+    for n in &notes {
+        println!("  note: {n}");
     }
 }
 

@@ -249,6 +249,11 @@ impl Daemon {
             tracing::info!("replica stopped before it was ready; it held no key");
             return;
         }
+        // An empty fine_policies (a database migrated before the rules moved into it, or by other means) gets
+        // this deployment's first `default` policy, as `migrate` gives it; a failure is retried by the next start.
+        if let Err(e) = store::policies::seed_default_by(&self.pool, &self.settings.fine, "run").await {
+            tracing::warn!(error = %e, "could not check that fine_policies has a policy");
+        }
         // A lag limit this role cannot read is said once, now (and asked again at the first batch if this fails).
         if let Err(e) = self.throttle.prepare(&self.pool).await {
             tracing::debug!(error = %e, "could not ask whether standbys' positions are readable");

@@ -12,11 +12,7 @@ use super::{
 use crate::{
     config::{Settings, TimeSource},
     schedule::due::{self, Due},
-    store::{
-        self,
-        corrections::{self, Pricing},
-        Session,
-    },
+    store::{self, corrections, Session},
 };
 
 /// What a tick at `at` would do (default: now, by the configured clock), one line per due key, as `plan`
@@ -49,13 +45,11 @@ pub async fn plan(settings: &Settings, at: Option<DateTime<Utc>>) -> Result<Vec<
     };
     // The accrual days a re-check would re-open, asked without clearing anything.
     if let Some((first, last)) = recheck::window(settings, now) {
-        let pricing = Pricing::from(&settings.fine);
         let found = corrections::recheck(
             &pool,
             settings.instance,
             first,
             last,
-            pricing,
             CHANGES_PER_RECHECK,
             false,
             Duration::ZERO,

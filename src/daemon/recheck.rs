@@ -18,7 +18,7 @@ use crate::{
     jobs::JobName,
     schedule::due,
     store::{
-        corrections::{self, Pricing, Recheck},
+        corrections::{self, Recheck},
         job_runs::{KeyState, RunStatus},
         StoreError,
     },
@@ -85,10 +85,9 @@ pub fn mark_late(keys: &mut [KeyState], days: &BTreeSet<NaiveDate>) {
     }
 }
 
-/// The accrual window a re-check at `now` covers: the catch-up window's days (`None` with accrual disabled or a
-/// rate of 0, where nothing is ever charged).
+/// The accrual window a re-check at `now` covers: the catch-up window's days (`None` with accrual disabled).
 pub fn window(settings: &crate::config::Settings, now: DateTime<Utc>) -> Option<(NaiveDate, NaiveDate)> {
-    if !settings.accrual.enabled || settings.fine.daily_rate().get() == 0 {
+    if !settings.accrual.enabled {
         return None;
     }
     let days = due::accrual_due(
@@ -109,13 +108,11 @@ impl Daemon {
             return;
         }
         let timeout = self.settings.claim.lease.batch_timeout();
-        let pricing = Pricing::from(&self.settings.fine);
         let asked = corrections::recheck(
             &self.pool,
             self.settings.instance,
             first,
             last,
-            pricing,
             self.rechecks.limit,
             true,
             timeout,

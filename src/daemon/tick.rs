@@ -198,11 +198,8 @@ impl Daemon {
                 business_date: due.business_date,
                 shard,
             };
-            let settlement = Settlement {
-                policy: self.settings.fine,
-            };
             self.runner(self.settings.settlement.batch_size)
-                .run_as(&settlement, key, mode)
+                .run_as(&Settlement, key, mode)
                 .await
         }
     }

@@ -1,8 +1,9 @@
 //! Daily overdue accrual: for each loan of the shard owed day D, one ledger row `(loan, D, amount)` whose amount
-//! is the day's canonical amount — a function of the loan and the policy alone
-//! ([`crate::fine::FinePolicy::day_amount`]): the earliest owed days the rate, the day that reaches the cap the
-//! remainder, nothing after — so any order of runs leaves the ledger one sequential run leaves. With the same
-//! policy, a returned loan's net equals the fine the month-end settlement sets.
+//! is the day's canonical amount — a function of the loan, its policy (the version of its class in force on its
+//! due date, `fine_policies`) and the closed days alone ([`crate::policy::Policy::day_amount`]): the earliest
+//! chargeable days the rate, the day that reaches the cap the remainder, nothing after, nothing for a closed day —
+//! so any order of runs leaves the ledger one sequential run leaves. A returned loan's net equals the fine the
+//! month-end settlement sets.
 //!
 //! When a charged day is no longer owed as charged (a return back-dated before it, a due date moved), the run of
 //! that day appends a correction ([`crate::store::corrections`]) in the same fenced batch transaction; a ledger
@@ -40,18 +41,16 @@ use super::{
 };
 use crate::{
     backoff::Backoff,
-    fine::FinePolicy,
     shard::ShardSpec,
     store::{
-        corrections::{self, Pricing},
+        corrections,
         ledger::{self, Charged, Clamp, Overdue, Pending, Scope},
     },
 };
 
-/// The accrual job under one fine policy.
+/// The accrual job. Its amounts come from the database's fine rules (`fine_policies`, `library_closed_days`).
 #[derive(Debug, Clone, Copy)]
 pub struct Accrual {
-    pub policy: FinePolicy,
     /// When a failed charge is retried: after its n-th failure, `backoff.delay(n)`.
     pub backoff: Backoff,
     /// Statement timeout of each charge while a failed batch is isolated row by row.
@@ -75,7 +74,6 @@ impl Accrual {
     /// The job as configured.
     pub fn from_settings(settings: &crate::config::Settings) -> Self {
         Accrual {
-            policy: settings.fine,
             backoff: Backoff::new(settings.accrual.retry_backoff, settings.accrual.retry_backoff_max),
             // Short enough that isolating a whole batch of locked rows stays inside the batch timeout.
             row_timeout: (settings.claim.lease.batch_timeout() / 20)
@@ -91,12 +89,8 @@ impl Accrual {
         Accrual { scope, ..self }
     }
 
-    fn pricing(&self) -> Pricing {
-        Pricing::from(&self.policy)
-    }
-
-    /// One charge, under its own savepoint of `tx`: lock the loans (with a cap, unless the caller holds their
-    /// locks already: a batch takes them all once), write, check deferred constraints. `Ok(Err(e))`: the
+    /// One charge, under its own savepoint of `tx`: lock the loans (when some policy has a cap, unless the
+    /// caller holds their locks already: a batch takes them all once), write, check deferred constraints. `Ok(Err(e))`: the
     /// database rejected it, and the savepoint was rolled back.
     async fn try_charge(
         &self,
@@ -108,10 +102,10 @@ impl Accrual {
     ) -> Result<Result<Charged, sqlx::Error>, sqlx::Error> {
         let mut sp = tx.begin().await?;
         let attempt = async {
-            if locks == Locks::Take && self.policy.cap().is_some() {
+            if locks == Locks::Take {
                 ledger::lock_loans(&mut sp, ids).await?;
             }
-            let written = ledger::charge(&mut sp, day, ids, self.pricing(), clamp).await?;
+            let written = ledger::charge(&mut sp, day, ids, clamp).await?;
             ledger::check_deferred_now(&mut sp).await?;
             Ok::<_, sqlx::Error>(written)
         }
@@ -147,10 +141,7 @@ impl BatchJob for Accrual {
     type Batch = Vec<Overdue>;
 
     async fn late(&self, pool: &Db, key: &RunKey) -> Result<bool, JobError> {
-        if self.policy.daily_rate().get() == 0 {
-            return Ok(false);
-        }
-        Ok(ledger::day_has_work(pool, key.business_date, key.shard, self.pricing()).await?)
+        Ok(ledger::day_has_work(pool, key.business_date, key.shard).await?)
     }
 
     fn extent(batch: &Vec<Overdue>) -> (i64, i64) {
@@ -164,16 +155,8 @@ impl BatchJob for Accrual {
         from_id: i64,
         limit: i64,
     ) -> Result<Option<Vec<Overdue>>, JobError> {
-        let rows = ledger::overdue_batch(
-            pool,
-            key.business_date,
-            key.shard,
-            self.pricing(),
-            self.scope,
-            from_id,
-            limit,
-        )
-        .await?;
+        let rows =
+            ledger::overdue_batch(pool, key.business_date, key.shard, self.scope, from_id, limit).await?;
         Ok((!rows.is_empty()).then_some(rows))
     }
 
@@ -185,17 +168,13 @@ impl BatchJob for Accrual {
         rows: &Vec<Overdue>,
     ) -> Result<Written, JobError> {
         let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-        // One day per batch: a loan gets either a correction (the day is charged) or a charge (it is not). With a
-        // cap, every loan's lock is taken first, in the one lock order, and held to the batch's end; a loan whose
-        // day does not fit under the cap is held back, and written once its other days are relieved.
-        let clamp = if self.policy.cap().is_some() {
-            ledger::lock_loans(tx, &ids).await?;
-            Clamp::Hold
-        } else {
-            Clamp::Cut
-        };
-        let (mut corrected, mut held) =
-            corrections::correct(tx, key, epoch, &ids, self.pricing(), clamp).await?;
+        // One day per batch: a loan gets either a correction (the day is charged) or a charge (it is not). When
+        // some policy has a cap, every loan's lock is taken first, in the one lock order, and held to the batch's
+        // end; a loan whose day does not fit under its cap is held back, and written once its other days are
+        // relieved (a loan without a cap is never held back).
+        ledger::lock_loans(tx, &ids).await?;
+        let clamp = Clamp::Hold;
+        let (mut corrected, mut held) = corrections::correct(tx, key, epoch, &ids, clamp).await?;
         let charged = self.charge_batch(tx, key.business_date, ids, clamp).await?;
         held.extend(charged.held);
         let relieved = if held.is_empty() {
@@ -224,8 +203,8 @@ impl Accrual {
     ) -> Result<Written, JobError> {
         held.sort_unstable();
         held.dedup();
-        let mut corrected = corrections::relieve(tx, key, epoch, &held, self.pricing()).await?;
-        let (again, _) = corrections::correct(tx, key, epoch, &held, self.pricing(), Clamp::Cut).await?;
+        let mut corrected = corrections::relieve(tx, key, epoch, &held).await?;
+        let (again, _) = corrections::correct(tx, key, epoch, &held, Clamp::Cut).await?;
         corrected.add(&again);
         let charged = self.charge_batch(tx, key.business_date, held, Clamp::Cut).await?;
         Ok(Written {
@@ -243,10 +222,6 @@ impl Accrual {
         ids: Vec<i64>,
         clamp: Clamp,
     ) -> Result<Charged, JobError> {
-        let rate = self.policy.daily_rate().get();
-        if rate == 0 {
-            return Ok(Charged::default());
-        }
         let started = tokio::time::Instant::now();
         match self.try_charge(tx, day, &ids, Locks::Held, clamp).await? {
             Ok(charged) => return Ok(charged),
@@ -275,7 +250,7 @@ impl Accrual {
                 "not tried: isolating a rejected batch ran out of time; the compensation pass retries it"
                     .into()
             };
-            ledger::enqueue(tx, id, day, rate, &error, delay).await?;
+            ledger::enqueue(tx, id, day, &error, delay).await?;
             queued += 1;
             tracing::warn!(loan_id = id, accrual_date = %day, error = %error, "charge failed; queued for compensation");
         }

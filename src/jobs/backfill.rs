@@ -331,9 +331,7 @@ pub(super) enum Job {
 impl Job {
     pub(super) fn of(settings: &Settings, name: JobName) -> Self {
         match name {
-            JobName::FineSettlement => Job::Settlement(Settlement {
-                policy: settings.fine,
-            }),
+            JobName::FineSettlement => Job::Settlement(Settlement),
             JobName::OverdueAccrual => Job::Accrual(Accrual::from_settings(settings)),
         }
     }
@@ -367,10 +365,7 @@ impl Job {
                 let month = calendar::settlement_month(key.business_date)?;
                 Ok((loans::count_unsettled(pool, month, key.shard, from_id).await?, 0))
             }
-            Job::Accrual(j) => {
-                let pricing = crate::store::corrections::Pricing::from(&j.policy);
-                Ok(ledger::count_work(pool, key.business_date, key.shard, pricing, from_id).await?)
-            }
+            Job::Accrual(_) => Ok(ledger::count_work(pool, key.business_date, key.shard, from_id).await?),
         }
     }
 }

@@ -74,6 +74,10 @@ async fn one_shot_runner(
             tracing::error!(error = %e, "cannot connect to the database");
             e.to_string()
         })?;
+    if let Err(e) = store::policies::seed_default_by(&pool, &settings.fine, key.job.as_str()).await {
+        pool.close().await;
+        return Err(e.to_string());
+    }
     Ok(
         Runner::new(pool, process_owner(), &settings.claim, batch_size, shutdown)
             .with_throttle(super::throttle::Throttle::new(settings.throttle.clone())),
@@ -165,9 +169,7 @@ pub async fn settle(settings: &Settings, key: RunKey, options: Options) -> Resul
         Err(NotAdmitted::Refused(refused)) => return Err(refused),
         Err(NotAdmitted::Error(e)) => return Ok(not_started(key, started, e)),
     };
-    let settlement = Settlement {
-        policy: settings.fine,
-    };
+    let settlement = Settlement;
     let bar = bar_for(settings, &runner, key, options.bars).await;
     let runner = match &bar {
         Some(bar) => runner.with_progress(bar.rows_hook()),
@@ -319,6 +321,7 @@ pub async fn retry_pending(
     bars: bool,
     shutdown: CancellationToken,
 ) -> Result<RetryReport, StoreError> {
+    store::policies::seed_default_by(pool, &settings.fine, "pending retry").await?;
     let resurrected = if dead {
         store::ledger::resurrect(pool).await?
     } else {

@@ -1,5 +1,6 @@
-//! Month-end fine settlement: for each loan returned in the business month, set `fine_cents` from the fine
-//! policy and stamp `fine_settled_at`. The business date is the month's last day. A loan whose due date is not
+//! Month-end fine settlement: for each loan returned in the business month, set `fine_cents` from its fine
+//! policy in the database (the version of its class in force on its due date, over its chargeable days) and
+//! stamp `fine_settled_at`. The business date is the month's last day. A loan whose due date is not
 //! a finite date is left out (see [`crate::store::loans`]) and reported by `verify`.
 
 use sqlx::{Connection, PgConnection};
@@ -12,18 +13,15 @@ use super::{
 };
 use crate::{
     calendar,
-    fine::FinePolicy,
     store::{
         self,
         loans::{self, SettleBatch},
     },
 };
 
-/// The settlement job under one fine policy.
-#[derive(Debug, Clone, Copy)]
-pub struct Settlement {
-    pub policy: FinePolicy,
-}
+/// The settlement job. Its fines come from the database's fine rules (`fine_policies`, `library_closed_days`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Settlement;
 
 impl BatchJob for Settlement {
     type Batch = SettleBatch;
@@ -65,14 +63,14 @@ impl BatchJob for Settlement {
     ) -> Result<Written, JobError> {
         let month = calendar::settlement_month(key.business_date)?;
         let mut range = tx.begin().await?;
-        match loans::settle_range(&mut range, month, key.shard, batch, &self.policy).await {
+        match loans::settle_range(&mut range, month, key.shard, batch).await {
             Ok(updated) => {
                 range.commit().await?;
                 Ok(Written::rows(updated))
             }
             Err(e) if store::lock_not_available(&e) => {
                 range.rollback().await?;
-                let updated = loans::settle_unlocked(tx, month, key.shard, batch, &self.policy).await?;
+                let updated = loans::settle_unlocked(tx, month, key.shard, batch).await?;
                 tracing::warn!(
                     from_id = batch.from_id,
                     to_id = batch.last_id,

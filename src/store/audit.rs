@@ -4,8 +4,6 @@
 use crate::store::Db;
 use chrono::NaiveDate;
 
-use crate::fine::FinePolicy;
-
 /// What `verify` found for one business month.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct MonthAudit {
@@ -37,19 +35,27 @@ pub struct MonthAudit {
     pub not_finite: i64,
     /// The first of them by id, at most [`NOT_FINITE_SHOWN`].
     pub not_finite_ids: Vec<i64>,
+    /// Loans returned in the month (finite due date) that no policy governs — not even the `default` class's
+    /// (a `fine_policies` emptied by hand): neither job can price them.
+    pub without_policy: i64,
+    /// Loans returned in the month whose `fine_class` has no policy version for their due date: priced by the
+    /// `default` class's, as the rules say — counted so that a class libraryd misspells shows.
+    pub loans_without_class_policy: i64,
+    /// Those classes, in order, at most [`UNKNOWN_CLASSES_SHOWN`].
+    pub classes_without_policy: Vec<String>,
 }
+
+/// How many class names [`MonthAudit::unknown_classes`] lists at most.
+pub const UNKNOWN_CLASSES_SHOWN: usize = 20;
 
 /// How many loan ids [`MonthAudit::not_finite_ids`] lists at most.
 pub const NOT_FINITE_SHOWN: usize = 20;
 
-/// Audits the loans returned in `[first, last]` against `policy`. The expected fine is computed by the database
-/// (`least` ignores a null cap), a second implementation of the policy that the Rust code does not share.
-pub async fn month(
-    pool: &Db,
-    (first, last): (NaiveDate, NaiveDate),
-    policy: &FinePolicy,
-) -> Result<MonthAudit, sqlx::Error> {
-    let fines = fines(pool, (first, last), policy).await?;
+/// Audits the loans returned in `[first, last]` against the fine rules in the database: each loan's expected fine
+/// is its policy's over its chargeable days (`fine_settler_policy_fine`), computed by the database from the loan
+/// as it is now, apart from what settlement wrote.
+pub async fn month(pool: &Db, (first, last): (NaiveDate, NaiveDate)) -> Result<MonthAudit, sqlx::Error> {
+    let fines = fines(pool, (first, last)).await?;
     let complete = sqlx::query_scalar!(
         r#"select shards as "shards!" from job_runs
            where job_name = 'fine-settlement' and business_date = $1
@@ -60,7 +66,7 @@ pub async fn month(
     )
     .fetch_all(pool)
     .await?;
-    let ledger = ledger(pool, (first, last), policy).await?;
+    let ledger = ledger(pool, (first, last)).await?;
     let (unsettled_not_finite, mut not_finite_ids) = unsettled_not_finite(pool).await?;
     // Disjoint sets (settled, not settled): their counts add up, and the first ids of both are the first ids.
     not_finite_ids.extend(&fines.settled_not_finite);
@@ -79,6 +85,9 @@ pub async fn month(
         over_accrued: ledger.over_accrued,
         not_finite: unsettled_not_finite + fines.settled_not_finite.len() as i64,
         not_finite_ids,
+        without_policy: fines.without_policy,
+        loans_without_class_policy: fines.unknown_class,
+        classes_without_policy: fines.unknown_classes,
     })
 }
 
@@ -92,40 +101,44 @@ struct Fines {
     /// The month's settled loans whose due date is not finite (settled before the rule, or their due date
     /// changed since): their fine cannot be checked.
     settled_not_finite: Vec<i64>,
+    without_policy: i64,
+    unknown_class: i64,
+    unknown_classes: Vec<String>,
 }
 
 /// The loans returned in the month with a finite due date; those without one are counted apart (no fine can be
 /// computed for them: `returned_on - due_on` would fail the statement), the settled ones listed here, in the same
 /// pass over the month, and the others by [`unsettled_not_finite`].
-async fn fines(
-    pool: &Db,
-    (first, last): (NaiveDate, NaiveDate),
-    policy: &FinePolicy,
-) -> Result<Fines, sqlx::Error> {
+async fn fines(pool: &Db, (first, last): (NaiveDate, NaiveDate)) -> Result<Fines, sqlx::Error> {
     let row = sqlx::query!(
         r#"with l as (
-               select id, fine_cents, fine_settled_at, isfinite(due_on) as finite,
-                      case when isfinite(due_on)
-                           then least(nullif($3::bigint, 0),
-                                      greatest(0, returned_on - due_on - $4::bigint) * $5::bigint)
-                      end as expected
-               from loans
-               where returned_on between $1 and $2
+               select l.id, l.fine_cents, l.fine_settled_at, isfinite(l.due_on) as finite,
+                      case when isfinite(l.due_on) then f.fine_cents end as expected,
+                      l.fine_class is not null and p.fine_class is distinct from l.fine_class as unknown_class,
+                      l.fine_class
+               from loans l
+               left join lateral fine_settler_policy_of(l.fine_class, l.due_on) p on true
+               left join lateral fine_settler_policy_fine(l.due_on, l.returned_on, p.daily_rate_cents,
+                                                          p.grace_days, p.cap_cents, p.charge_closed_days) f on true
+               where l.returned_on between $1 and $2
            )
            select count(*) filter (where finite) as "returned!",
                   count(fine_settled_at) filter (where finite) as "settled!",
-                  count(*) filter (where fine_settled_at is not null and fine_cents <> expected) as "wrong_fine!",
+                  count(*) filter (where fine_settled_at is not null and fine_cents is distinct from expected)
+                      as "wrong_fine!",
                   coalesce(sum(fine_cents) filter (where fine_settled_at is not null and finite), 0)::bigint
                       as "total_cents!",
                   coalesce(sum(expected), 0)::bigint as "expected_cents!",
                   coalesce(array_agg(id order by id) filter (where fine_settled_at is not null and not finite),
-                           '{}') as "settled_not_finite!"
+                           '{}') as "settled_not_finite!",
+                  count(*) filter (where finite and expected is null) as "without_policy!",
+                  count(*) filter (where unknown_class) as "unknown_class!",
+                  coalesce((array_agg(distinct fine_class) filter (where unknown_class))[1:$3], '{}')
+                      as "unknown_classes!"
            from l"#,
         first,
         last,
-        policy.cap().map_or(0, |c| c.get()),
-        policy.grace_days(),
-        policy.daily_rate().get(),
+        UNKNOWN_CLASSES_SHOWN as i32,
     )
     .fetch_one(pool)
     .await?;
@@ -136,6 +149,9 @@ async fn fines(
         total_cents: row.total_cents,
         expected_cents: row.expected_cents,
         settled_not_finite: row.settled_not_finite,
+        without_policy: row.without_policy,
+        unknown_class: row.unknown_class,
+        unknown_classes: row.unknown_classes,
     })
 }
 
@@ -151,29 +167,27 @@ struct Reconciled {
 /// whose every owed day was accrued (an accrual key of the day SUCCESS for the loan's shard, under some shard
 /// count) must have a net total equal to its fine. Loans with a non-finite due date are left out (see
 /// [`fines`]).
-async fn ledger(
-    pool: &Db,
-    (first, last): (NaiveDate, NaiveDate),
-    policy: &FinePolicy,
-) -> Result<Reconciled, sqlx::Error> {
+async fn ledger(pool: &Db, (first, last): (NaiveDate, NaiveDate)) -> Result<Reconciled, sqlx::Error> {
     let row = sqlx::query!(
         r#"with r as (
-               select l.id, l.fine_cents, l.fine_settled_at, l.due_on, l.returned_on,
+               select l.id, l.fine_cents, l.fine_settled_at, l.due_on, l.returned_on, p.grace_days,
                       coalesce((select sum(n.net_cents) from fine_ledger_net n where n.loan_id = l.id), 0)::bigint
                           as net,
                       (select count(*) from fine_ledger_net n
-                       where n.loan_id = l.id
-                         and n.net_cents > fine_settler_day_amount(l.due_on, l.returned_on, n.accrual_date,
-                                                                   $5, $4, $3)) as over
+                       cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, n.accrual_date,
+                                                                         p.daily_rate_cents, p.grace_days,
+                                                                         p.cap_cents, p.charge_closed_days) a
+                       where n.loan_id = l.id and n.net_cents > a.amount_cents) as over
                from loans l
+               cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
                where l.returned_on between $1 and $2 and isfinite(l.due_on)
            ), covered as (
                select r.* from r
-               where r.fine_settled_at is not null and r.returned_on - r.due_on > $4::int
+               where r.fine_settled_at is not null and r.returned_on - r.due_on > r.grace_days
                  and not exists (
                      -- The owed days, newest first, as offsets back from the return (no date arithmetic that
                      -- could leave the date range on extreme loans).
-                     select 1 from generate_series(0, r.returned_on - r.due_on - $4::int - 1) k
+                     select 1 from generate_series(0, r.returned_on - r.due_on - r.grace_days - 1) k
                      where not exists (select 1 from job_runs j
                                        where j.job_name = 'overdue-accrual' and j.business_date = r.returned_on - k
                                          and j.status = 'SUCCESS'
@@ -184,9 +198,6 @@ async fn ledger(
                   (select count(*) from r where over > 0) as "over_accrued!""#,
         first,
         last,
-        policy.cap().map_or(0, |c| c.get()),
-        i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
-        policy.daily_rate().get(),
     )
     .fetch_one(pool)
     .await?;
@@ -221,6 +232,26 @@ async fn unsettled_not_finite(pool: &Db) -> Result<(i64, Vec<i64>), sqlx::Error>
 }
 
 impl MonthAudit {
+    /// Human-readable findings that are not violations: a class with no policy is priced by `default`, as the
+    /// rules say, but is most likely a misspelling in libraryd.
+    pub fn notes(&self) -> Vec<String> {
+        let mut n = Vec::new();
+        if self.loans_without_class_policy > 0 {
+            let more = if self.classes_without_policy.len() >= UNKNOWN_CLASSES_SHOWN {
+                ", …"
+            } else {
+                ""
+            };
+            n.push(format!(
+                "{} loans returned in the month have a fine_class with no policy for their due date, so the \
+                 `default` policy priced them: {}{more}",
+                self.loans_without_class_policy,
+                self.classes_without_policy.join(", ")
+            ));
+        }
+        n
+    }
+
     /// Human-readable violations; empty when the month is correct.
     pub fn violations(&self) -> Vec<String> {
         let mut v = Vec::new();
@@ -260,6 +291,13 @@ impl MonthAudit {
                  (fix the dates in libraryd): loans {}{more}",
                 self.not_finite,
                 ids.join(", ")
+            ));
+        }
+        if self.without_policy > 0 {
+            v.push(format!(
+                "{} loans returned in the month have no fine policy at all (fine_policies has no `default` \
+                 version for their due date): run `fine-settler migrate`",
+                self.without_policy
             ));
         }
         if self.returned > 0 && self.complete_shard_counts.is_empty() {

@@ -13,30 +13,10 @@ use chrono::NaiveDate;
 use sqlx::PgConnection;
 
 use crate::{
-    fine::FinePolicy,
     jobs::RunKey,
     shard::ShardSpec,
     store::{ledger::Clamp, Db},
 };
-
-/// A policy as the SQL statements take it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Pricing {
-    pub rate: i64,
-    pub grace: i32,
-    /// 0 = no cap.
-    pub cap: i64,
-}
-
-impl From<&FinePolicy> for Pricing {
-    fn from(p: &FinePolicy) -> Self {
-        Pricing {
-            rate: p.daily_rate().get(),
-            grace: i32::try_from(p.grace_days()).unwrap_or(i32::MAX),
-            cap: p.cap().map_or(0, |c| c.get()),
-        }
-    }
-}
 
 /// Why a correction was written. The names are those of the `reason` column and of the metric's label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
@@ -46,6 +26,9 @@ pub enum Reason {
     Returned,
     /// The day is no longer after the due date and its grace period (the due date moved later).
     DueDateMoved,
+    /// The library is closed that day (closed after it was charged), and the loan's policy does not charge
+    /// closed days.
+    ClosedDay,
     /// The day is still owed but its amount changed: the day that reaches the cap moved (a due date moved
     /// earlier, or the day was charged less than owed while other days were being corrected).
     Cap,
@@ -56,9 +39,10 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 5] = [
+    pub const ALL: [Reason; 6] = [
         Reason::Returned,
         Reason::DueDateMoved,
+        Reason::ClosedDay,
         Reason::Cap,
         Reason::Reinstated,
         Reason::Canonical,
@@ -68,6 +52,7 @@ impl Reason {
         match self {
             Reason::Returned => "returned",
             Reason::DueDateMoved => "due-date-moved",
+            Reason::ClosedDay => "closed-day",
             Reason::Cap => "cap",
             Reason::Reinstated => "reinstated",
             Reason::Canonical => "canonical",
@@ -118,15 +103,15 @@ pub async fn correct(
     key: &RunKey,
     epoch: i64,
     ids: &[i64],
-    pricing: Pricing,
     clamp: Clamp,
 ) -> Result<(Corrected, Vec<i64>), sqlx::Error> {
     let row = sqlx::query!(
         r#"with w as (
-               select f.loan_id, n.seq, l.due_on, l.returned_on, a.target, n.net, f.charged_at,
-                      case when a.target <= n.net or $5::bigint = 0 then a.target - n.net
-                           else least(a.target - n.net,
-                                      $5::bigint
+               select f.loan_id, n.seq, l.due_on, l.returned_on, p.grace_days, p.charge_closed_days,
+                      a.amount_cents as target, n.net, f.charged_at,
+                      case when a.amount_cents <= n.net or p.cap_cents = 0 then a.amount_cents - n.net
+                           else least(a.amount_cents - n.net,
+                                      p.cap_cents
                                       - coalesce((select sum(x.amount_cents) from fine_ledger x
                                                   where x.loan_id = f.loan_id), 0)
                                       - coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
@@ -134,8 +119,10 @@ pub async fn correct(
                       end as delta
                from fine_ledger f
                join loans l on l.id = f.loan_id
-               cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $3, $4, $5)
-                                          as target) a
+               cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+               cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $1, p.daily_rate_cents,
+                                                                 p.grace_days, p.cap_cents,
+                                                                 p.charge_closed_days) a
                cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net,
                                           coalesce(max(c.seq), 0) + 1 as seq
                                    from fine_ledger_corrections c
@@ -147,23 +134,20 @@ pub async fn correct(
                insert into fine_ledger_corrections (loan_id, accrual_date, seq, amount_cents, reason,
                                                     job_name, business_date, shards, shard, epoch)
                select w.loan_id, $1, w.seq, w.delta,
-                      fine_settler_correction_reason(w.due_on, w.returned_on, $1, $4, w.target, w.net, w.seq,
-                                                     w.charged_at),
-                      $6, $1, $7, $8, $9
+                      fine_settler_correction_reason(w.due_on, w.returned_on, $1, w.grace_days,
+                                                     w.charge_closed_days, w.target, w.net, w.seq, w.charged_at),
+                      $3, $1, $4, $5, $6
                from w
                where w.target < w.net
-                  or (w.target > w.net and w.delta > 0 and (not $10 or w.delta = w.target - w.net))
+                  or (w.target > w.net and w.delta > 0 and (not $7 or w.delta = w.target - w.net))
                on conflict on constraint fine_ledger_corrections_pkey do nothing
                returning reason
            )
            select coalesce((select array_agg(x.reason) from written x), '{}') as "reasons!",
                   coalesce((select array_agg(w.loan_id order by w.loan_id) from w
-                            where $10 and w.target > w.net and w.delta < w.target - w.net), '{}') as "held!""#,
+                            where $7 and w.target > w.net and w.delta < w.target - w.net), '{}') as "held!""#,
         key.business_date,
         ids,
-        pricing.rate,
-        pricing.grace,
-        pricing.cap,
         key.job.as_str(),
         key.shard.shards(),
         key.shard.shard(),
@@ -191,47 +175,49 @@ pub async fn relieve(
     key: &RunKey,
     epoch: i64,
     ids: &[i64],
-    pricing: Pricing,
 ) -> Result<Corrected, sqlx::Error> {
     let reasons = sqlx::query_scalar!(
         r#"insert into fine_ledger_corrections (loan_id, accrual_date, seq, amount_cents, reason,
                                                 job_name, business_date, shards, shard, epoch)
-           select w.loan_id, w.accrual_date, w.seq, w.delta, w.reason, $6, $1, $7, $8, $9
-           from (select f.loan_id, f.accrual_date, n.seq, a.target - n.net as delta,
-                        fine_settler_correction_reason(l.due_on, l.returned_on, f.accrual_date, $4, a.target,
-                                                       n.net, n.seq, f.charged_at) as reason
-                 from (select l.id, l.due_on, l.returned_on from loans l
-                       cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $3, $4, $5)
-                                                  as target) a
-                       where l.id = any($2::bigint[]) and a.target > 0
+           select w.loan_id, w.accrual_date, w.seq, w.delta, w.reason, $3, $1, $4, $5, $6
+           from (select f.loan_id, f.accrual_date, n.seq, a.amount_cents - n.net as delta,
+                        fine_settler_correction_reason(l.due_on, l.returned_on, f.accrual_date, l.grace_days,
+                                                       l.charge_closed_days, a.amount_cents, n.net, n.seq,
+                                                       f.charged_at) as reason
+                 from (select l.id, l.due_on, l.returned_on, p.daily_rate_cents, p.grace_days, p.cap_cents,
+                              p.charge_closed_days
+                       from loans l
+                       cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+                       cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $1,
+                                                                         p.daily_rate_cents, p.grace_days,
+                                                                         p.cap_cents, p.charge_closed_days) a
+                       where l.id = any($2::bigint[]) and a.amount_cents > 0 and p.cap_cents > 0
                          and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
                          -- what the loan holds, plus what the day still owes, is over the cap
                          and coalesce((select sum(x.amount_cents) from fine_ledger x where x.loan_id = l.id), 0)
                            + coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
                                        where y.loan_id = l.id), 0)
-                           + greatest(a.target
+                           + greatest(a.amount_cents
                                       - coalesce((select sum(x.amount_cents) from fine_ledger x
                                                   where x.loan_id = l.id and x.accrual_date = $1), 0)
                                       - coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
                                                   where y.loan_id = l.id and y.accrual_date = $1), 0), 0)
-                           > $5::bigint
+                           > p.cap_cents
                        offset 0) l
                  join fine_ledger f on f.loan_id = l.id and f.accrual_date <> $1
-                 cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, f.accrual_date,
-                                                                    $3, $4, $5) as target) a
+                 cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, f.accrual_date,
+                                                                   l.daily_rate_cents, l.grace_days, l.cap_cents,
+                                                                   l.charge_closed_days) a
                  cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net,
                                             coalesce(max(c.seq), 0) + 1 as seq
                                      from fine_ledger_corrections c
                                      where c.loan_id = f.loan_id and c.accrual_date = f.accrual_date) n
-                 where a.target < n.net
+                 where a.amount_cents < n.net
                  offset 0) w
            on conflict on constraint fine_ledger_corrections_pkey do nothing
            returning reason"#,
         key.business_date,
         ids,
-        pricing.rate,
-        pricing.grace,
-        pricing.cap,
         key.job.as_str(),
         key.shard.shards(),
         key.shard.shard(),
@@ -284,7 +270,6 @@ pub async fn recheck(
     shard: ShardSpec,
     first: NaiveDate,
     last: NaiveDate,
-    pricing: Pricing,
     limit: i64,
     clear: bool,
     settle: std::time::Duration,
@@ -295,25 +280,30 @@ pub async fn recheck(
                select c.seq, c.loan_id from fine_loan_changes c
                where fine_settler_shard_of(c.loan_id, $1) = $2
                order by c.seq
-               limit $8
+               limit $5
            ), changed as (
                select distinct loan_id from seen
            ), work as (
                select t.loan_id, d.day
                from changed t
-               cross join lateral (select l.due_on, l.returned_on from loans l where l.id = t.loan_id offset 0) l
+               cross join lateral (select l.due_on, l.returned_on, p.daily_rate_cents, p.grace_days, p.cap_cents,
+                                          p.charge_closed_days
+                                   from loans l
+                                   cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+                                   where l.id = t.loan_id offset 0) l
                cross join (select g::date as day from generate_series($3::date, $4::date, interval '1 day') g) d
-               cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, d.day, $5, $6, $7)
-                                          as target) a
+               cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, d.day,
+                                                                 l.daily_rate_cents, l.grace_days, l.cap_cents,
+                                                                 l.charge_closed_days) a
                left join fine_ledger f on f.loan_id = t.loan_id and f.accrual_date = d.day
                cross join lateral (select coalesce(f.amount_cents, 0) + coalesce(sum(c.amount_cents), 0) as net
                                    from fine_ledger_corrections c
                                    where c.loan_id = t.loan_id and c.accrual_date = d.day) n
                where $3::date <= $4::date
-                 and ((f.loan_id is null and a.target > 0
+                 and ((f.loan_id is null and a.amount_cents > 0
                        and not exists (select 1 from fine_pending p
                                        where p.loan_id = t.loan_id and p.accrual_date = d.day))
-                   or (f.loan_id is not null and a.target <> n.net
+                   or (f.loan_id is not null and a.amount_cents <> n.net
                        and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)))
            ), dirty as (
                select distinct loan_id from work
@@ -325,19 +315,19 @@ pub async fn recheck(
                -- Found as owed by an earlier re-check long enough ago (`settle`), and again now.
                delete from fine_loan_changes c
                using seen s
-               where $9 and c.seq = s.seq and not exists (select 1 from dirty x where x.loan_id = s.loan_id)
-                 and c.cleared_at < now() - $10 * interval '1 millisecond'
+               where $6 and c.seq = s.seq and not exists (select 1 from dirty x where x.loan_id = s.loan_id)
+                 and c.cleared_at < now() - $7 * interval '1 millisecond'
                returning c.seq
            ), marked as (
                update fine_loan_changes c set cleared_at = now()
                from seen s
-               where $9 and c.seq = s.seq and not exists (select 1 from dirty x where x.loan_id = s.loan_id)
+               where $6 and c.seq = s.seq and not exists (select 1 from dirty x where x.loan_id = s.loan_id)
                  and c.cleared_at is null
                returning c.seq
            ), unmarked as (
                update fine_loan_changes c set cleared_at = null
                from seen s
-               where $9 and c.seq = s.seq and exists (select 1 from dirty x where x.loan_id = s.loan_id)
+               where $6 and c.seq = s.seq and exists (select 1 from dirty x where x.loan_id = s.loan_id)
                  and c.cleared_at is not null
                returning c.seq
            )
@@ -347,14 +337,11 @@ pub async fn recheck(
                   coalesce((select array_agg(o.loan_id order by o.loan_id) from orphaned o), '{}') as "orphaned!",
                   (select count(*) from cleared) as "cleared!",
                   (select count(*) from marked) + (select count(*) from unmarked) as "marked!",
-                  (select count(*) from seen) >= $8 as "more!""#,
+                  (select count(*) from seen) >= $5 as "more!""#,
         shard.shards(),
         shard.shard(),
         first,
         last,
-        pricing.rate,
-        pricing.grace,
-        pricing.cap,
         limit,
         clear,
         settle_ms,

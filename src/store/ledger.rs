@@ -5,7 +5,7 @@ use sqlx::PgConnection;
 
 use crate::store::Db;
 
-use crate::{shard::ShardSpec, store::corrections::Pricing};
+use crate::shard::ShardSpec;
 
 /// A loan with work on the accrual day: a charge to write, or a correction.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,14 +40,13 @@ pub async fn overdue_batch(
     pool: &Db,
     day: NaiveDate,
     shard: ShardSpec,
-    pricing: Pricing,
     scope: Scope,
     from_id: i64,
     limit: i64,
 ) -> Result<Vec<Overdue>, sqlx::Error> {
     match scope {
-        Scope::Full => full_batch(pool, day, shard, pricing, from_id, limit).await,
-        Scope::Changed => changed_batch(pool, day, shard, pricing, from_id, limit).await,
+        Scope::Full => full_batch(pool, day, shard, from_id, limit).await,
+        Scope::Changed => changed_batch(pool, day, shard, from_id, limit).await,
     }
 }
 
@@ -55,7 +54,6 @@ async fn full_batch(
     pool: &Db,
     day: NaiveDate,
     shard: ShardSpec,
-    pricing: Pricing,
     from_id: i64,
     limit: i64,
 ) -> Result<Vec<Overdue>, sqlx::Error> {
@@ -63,40 +61,43 @@ async fn full_batch(
         Overdue,
         r#"select u.id as "id!" from (
                (select l.id from loans l
+                cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+                cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $4, p.daily_rate_cents,
+                                                                  p.grace_days, p.cap_cents,
+                                                                  p.charge_closed_days) a
                 where l.id >= $1 and fine_settler_shard_of(l.id, $2) = $3
-                  and l.due_on < $5::date - $4::int
-                  and (l.returned_on is null or l.returned_on >= $5)
-                  and fine_settler_day_amount(l.due_on, l.returned_on, $5, $6, $4, $7) > 0
+                  and l.due_on < $4::date
+                  and (l.returned_on is null or l.returned_on >= $4)
+                  and a.amount_cents > 0
                   and not exists (select 1 from fine_ledger f
-                                  where f.loan_id = l.id and f.accrual_date = $5 offset 0)
-                  and not exists (select 1 from fine_pending p
-                                  where p.loan_id = l.id and p.accrual_date = $5 offset 0)
+                                  where f.loan_id = l.id and f.accrual_date = $4 offset 0)
+                  and not exists (select 1 from fine_pending q
+                                  where q.loan_id = l.id and q.accrual_date = $4 offset 0)
                 order by l.id
-                limit $8)
+                limit $5)
                union all
                (select f.loan_id
                 from fine_ledger f
                 join loans l on l.id = f.loan_id
-                cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $5, $6, $4, $7)
-                                           as target) a
+                cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+                cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $4, p.daily_rate_cents,
+                                                                  p.grace_days, p.cap_cents,
+                                                                  p.charge_closed_days) a
                 cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net
                                     from fine_ledger_corrections c
-                                    where c.loan_id = f.loan_id and c.accrual_date = $5) n
-                where f.accrual_date = $5 and (f.accrual_date, f.loan_id) >= ($5, $1)
+                                    where c.loan_id = f.loan_id and c.accrual_date = $4) n
+                where f.accrual_date = $4 and (f.accrual_date, f.loan_id) >= ($4, $1)
                   and fine_settler_shard_of(f.loan_id, $2) = $3
-                  and a.target <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
+                  and a.amount_cents <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
                 order by f.accrual_date, f.loan_id
-                limit $8)
+                limit $5)
            ) u
            order by u.id
-           limit $8"#,
+           limit $5"#,
         from_id,
         shard.shards(),
         shard.shard(),
-        pricing.grace,
         day,
-        pricing.rate,
-        pricing.cap,
         limit,
     )
     .fetch_all(pool)
@@ -107,7 +108,6 @@ async fn changed_batch(
     pool: &Db,
     day: NaiveDate,
     shard: ShardSpec,
-    pricing: Pricing,
     from_id: i64,
     limit: i64,
 ) -> Result<Vec<Overdue>, sqlx::Error> {
@@ -117,25 +117,23 @@ async fn changed_batch(
            from (select distinct c.loan_id from fine_loan_changes c
                  where c.loan_id >= $1 and fine_settler_shard_of(c.loan_id, $2) = $3) ch
            join loans l on l.id = ch.loan_id
-           cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $5, $6, $4, $7)
-                                      as target) a
-           left join fine_ledger f on f.loan_id = l.id and f.accrual_date = $5
+           cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+           cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $4, p.daily_rate_cents,
+                                                             p.grace_days, p.cap_cents, p.charge_closed_days) a
+           left join fine_ledger f on f.loan_id = l.id and f.accrual_date = $4
            cross join lateral (select coalesce(f.amount_cents, 0) + coalesce(sum(c.amount_cents), 0) as net
                                from fine_ledger_corrections c
-                               where c.loan_id = l.id and c.accrual_date = $5) n
-           where (f.loan_id is null and a.target > 0
-                  and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $5))
-              or (f.loan_id is not null and a.target <> n.net
+                               where c.loan_id = l.id and c.accrual_date = $4) n
+           where (f.loan_id is null and a.amount_cents > 0
+                  and not exists (select 1 from fine_pending q where q.loan_id = l.id and q.accrual_date = $4))
+              or (f.loan_id is not null and a.amount_cents <> n.net
                   and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true))
            order by l.id
-           limit $8"#,
+           limit $5"#,
         from_id,
         shard.shards(),
         shard.shard(),
-        pricing.grace,
         day,
-        pricing.rate,
-        pricing.cap,
         limit,
     )
     .fetch_all(pool)
@@ -152,41 +150,43 @@ pub async fn count_work(
     pool: &Db,
     day: NaiveDate,
     shard: ShardSpec,
-    pricing: Pricing,
     from_id: i64,
 ) -> Result<(i64, i64), sqlx::Error> {
     let row = sqlx::query!(
         r#"select
              (select count(*)
               from (select l.id from loans l
+                    cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+                    cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $4,
+                                                                      p.daily_rate_cents, p.grace_days, p.cap_cents,
+                                                                      p.charge_closed_days) a
                     where l.id >= $1 and fine_settler_shard_of(l.id, $2) = $3
-                      and l.due_on < $5::date - $4::int
-                      and (l.returned_on is null or l.returned_on >= $5)
-                      and fine_settler_day_amount(l.due_on, l.returned_on, $5, $6, $4, $7) > 0
+                      and l.due_on < $4::date
+                      and (l.returned_on is null or l.returned_on >= $4)
+                      and a.amount_cents > 0
                       and not exists (select 1 from fine_ledger f
-                                      where f.loan_id = l.id and f.accrual_date = $5 offset 0)
-                      and not exists (select 1 from fine_pending p
-                                      where p.loan_id = l.id and p.accrual_date = $5 offset 0)
+                                      where f.loan_id = l.id and f.accrual_date = $4 offset 0)
+                      and not exists (select 1 from fine_pending q
+                                      where q.loan_id = l.id and q.accrual_date = $4 offset 0)
                     offset 0) c) as "charges!",
              (select count(*)
               from fine_ledger f
               join loans l on l.id = f.loan_id
-              cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $5, $6, $4, $7)
-                                         as target) a
+              cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+              cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $4, p.daily_rate_cents,
+                                                                p.grace_days, p.cap_cents,
+                                                                p.charge_closed_days) a
               cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net
                                   from fine_ledger_corrections c
-                                  where c.loan_id = f.loan_id and c.accrual_date = $5) n
-              where f.accrual_date = $5 and (f.accrual_date, f.loan_id) >= ($5, $1)
+                                  where c.loan_id = f.loan_id and c.accrual_date = $4) n
+              where f.accrual_date = $4 and (f.accrual_date, f.loan_id) >= ($4, $1)
                 and fine_settler_shard_of(f.loan_id, $2) = $3
-                and a.target <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true))
+                and a.amount_cents <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true))
              as "corrections!""#,
         from_id,
         shard.shards(),
         shard.shard(),
-        pricing.grace,
         day,
-        pricing.rate,
-        pricing.cap,
     )
     .fetch_one(pool)
     .await?;
@@ -198,15 +198,19 @@ pub async fn count_work(
 const LOAN_LOCK_SPACE: i32 = 0x6673_4c64;
 
 /// Locks each loan of `ids` for the rest of the transaction, in one fixed order (that of the lock keys), so that
-/// two transactions locking overlapping sets cannot deadlock. Every charge takes this lock before it reads what
-/// the loan has accrued: charges for different days never meet on the ledger's key, and without it two runs (a
-/// second replica of the shard, a manual `accrue`, `pending retry`, the overlap of two shard counts) would each
-/// read the same total and together charge past the cap. Waits at most the transaction's `lock_timeout`.
+/// two transactions locking overlapping sets cannot deadlock — when some policy has a cap (the locks guard the
+/// cap's sums; with no cap anywhere there is nothing to guard, and the statement takes none). Every charge takes
+/// this lock before it reads what the loan has accrued: charges for different days never meet on the ledger's
+/// key, and without it two runs (a second replica of the shard, a manual `accrue`, `pending retry`, the overlap
+/// of two shard counts) would each read the same total and together charge past the cap. Waits at most the
+/// transaction's `lock_timeout`. (A policy with a cap added meanwhile governs only loans falling due after today,
+/// none of which any run charges yet.)
 pub async fn lock_loans(tx: &mut PgConnection, ids: &[i64]) -> Result<(), sqlx::Error> {
     sqlx::query_scalar!(
         r#"select count(*) as "locked!" from (
                select pg_advisory_xact_lock($1::int, k.key)
                from (select distinct hashint8(b.id) as key from unnest($2::bigint[]) as b (id) order by 1) k
+               where exists (select 1 from fine_policies c where c.cap_cents > 0)
            ) locks"#,
         LOAN_LOCK_SPACE,
         ids,
@@ -241,53 +245,51 @@ pub struct Charged {
     pub held: Vec<i64>,
 }
 
-/// Charges each loan of `ids` for `day` its canonical amount (`fine_settler_day_amount`, by the loans row as it
-/// is now: nothing if the day is not owed) when it fits under the cap; one that does not is held back or cut
-/// (`clamp`). While a loan's ledger is canonical every amount fits (canonical amounts add up to at most the cap).
-/// The cap's remainder is read here, so call [`lock_loans`] first in the same transaction when there is a cap. A
-/// day already charged is skipped. (The `offset 0` fence computes each amount once: inlined, the cap's two sums
-/// were taken twice per loan, for the filter and for the row.)
+/// Charges each loan of `ids` for `day` its canonical amount under its policy (`fine_settler_policy_day_amount`,
+/// by the loans row as it is now: nothing if the day is not owed) when it fits under the policy's cap; one that
+/// does not is held back or cut (`clamp`). While a loan's ledger is canonical every amount fits (canonical
+/// amounts add up to at most the cap). The cap's remainder is read here, so call [`lock_loans`] first in the
+/// same transaction. A day already charged is skipped. (The `offset 0` fence computes each amount once:
+/// inlined, the cap's two sums were taken twice per loan, for the filter and for the row.)
 pub async fn charge(
     tx: &mut PgConnection,
     day: NaiveDate,
     ids: &[i64],
-    pricing: Pricing,
     clamp: Clamp,
 ) -> Result<Charged, sqlx::Error> {
     let row = sqlx::query!(
         r#"with c as (
-               select l.id, a.target,
-                      case when $4::bigint = 0 then a.target
-                           else least(a.target,
-                                      $4::bigint
+               select l.id, a.amount_cents as target,
+                      case when p.cap_cents = 0 then a.amount_cents
+                           else least(a.amount_cents,
+                                      p.cap_cents
                                       - coalesce((select sum(x.amount_cents) from fine_ledger x
                                                   where x.loan_id = l.id), 0)
                                       - coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
                                                   where y.loan_id = l.id), 0))
                       end as amount
                from loans l
-               cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $3, $5, $4)
-                                          as target) a
-               where l.id = any($2::bigint[]) and a.target > 0
+               cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+               cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $1, p.daily_rate_cents,
+                                                                 p.grace_days, p.cap_cents,
+                                                                 p.charge_closed_days) a
+               where l.id = any($2::bigint[]) and a.amount_cents > 0
                offset 0
            ), written as (
                insert into fine_ledger (loan_id, accrual_date, amount_cents)
                select c.id, $1, c.amount from c
-               where c.amount > 0 and (not $6 or c.amount = c.target)
+               where c.amount > 0 and (not $3 or c.amount = c.target)
                on conflict on constraint fine_ledger_pkey do nothing
                returning loan_id
            )
            select (select count(*) from written) as "written!",
                   coalesce((select array_agg(c.id order by c.id) from c
-                            where $6 and c.amount < c.target
+                            where $3 and c.amount < c.target
                               and not exists (select 1 from fine_ledger f
                                               where f.loan_id = c.id and f.accrual_date = $1)), '{}')
                       as "held!""#,
         day,
         ids,
-        pricing.rate,
-        pricing.cap,
-        pricing.grace,
         clamp.holds(),
     )
     .fetch_one(&mut *tx)
@@ -324,63 +326,68 @@ pub async fn set_local_statement_timeout(tx: &mut PgConnection, millis: u64) -> 
 /// ask it. It looks at every overdue loan of the day (the open ones by `loans_open_by_due_idx`, the returned ones
 /// by `loans_returned_late_idx`) and at the day's charges: an operator's question, not the daemon's (the daemon
 /// re-opens the days its re-check finds from the loans libraryd changed).
-pub async fn day_has_work(
-    pool: &Db,
-    day: NaiveDate,
-    shard: ShardSpec,
-    pricing: Pricing,
-) -> Result<bool, sqlx::Error> {
+pub async fn day_has_work(pool: &Db, day: NaiveDate, shard: ShardSpec) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar!(
         r#"select exists (
                   select 1
-                  from (select l.id, l.due_on, l.returned_on from loans l
-                        where l.returned_on is null and l.due_on < $1::date - $4::int
+                  from (select l.id, l.due_on, l.returned_on, l.fine_class from loans l
+                        where l.returned_on is null and l.due_on < $1::date
                         union all
-                        select l.id, l.due_on, l.returned_on from loans l
-                        where l.returned_on > l.due_on and l.returned_on >= $1 and l.due_on < $1::date - $4::int) l
+                        select l.id, l.due_on, l.returned_on, l.fine_class from loans l
+                        where l.returned_on > l.due_on and l.returned_on >= $1 and l.due_on < $1::date) l
+                  cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+                  cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $1, p.daily_rate_cents,
+                                                                    p.grace_days, p.cap_cents,
+                                                                    p.charge_closed_days) a
                   where fine_settler_shard_of(l.id, $2) = $3
-                    and fine_settler_day_amount(l.due_on, l.returned_on, $1, $5, $4, $6) > 0
+                    and a.amount_cents > 0
                     and not exists (select 1 from fine_ledger f where f.loan_id = l.id and f.accrual_date = $1)
-                    and not exists (select 1 from fine_pending p where p.loan_id = l.id and p.accrual_date = $1))
+                    and not exists (select 1 from fine_pending q where q.loan_id = l.id and q.accrual_date = $1))
                or exists (
                   select 1
                   from fine_ledger f
                   join loans l on l.id = f.loan_id
-                  cross join lateral (select fine_settler_day_amount(l.due_on, l.returned_on, $1, $5, $4, $6)
-                                             as target) a
+                  cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+                  cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $1, p.daily_rate_cents,
+                                                                    p.grace_days, p.cap_cents,
+                                                                    p.charge_closed_days) a
                   cross join lateral (select f.amount_cents + coalesce(sum(c.amount_cents), 0) as net
                                       from fine_ledger_corrections c
                                       where c.loan_id = f.loan_id and c.accrual_date = $1) n
                   where f.accrual_date = $1 and fine_settler_shard_of(f.loan_id, $2) = $3
-                    and a.target <> n.net and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true))
+                    and a.amount_cents <> n.net and isfinite(l.due_on)
+                    and coalesce(isfinite(l.returned_on), true))
                as "late!""#,
         day,
         shard.shards(),
         shard.shard(),
-        pricing.grace,
-        pricing.rate,
-        pricing.cap,
     )
     .fetch_one(pool)
     .await
 }
 
-/// Queues a failed charge. A row already queued for that day is left as it is.
+/// Queues a failed charge, with the day's amount under the loan's policy as it is now (for the operator: a retry
+/// charges what is owed when it runs). A row already queued for that day is left as it is.
 pub async fn enqueue(
     tx: &mut PgConnection,
     loan_id: i64,
     day: NaiveDate,
-    amount: i64,
     error: &str,
     retry_in_ms: i64,
 ) -> Result<(), sqlx::Error> {
     sqlx::query!(
         r#"insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
-           values ($1, $2, $3, 1, $4, now() + $5 * interval '1 millisecond')
+           values ($1, $2,
+                   coalesce((select a.amount_cents from loans l
+                             cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+                             cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $2,
+                                                                               p.daily_rate_cents, p.grace_days,
+                                                                               p.cap_cents, p.charge_closed_days) a
+                             where l.id = $1), 0),
+                   1, $3, now() + $4 * interval '1 millisecond')
            on conflict on constraint fine_pending_pkey do nothing"#,
         loan_id,
         day,
-        amount,
         error,
         retry_in_ms as f64,
     )

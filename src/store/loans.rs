@@ -13,7 +13,7 @@ use sqlx::PgConnection;
 
 use crate::store::Db;
 
-use crate::{fine::FinePolicy, shard::ShardSpec};
+use crate::shard::ShardSpec;
 
 /// The next batch of a shard's unsettled loans returned in the business month.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,23 +114,27 @@ pub async fn count_unsettled(
 
 /// Settles a batch as one range update: every unsettled loan of the shard returned in `[first, last]` with an id
 /// in the batch's range gets its fine and `fine_settled_at`; a loan settled meanwhile is not touched. The fine
-/// is the policy's, `least(cap, greatest(0, returned_on - due_on - grace_days) * daily_rate)`, evaluated by
-/// PostgreSQL: a range update reads each row once instead of joining a list of ids back to the table, the
-/// difference between reaching the speed of a single set-based update or not. The formula is checked against
-/// `FinePolicy::fine` by a test; bigint arithmetic in PostgreSQL fails loudly on overflow.
+/// is its policy's (`fine_settler_policy_of`: the version of its class in force on its due date) over its
+/// chargeable days (`fine_settler_policy_fine`, migrations/20261203000053), evaluated by PostgreSQL: a range
+/// update reads each row once instead of joining a list of ids back to the table, the difference between
+/// reaching the speed of a single set-based update or not. The SQL rule is held equal to `crate::policy` by a
+/// property test; bigint arithmetic in PostgreSQL fails loudly on overflow, and a loan no policy governs fails
+/// the update (`fine_cents` is not null) rather than being settled with no fine.
 pub async fn settle_range(
     tx: &mut PgConnection,
     (first, last): (NaiveDate, NaiveDate),
     shard: ShardSpec,
     batch: &SettleBatch,
-    policy: &FinePolicy,
 ) -> Result<u64, sqlx::Error> {
     let done = sqlx::query!(
         r#"update loans
-           set fine_cents = least(nullif($6::bigint, 0),
-                                  greatest(0, returned_on - due_on - $7::int)::bigint * $8::bigint),
+           set fine_cents = (select f.fine_cents
+                             from fine_settler_policy_of(loans.fine_class, loans.due_on) p
+                             cross join lateral fine_settler_policy_fine(loans.due_on, loans.returned_on,
+                                                                         p.daily_rate_cents, p.grace_days,
+                                                                         p.cap_cents, p.charge_closed_days) f),
                fine_settled_at = now()
-           where id between $3 and $4 and fine_settler_shard_of(id, $5) = $9
+           where id between $3 and $4 and fine_settler_shard_of(id, $5) = $6
              and fine_settled_at is null and returned_on is not null
              and returned_on between $1 and $2
              and isfinite(due_on)"#,
@@ -139,9 +143,6 @@ pub async fn settle_range(
         batch.from_id,
         batch.last_id,
         shard.shards(),
-        policy.cap().map_or(0, |c| c.get()),
-        i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
-        policy.daily_rate().get(),
         shard.shard(),
     )
     .execute(&mut *tx)
@@ -158,20 +159,22 @@ pub async fn settle_unlocked(
     (first, last): (NaiveDate, NaiveDate),
     shard: ShardSpec,
     batch: &SettleBatch,
-    policy: &FinePolicy,
 ) -> Result<u64, sqlx::Error> {
     let done = sqlx::query!(
         r#"with free as (
                select id from loans
-               where id between $3 and $4 and fine_settler_shard_of(id, $5) = $9
+               where id between $3 and $4 and fine_settler_shard_of(id, $5) = $6
                  and fine_settled_at is null and returned_on is not null
                  and returned_on between $1 and $2
                  and isfinite(due_on)
                for no key update skip locked
            )
            update loans
-           set fine_cents = least(nullif($6::bigint, 0),
-                                  greatest(0, returned_on - due_on - $7::int)::bigint * $8::bigint),
+           set fine_cents = (select f.fine_cents
+                             from fine_settler_policy_of(loans.fine_class, loans.due_on) p
+                             cross join lateral fine_settler_policy_fine(loans.due_on, loans.returned_on,
+                                                                         p.daily_rate_cents, p.grace_days,
+                                                                         p.cap_cents, p.charge_closed_days) f),
                fine_settled_at = now()
            from free
            where loans.id = free.id and loans.fine_settled_at is null"#,
@@ -180,9 +183,6 @@ pub async fn settle_unlocked(
         batch.from_id,
         batch.last_id,
         shard.shards(),
-        policy.cap().map_or(0, |c| c.get()),
-        i32::try_from(policy.grace_days()).unwrap_or(i32::MAX),
-        policy.daily_rate().get(),
         shard.shard(),
     )
     .execute(&mut *tx)

@@ -166,10 +166,20 @@ pub async fn add(pool: &Db, new: &NewPolicy) -> Result<Added, sqlx::Error> {
 /// Seeds the first `default` version from the deployment's `[fine]` keys, effective from the earliest date,
 /// when the table is empty; returns whether it did. Two `migrate`s at once: the first one's row stays.
 pub async fn seed_default(pool: &Db, fine: &FinePolicy) -> Result<bool, sqlx::Error> {
+    seed_default_by(pool, fine, "migrate").await
+}
+
+/// [`seed_default`], for a command other than `migrate` (`command` names it in the row's reason): every command
+/// that prices loans — a replica at start, `settle`, `accrue`, `backfill`, `pending retry`, `policy add` — seeds
+/// an empty table the same way, so that a database migrated by another means (or before the rules moved into the
+/// database) never has loans no policy governs. Once seeded the table is never empty again: its rows cannot be
+/// deleted (migrations/20261203000055). Logs when it seeded.
+pub async fn seed_default_by(pool: &Db, fine: &FinePolicy, command: &str) -> Result<bool, sqlx::Error> {
     let seeded = sqlx::query_scalar!(
         r#"insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents,
                                       charge_closed_days, reason)
-           select 'default', $1, $2, $3, $4, false, 'seeded by migrate from the [fine] configuration keys'
+           select 'default', $1, $2, $3, $4, false,
+                  'seeded by ' || $5 || ' from the [fine] configuration keys'
            where not exists (select 1 from fine_policies)
            on conflict on constraint fine_policies_pkey do nothing
            returning true as "seeded!""#,
@@ -177,8 +187,19 @@ pub async fn seed_default(pool: &Db, fine: &FinePolicy) -> Result<bool, sqlx::Er
         fine.daily_rate().get(),
         i32::try_from(fine.grace_days()).unwrap_or(i32::MAX),
         fine.cap().map_or(0, Cents::get),
+        command,
     )
     .fetch_optional(pool)
     .await?;
-    Ok(seeded.unwrap_or(false))
+    let seeded = seeded.unwrap_or(false);
+    if seeded {
+        tracing::info!(
+            command,
+            daily_rate_cents = fine.daily_rate().get(),
+            grace_days = fine.grace_days(),
+            cap_cents = fine.cap().map_or(0, Cents::get),
+            "fine_policies was empty: seeded the first default policy from the [fine] configuration keys"
+        );
+    }
+    Ok(seeded)
 }

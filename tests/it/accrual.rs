@@ -22,9 +22,10 @@ use crate::helpers::{
     sigkill, slow_down, spawn, wait_until,
 };
 
-fn accrual(policy: FinePolicy) -> Accrual {
+/// The accrual job, with the database's rules replaced by `policy` (one `default` version).
+async fn accrual(pool: &PgPool, policy: FinePolicy) -> Accrual {
+    crate::helpers::set_policy(pool, policy).await;
     Accrual {
-        policy,
         backoff: Backoff::new(Duration::from_millis(100), Duration::from_millis(250)),
         row_timeout: Duration::from_millis(500),
         isolation_budget: Duration::from_secs(5),
@@ -107,7 +108,7 @@ async fn block_charges(pool: &PgPool, ids: &[i64]) {
     }
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_run_a_concurrent_duplicate_and_a_forced_rerun_leave_one_ledger(pool: PgPool) {
     let day = past_day();
     mixed_loans(&pool, day).await;
@@ -149,7 +150,7 @@ async fn a_run_a_concurrent_duplicate_and_a_forced_rerun_leave_one_ledger(pool: 
     assert_eq!(ledger(&pool).await, first, "the forced rerun changed nothing");
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool: PgPool) {
     rejected_charges_compensated_once(&pool, db(&pool)).await;
 }
@@ -168,7 +169,7 @@ pub(crate) async fn rejected_charges_compensated_once(pool: &PgPool, jobs: Db) {
     // check below however slow the machine (with the 100 ms of `accrual()` they sometimes did).
     let job = Accrual {
         backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(4)),
-        ..accrual(FinePolicy::DEFAULT)
+        ..accrual(&pool, FinePolicy::DEFAULT).await
     };
     let run = runner_on(jobs.clone(), "a", 25)
         .run(&job, day_key(day, 0, 1), false)
@@ -252,12 +253,12 @@ pub(crate) async fn rejected_charges_compensated_once(pool: &PgPool, jobs: Db) {
     assert_eq!(left, 0);
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_charge_that_keeps_failing_goes_dead_with_growing_capped_backoff(pool: PgPool) {
     let day = d("2026-10-10");
     insert(&pool, &[loan(1, "2026-10-01", None), loan(2, "2026-10-01", None)]).await;
     block_charges(&pool, &[1]).await;
-    let job = accrual(FinePolicy::DEFAULT);
+    let job = accrual(&pool, FinePolicy::DEFAULT).await;
     runner(&pool, "a", 10).run(&job, day_key(day, 0, 1), false).await;
 
     let delay_ms = || async {
@@ -325,12 +326,12 @@ async fn a_charge_that_keeps_failing_goes_dead_with_growing_capped_backoff(pool:
 
 /// `accrual.max_attempts = N` is N attempts in all, the batch's own failed charge being the first: with 1 a queued
 /// charge is DEAD at the first pass without being tried again; with 2 it is tried once more.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn max_attempts_counts_every_attempt_the_batchs_charge_included(pool: PgPool) {
     let day = d("2026-10-10");
     insert(&pool, &[loan(1, "2026-10-01", None)]).await;
     block_charges(&pool, &[1]).await;
-    let job = accrual(FinePolicy::DEFAULT);
+    let job = accrual(&pool, FinePolicy::DEFAULT).await;
     runner(&pool, "a", 10).run(&job, day_key(day, 0, 1), false).await;
     let row = || async {
         sqlx::query_as::<_, (String, i32)>("select status, attempts from fine_pending")
@@ -359,7 +360,7 @@ async fn max_attempts_counts_every_attempt_the_batchs_charge_included(pool: PgPo
     }
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_killed_accrual_is_taken_over_and_charges_every_loan_once(pool: PgPool) {
     let day = past_day();
     let loans: Vec<_> = (1..=300)
@@ -415,7 +416,7 @@ async fn a_killed_accrual_is_taken_over_and_charges_every_loan_once(pool: PgPool
 /// Which loans a day charges, at the edges: due the day before (charged) or on the day (not yet), returned on
 /// the day (charged) or the day before (not); grace days are free; and with a cap, the charge that reaches it is
 /// partial and nothing is charged after it.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn accrual_edges_grace_and_cap(pool: PgPool) {
     let day = d("2026-10-10");
     insert(
@@ -430,7 +431,7 @@ async fn accrual_edges_grace_and_cap(pool: PgPool) {
         ],
     )
     .await;
-    let plain = accrual(FinePolicy::DEFAULT);
+    let plain = accrual(&pool, FinePolicy::DEFAULT).await;
     runner(&pool, "a", 10)
         .run(&plain, day_key(day, 0, 1), false)
         .await;
@@ -445,7 +446,7 @@ async fn accrual_edges_grace_and_cap(pool: PgPool) {
         .execute(&pool)
         .await
         .expect("reset");
-    let graced = accrual(FinePolicy::new(100, 2, 0).expect("policy"));
+    let graced = accrual(&pool, FinePolicy::new(100, 2, 0).expect("policy")).await;
     runner(&pool, "a", 10)
         .run(&graced, day_key(day, 0, 1), false)
         .await;
@@ -466,7 +467,7 @@ async fn accrual_edges_grace_and_cap(pool: PgPool) {
         .execute(&pool)
         .await
         .expect("reset");
-    let capped = accrual(FinePolicy::new(100, 2, 250).expect("policy"));
+    let capped = accrual(&pool, FinePolicy::new(100, 2, 250).expect("policy")).await;
     for day in 10..=14 {
         let r = runner(&pool, "a", 10)
             .run(&capped, day_key(d(&format!("2026-10-{day}")), 0, 1), false)
@@ -493,10 +494,10 @@ async fn accrual_edges_grace_and_cap(pool: PgPool) {
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_cap_is_reached_mid_month_and_nothing_more_is_charged(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-10-01", None)]).await;
-    let capped = accrual(FinePolicy::new(100, 0, 250).expect("policy"));
+    let capped = accrual(&pool, FinePolicy::new(100, 0, 250).expect("policy")).await;
     let mut per_day = Vec::new();
     for day in 2..=6 {
         let r = runner(&pool, "a", 10)
@@ -515,7 +516,7 @@ async fn the_cap_is_reached_mid_month_and_nothing_more_is_charged(pool: PgPool) 
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_month_of_accrual_reconciles_with_its_settlement(pool: PgPool) {
     let loans: Vec<_> = fine_settler::demo::loans(fine_settler::demo::DemoSpec {
         loans: 400,
@@ -526,7 +527,7 @@ async fn a_month_of_accrual_reconciles_with_its_settlement(pool: PgPool) {
     .collect();
     insert(&pool, &loans).await;
     let first_overdue = loans.iter().map(|l| l.due_on).min().expect("loans") + chrono::Duration::days(1);
-    let job = accrual(FinePolicy::DEFAULT);
+    let job = accrual(&pool, FinePolicy::DEFAULT).await;
     let mut day = first_overdue;
     while day <= d("2026-09-30") {
         let r = runner(&pool, "a", 50).run(&job, day_key(day, 0, 1), false).await;
@@ -555,13 +556,7 @@ async fn a_month_of_accrual_reconciles_with_its_settlement(pool: PgPool) {
     }
     assert_eq!(corrected, 30, "three days of each back-dated return");
     let s = runner(&pool, "a", 50)
-        .run(
-            &Settlement {
-                policy: FinePolicy::DEFAULT,
-            },
-            crate::helpers::key("2026-09-30", 0, 1),
-            false,
-        )
+        .run(&Settlement, crate::helpers::key("2026-09-30", 0, 1), false)
         .await;
     assert_eq!(s.outcome, Outcome::Settled);
 
@@ -632,7 +627,7 @@ async fn queue_one_charge(pool: &PgPool, after: &str) -> NaiveDate {
 
 /// `pending retry` stops before its next charge once its shutdown token is cancelled (the command line cancels it
 /// on SIGINT/SIGTERM), says so and exits 1; run to its end, it charges the queue and says nothing of it.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_cancelled_pending_retry_stops_before_its_next_charge(pool: PgPool) {
     use fine_settler::jobs::oneshot::retry_pending;
     use tokio_util::sync::CancellationToken;
@@ -679,7 +674,7 @@ async fn a_cancelled_pending_retry_stops_before_its_next_charge(pool: PgPool) {
 
 /// A second SIGINT ends `pending retry` at once (exit 1), even while a charge waits on the server: the first asks
 /// it to stop between two charges, and an operator who presses Ctrl-C again is not kept waiting.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_second_sigint_ends_pending_retry_at_once(pool: PgPool) {
     queue_one_charge(&pool, "0s").await;
     slow_down(&pool, "insert on fine_ledger", 60.0).await;

@@ -85,7 +85,7 @@ fn keys(lines: &[Value]) -> &[Value] {
     keys
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn after_a_three_month_outage_a_dry_run_then_backfill_settles_the_months_the_window_lost(pool: PgPool) {
     let url = crate::helpers::database_url(&pool);
     // m[0] settled before the outage, m[1..4] fell out of the window, m[4] the one-month window catches up.
@@ -203,7 +203,7 @@ async fn after_a_three_month_outage_a_dry_run_then_backfill_settles_the_months_t
     }
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn reprocess_failed_runs_only_the_failed_keys(pool: PgPool) {
     let url = crate::helpers::database_url(&pool);
     let m = due_now(&pool, 3).await;
@@ -275,7 +275,7 @@ async fn reprocess_failed_runs_only_the_failed_keys(pool: PgPool) {
     assert_eq!(rows, [0, 1, 2].map(Value::from));
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn three_shards_run_three_at_a_time_and_never_more(pool: PgPool) {
     let url = crate::helpers::database_url(&pool);
     let m = due_now(&pool, 3).await;
@@ -318,7 +318,7 @@ async fn three_shards_run_three_at_a_time_and_never_more(pool: PgPool) {
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn accrual_backfill_compensates_first_and_charges_exactly_the_dry_runs_rows(pool: PgPool) {
     let url = crate::helpers::database_url(&pool);
     let today: NaiveDate = sqlx::query_scalar("select (now() at time zone 'Asia/Shanghai')::date")
@@ -379,7 +379,7 @@ async fn accrual_backfill_compensates_first_and_charges_exactly_the_dry_runs_row
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_key_held_by_a_live_owner_is_skipped_not_displaced(pool: PgPool) {
     let url = crate::helpers::database_url(&pool);
     let m = due_now(&pool, 2).await;
@@ -418,7 +418,7 @@ async fn a_key_held_by_a_live_owner_is_skipped_not_displaced(pool: PgPool) {
     assert_eq!(settled(&pool, &s(m[1])).await, oracle(&pool, &s(m[1])).await);
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn each_bad_input_is_one_line_naming_the_flag_exit_2_and_nothing_written(pool: PgPool) {
     let url = crate::helpers::database_url(&pool);
     let m = due_now(&pool, 2).await;
@@ -521,7 +521,7 @@ async fn backfill_mid_run(pool: &PgPool, url: &str) -> (Vec<NaiveDate>, Running,
     (m, child, log)
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn sigterm_mid_backfill_finishes_the_batch_hands_the_key_back_and_starts_no_other(pool: PgPool) {
     let url = crate::helpers::database_url(&pool);
     let (m, mut child, log) = backfill_mid_run(&pool, &url).await;
@@ -564,7 +564,7 @@ async fn sigterm_mid_backfill_finishes_the_batch_hands_the_key_back_and_starts_n
     assert!(done > 0 && done < 6, "{done}");
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_paused_job_is_not_backfilled_unless_told_to_ignore_the_pause(pool: PgPool) {
     let url = crate::helpers::database_url(&pool);
     let m = due_now(&pool, 2).await;
@@ -630,7 +630,7 @@ async fn a_paused_job_is_not_backfilled_unless_told_to_ignore_the_pause(pool: Pg
 
 /// A pause set while a backfill runs stops it: the key in flight is handed back after the batch whose fence saw
 /// the pause, and no further key starts (they are `not_started`).
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_pause_set_mid_backfill_starts_no_further_key(pool: PgPool) {
     let url = crate::helpers::database_url(&pool);
     let (_, mut child, log) = backfill_mid_run(&pool, &url).await;
@@ -671,7 +671,7 @@ async fn a_pause_set_mid_backfill_starts_no_further_key(pool: PgPool) {
 
 /// `--reprocess all` forces every key not held by a live owner — a FAILED one too, whose cursor the forced claim
 /// resets — so its dry run counts the whole key, and the run touches exactly that.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn reprocess_all_counts_a_failed_key_from_its_start(pool: PgPool) {
     let url = crate::helpers::database_url(&pool);
     let m = due_now(&pool, 1).await;

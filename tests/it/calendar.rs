@@ -50,7 +50,7 @@ async fn today(pool: &PgPool) -> NaiveDate {
 
 /// Bad ranges are one line naming the value, exit 2, nothing written; a close and an open change exactly the
 /// days not already so, number the closed days in order after every change, and `list` shows them.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn close_open_and_list_keep_the_days_numbered_and_refuse_bad_ranges(pool: PgPool) {
     let to_before = refusal(&calendar(
         &pool,
@@ -158,7 +158,7 @@ async fn close_open_and_list_keep_the_days_numbered_and_refuse_bad_ranges(pool: 
 
 /// A change to a day inside a month whose settlement has a key (any shard) is refused, naming the month: exit 2,
 /// nothing written. A day of a later month is not.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_change_inside_a_settled_month_is_refused(pool: PgPool) {
     sqlx::query(
         "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
@@ -202,7 +202,7 @@ async fn a_change_inside_a_settled_month_is_refused(pool: PgPool) {
 
 /// Closing or opening a day already over queues every loan out and overdue on it for the accrual's re-check
 /// (and none other); a day still to come queues nothing.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_change_to_a_past_day_queues_the_loans_overdue_on_it(pool: PgPool) {
     let past = today(&pool).await - Duration::days(3);
     let day = |k: i64| (past + Duration::days(k)).to_string();

@@ -34,14 +34,14 @@ async fn expire_lease(pool: &PgPool) {
         .expect("expire");
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn first_insert_wins_and_the_second_skips(pool: PgPool) {
     assert_eq!(won(&pool, "a", false).await, Some((1, ClaimKind::Inserted)));
     assert_eq!(won(&pool, "b", false).await, None);
     assert_eq!(status(&pool).await, ("RUNNING".into(), "a".into(), 1));
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_live_running_key_is_skipped_even_by_force(pool: PgPool) {
     won(&pool, "a", false).await;
     match claim(&db(&pool), &key("2026-10-31", 0, 1), "b", LEASE, ClaimMode::Force)
@@ -58,7 +58,7 @@ async fn a_live_running_key_is_skipped_even_by_force(pool: PgPool) {
     }
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn an_expired_running_key_is_taken_over_with_the_next_epoch(pool: PgPool) {
     won(&pool, "a", false).await;
     expire_lease(&pool).await;
@@ -90,7 +90,7 @@ async fn an_expired_running_key_is_taken_over_with_the_next_epoch(pool: PgPool) 
     .expect("finish"));
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_failed_key_is_taken_over_at_once(pool: PgPool) {
     won(&pool, "a", false).await;
     let k = key("2026-10-31", 0, 1);
@@ -113,7 +113,7 @@ async fn a_failed_key_is_taken_over_at_once(pool: PgPool) {
     assert_eq!(last_error, None, "a takeover clears the previous error");
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn success_is_skipped_unless_forced_and_force_resets_the_cursor(pool: PgPool) {
     won(&pool, "a", false).await;
     sqlx::query("update job_runs set cursor = 500, scanned = 10, updated = 7")
@@ -147,7 +147,7 @@ async fn success_is_skipped_unless_forced_and_force_resets_the_cursor(pool: PgPo
     assert_eq!(counters, (0, 0));
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_takeover_resumes_from_the_stored_cursor(pool: PgPool) {
     won(&pool, "a", false).await;
     sqlx::query("update job_runs set cursor = 4242")
@@ -164,7 +164,7 @@ async fn a_takeover_resumes_from_the_stored_cursor(pool: PgPool) {
     }
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn keys_differ_by_shard_count(pool: PgPool) {
     for (shard, shards) in [(0, 3), (0, 4), (1, 4)] {
         match claim(
@@ -183,7 +183,7 @@ async fn keys_differ_by_shard_count(pool: PgPool) {
     }
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn sixteen_concurrent_claimers_get_exactly_one_winner(pool: PgPool) {
     let wide = PgPoolOptions::new()
         .max_connections(17)
@@ -223,7 +223,7 @@ async fn sixteen_concurrent_claimers_get_exactly_one_winner(pool: PgPool) {
     assert_eq!(attempts, 1, "only the winner appears in the history");
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn every_transition_appends_history(pool: PgPool) {
     let k = key("2026-10-31", 0, 1);
     won(&pool, "a", false).await;
@@ -273,7 +273,7 @@ async fn every_transition_appends_history(pool: PgPool) {
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn old_attempt_history_is_pruned_in_batches_and_job_runs_are_kept(pool: PgPool) {
     won(&pool, "a", false).await;
     sqlx::query(
@@ -309,7 +309,7 @@ async fn old_attempt_history_is_pruned_in_batches_and_job_runs_are_kept(pool: Pg
 /// The finish is retried after a connection error; when the first attempt had committed (its reply lost with
 /// the connection), the retry finds the key already SUCCESS under its own epoch: that is finished, not a lost
 /// lease, and the history gets no second row.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool) {
     won(&pool, "a", false).await;
     let k = key("2026-10-31", 0, 1);
@@ -377,7 +377,7 @@ async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool
 
 /// The fence renews the lease from the moment it runs: a batch that took most of the batch timeout leaves its
 /// owner a whole lease, not the lease minus the batch.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_fence_renews_the_lease_from_the_moment_it_runs(pool: PgPool) {
     won(&pool, "a", false).await;
     let k = key("2026-10-31", 0, 1);
@@ -421,7 +421,7 @@ async fn the_fence_renews_the_lease_from_the_moment_it_runs(pool: PgPool) {
 /// The tick's action for a key (`KeyState::action`, from the row the tick status read) and the claim agree on
 /// every state a row can be in: a free claim wins exactly the keys a tick would claim or take over, and a
 /// re-open exactly the late SUCCESS ones.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_tick_s_action_and_the_claim_agree_on_every_state(pool: PgPool) {
     use fine_settler::{
         shard::ShardSpec,
@@ -515,7 +515,7 @@ async fn the_tick_s_action_and_the_claim_agree_on_every_state(pool: PgPool) {
 /// After a failover the promoted standby may lack the run's last batches and their cursor: the run's next fence
 /// and its SUCCESS must not pass there, or the run would go on after (or end at) a cursor whose rows the server
 /// never settled. A FAILED ending is recorded whatever the cursor (the takeover resumes from the server's).
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_fence_and_a_success_pass_only_at_the_cursor_the_run_last_committed(pool: PgPool) {
     use fine_settler::store::job_runs::{advance, Fence, Progress};
     won(&pool, "a", false).await;
@@ -579,12 +579,9 @@ async fn the_fence_and_a_success_pass_only_at_the_cursor_the_run_last_committed(
 /// replica. The run still holding its old claim must not pass that replica's fence, renew its lease or finish its
 /// key: the fence, the renewal and the finish name the owner too. Here the other replica's claim is written over
 /// the row while the run's first batch is in flight (its loans updated, its fence not yet run).
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_run_is_fenced_out_of_its_epoch_held_by_another_owner(pool: PgPool) {
-    use fine_settler::{
-        fine::FinePolicy,
-        jobs::{settlement::Settlement, Outcome},
-    };
+    use fine_settler::jobs::{settlement::Settlement, Outcome};
     let loans: Vec<_> = (1..=400)
         .map(|id| crate::helpers::loan(id, "2026-10-01", Some("2026-10-06")))
         .collect();
@@ -593,16 +590,7 @@ async fn a_run_is_fenced_out_of_its_epoch_held_by_another_owner(pool: PgPool) {
     crate::helpers::slow_down(&pool, "update on loans", 0.005).await;
     let k = key("2026-10-31", 0, 1);
     let run = crate::helpers::runner(&pool, "a", 100);
-    let task = tokio::spawn(async move {
-        run.run(
-            &Settlement {
-                policy: FinePolicy::DEFAULT,
-            },
-            k,
-            false,
-        )
-        .await
-    });
+    let task = tokio::spawn(async move { run.run(&Settlement, k, false).await });
     crate::helpers::wait_until("the claim", Duration::from_secs(10), || async {
         sqlx::query_scalar::<_, i64>("select count(*) from job_runs")
             .fetch_one(&pool)

@@ -46,7 +46,7 @@ async fn covered(run: &mut ClaimedRun, pool: &PgPool, last_id: i64, rows: i64) -
     run.advance(tx, covered).await.expect("advance")
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_run_advances_from_its_own_cursor_renews_without_rows_and_ends_once(pool: PgPool) {
     let mut run = won(&pool, "a", ClaimMode::Free).await;
     assert_eq!(
@@ -99,7 +99,7 @@ async fn a_run_advances_from_its_own_cursor_renews_without_rows_and_ends_once(po
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_fenced_out_run_commits_nothing_and_records_its_lost_lease(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-10-01", Some("2026-10-10"))]).await;
     let mut run = won(&pool, "a", ClaimMode::Free).await;
@@ -161,7 +161,7 @@ async fn a_fenced_out_run_commits_nothing_and_records_its_lost_lease(pool: PgPoo
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_claim_kind_is_the_one_the_history_records(pool: PgPool) {
     let run = won(&pool, "a", ClaimMode::Free).await;
     assert!(run.finish(Ending::Success).send().await.expect("finish"));

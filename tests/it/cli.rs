@@ -34,7 +34,7 @@ fn stderr_lines(out: &std::process::Output) -> Vec<String> {
         .collect()
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn each_invalid_setting_is_one_line_naming_its_key_and_exit_2(pool: PgPool) {
     sqlx::query("insert into loans values (1, 1, 1, '2026-09-01', '2026-10-01', '2026-10-09', 0, null)")
         .execute(&pool)
@@ -96,7 +96,7 @@ fn a_short_lease_alone_is_accepted_and_check_config_shows_the_derived_timeouts()
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_bad_config_file_is_rejected_before_any_database_access(pool: PgPool) {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("shard.toml");
@@ -120,7 +120,7 @@ async fn a_bad_config_file_is_rejected_before_any_database_access(pool: PgPool) 
     nothing_written(&pool).await;
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn bad_arguments_exit_2_and_write_nothing(pool: PgPool) {
     let url = database_url(&pool);
     for args in [
@@ -161,7 +161,7 @@ async fn bad_arguments_exit_2_and_write_nothing(pool: PgPool) {
     nothing_written(&pool).await;
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn an_unreachable_database_is_a_runtime_failure_with_a_report(_pool: PgPool) {
     let mut cmd = fine_settler("postgres://nobody:hunter2@127.0.0.1:1/nothing");
     cmd.env("FINE_SETTLER__DATABASE__CONNECT_TIMEOUT", "2s").args([
@@ -180,7 +180,7 @@ async fn an_unreachable_database_is_a_runtime_failure_with_a_report(_pool: PgPoo
     assert!(!all.contains("hunter2"), "the password leaked: {all}");
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn check_config_prints_the_effective_values_with_the_password_redacted(_pool: PgPool) {
     let mut cmd = fine_settler("postgres://settler:hunter2@db.example:5432/libraryd?sslmode=require");
     cmd.env("FINE_SETTLER__INSTANCE__SHARDS", "3")
@@ -198,7 +198,7 @@ async fn check_config_prints_the_effective_values_with_the_password_redacted(_po
     assert_eq!(parsed["instance"]["shard"].as_integer(), Some(2));
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn migrate_twice_is_a_no_op(pool: PgPool) {
     let url = database_url(&pool);
     for _ in 0..2 {
@@ -250,7 +250,7 @@ async fn migrate_rebuilds_an_index_left_invalid_by_an_interrupted_build(pool: Pg
     assert!(scan_index_is_valid(&pool).await);
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn accrue_refuses_a_day_that_is_not_over_and_pending_list_shows_the_queue(pool: PgPool) {
     let url = database_url(&pool);
     let today = fine_settler::calendar::local_date(chrono::Utc::now(), chrono_tz::Asia::Shanghai);
@@ -288,7 +288,7 @@ async fn accrue_refuses_a_day_that_is_not_over_and_pending_list_shows_the_queue(
 /// `settle` refuses a month that is not over yet, as `accrue` refuses such a day: this month (a loan returned in it
 /// already) and the calendar's last month end, exit 2, one line naming `--business-date`, nothing written — no
 /// SUCCESS key that would make the daemon skip the month once it is over.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn settle_refuses_a_month_that_is_not_over(pool: PgPool) {
     use chrono::Datelike;
 
@@ -322,7 +322,7 @@ async fn settle_refuses_a_month_that_is_not_over(pool: PgPool) {
     nothing_written(&pool).await;
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn release_ends_a_stuck_claim_and_the_next_run_fences_the_old_owner(pool: PgPool) {
     sqlx::query("insert into loans values (1, 1, 1, '2026-09-01', '2026-10-01', '2026-10-04', 0, null)")
         .execute(&pool)
@@ -439,7 +439,7 @@ async fn release_ends_a_stuck_claim_and_the_next_run_fences_the_old_owner(pool: 
     assert_eq!(output(bad).status.code(), Some(2));
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn replicas_run_under_the_least_privilege_role(pool: PgPool) {
     let owner_url = database_url(&pool);
     let db = owner_url
@@ -600,7 +600,7 @@ fn alert_rules_and_the_dashboard_use_only_exported_metrics() {
 
 /// A replica role given its privileges before the pause tables existed keeps working after the upgrade: the
 /// migration that follows them grants the pause tables to every role that may update `job_runs`.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn an_older_least_privilege_role_gets_the_pause_tables_from_the_migration(pool: PgPool) {
     let owner_url = database_url(&pool);
     let db = owner_url

@@ -123,12 +123,12 @@ async fn steps_are_survived(pool: PgPool, mode: &[(&str, &str)]) {
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn fixed_rate_survives_clock_steps(pool: PgPool) {
     steps_are_survived(pool, &[("FINE_SETTLER__SCHEDULE__PERIOD", "1s")]).await;
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn fixed_delay_survives_clock_steps(pool: PgPool) {
     let mode = [
         ("FINE_SETTLER__SCHEDULE__MODE", "fixed-delay"),
@@ -137,7 +137,7 @@ async fn fixed_delay_survives_clock_steps(pool: PgPool) {
     steps_are_survived(pool, &mode).await;
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn cron_survives_clock_steps(pool: PgPool) {
     let mode = [
         ("FINE_SETTLER__SCHEDULE__MODE", "cron"),
@@ -164,7 +164,7 @@ fn run_once_shifted(url: &str, shift: &str) -> Vec<serde_json::Value> {
 /// A return back-dated into the oldest settled month of the catch-up window is settled at the first tick, with
 /// the host clock 40 days ahead of the database's and 40 days behind it; a return back-dated into a month that
 /// left the window (by the database's date) re-opens nothing, however far behind the host clock is.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_host_clock_ahead_or_behind_never_hides_a_late_return(pool: PgPool) {
     let url = database_url(&pool);
     let months = due_now(&pool, 3).await;

@@ -44,7 +44,7 @@ async fn assert_every_month_settled_once(pool: &PgPool, months: &[NaiveDate]) {
     assert_eq!(max_updates_per_loan(pool).await, 1, "no loan was updated twice");
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn three_replicas_settle_every_missed_month_and_stop_cleanly(pool: PgPool) {
     three_replicas_catch_up(&pool, &Via::direct(&pool)).await;
 }
@@ -81,7 +81,7 @@ pub(crate) async fn three_replicas_catch_up(pool: &PgPool, via: &Via) {
     assert_every_month_settled_once(&pool, &months).await;
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn sigterm_mid_run_hands_the_key_back_and_a_restarted_replica_finishes_it(pool: PgPool) {
     install_update_audit(&pool).await;
     let months = due_now(&pool, 1).await;
@@ -146,7 +146,7 @@ async fn sigterm_mid_run_hands_the_key_back_and_a_restarted_replica_finishes_it(
     assert_every_month_settled_once(&pool, &months).await;
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_second_signal_exits_at_once(pool: PgPool) {
     let months = due_now(&pool, 1).await;
     let returned = (months[0] - chrono::Duration::days(1)).to_string();
@@ -198,7 +198,7 @@ async fn a_second_signal_exits_at_once(pool: PgPool) {
     assert!(stderr.contains("second shutdown signal"), "{stderr}");
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn an_invalid_shard_exits_2_with_one_line(pool: PgPool) {
     let url = database_url(&pool);
     for extra in [
@@ -234,7 +234,7 @@ async fn an_invalid_shard_exits_2_with_one_line(pool: PgPool) {
     assert_eq!(runs, 0);
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_shard_comes_from_the_statefulset_pod(pool: PgPool) {
     let months = due_now(&pool, 1).await;
     let url = database_url(&pool);
@@ -416,7 +416,7 @@ async fn an_idle_tick_is_one_statement() {
 
 /// One tick of a replica with accrual on retries the shard's due pending charge first, then runs the accrual
 /// for each of the last seven days: the pending charge reaches the ledger before the tick claims its first key.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_tick_compensates_first_then_accrues_the_last_seven_days(pool: PgPool) {
     let now: DateTime<Utc> = sqlx::query_scalar("select now()")
         .fetch_one(&pool)
@@ -488,7 +488,7 @@ async fn a_tick_compensates_first_then_accrues_the_last_seven_days(pool: PgPool)
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn plan_shows_what_a_tick_would_claim_and_writes_nothing(pool: PgPool) {
     let url = database_url(&pool);
     let plan = |at: &str| {
@@ -609,7 +609,7 @@ pub(crate) async fn http_get(port: u16, path: &str) -> (u16, String) {
     }
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn probes_and_metrics_are_served_by_a_running_replica(pool: PgPool) {
     let months = due_now(&pool, 1).await;
     load_months(&pool, &months, 500).await;
@@ -686,7 +686,7 @@ async fn readiness_fails_until_the_database_is_migrated(pool: PgPool) {
     assert_eq!(stop(replica).await.0, Some(0));
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_replica_whose_log_reader_went_away_still_stops_on_sigterm(pool: PgPool) {
     let url = database_url(&pool);
     let mut replica = daemon(&url, 0, 1, &[("FINE_SETTLER__LOG__LEVEL", "debug")]);
@@ -703,7 +703,7 @@ async fn a_replica_whose_log_reader_went_away_still_stops_on_sigterm(pool: PgPoo
 /// A key held by an owner that died is taken over within the same pass once its lease runs out, not only at the
 /// next tick: the older month is held (lease ending in 2 s) when the pass reaches it, the newer month takes 4 s,
 /// then the pass comes back to the older one and takes it over.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_pass_comes_back_to_a_key_whose_lease_ran_out_meanwhile(pool: PgPool) {
     install_update_audit(&pool).await;
     let months = due_now(&pool, 2).await;

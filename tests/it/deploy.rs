@@ -560,7 +560,7 @@ fn the_dashboard_queries_are_valid_promql() {
 
 /// A replica that has settled a month serves `/metrics` that `promtool check metrics` finds nothing to say
 /// about, with only series the registry declares, the run duration histogram among them.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_running_replicas_metrics_pass_promtool_check_metrics(pool: PgPool) {
     let month_end = due_now(&pool, 1).await[0].to_string();
     let loans: Vec<_> = (1..=60)

@@ -9,7 +9,6 @@ use std::{
 };
 
 use fine_settler::{
-    fine::FinePolicy,
     jobs::{
         runner::{BatchJob, JobError, Written},
         settlement::Settlement,
@@ -45,9 +44,7 @@ struct PausesBeforeBatch {
 impl PausesBeforeBatch {
     fn new(at: usize) -> Arc<Self> {
         Arc::new(PausesBeforeBatch {
-            inner: Settlement {
-                policy: FinePolicy::default(),
-            },
+            inner: Settlement,
             at,
             batches: AtomicUsize::new(0),
             reached: Notify::new(),
@@ -141,7 +138,7 @@ async fn writers(pool: &PgPool) -> Vec<(String, i64, i64, i64)> {
 /// unsettled, so the zombie's conditional write does change them: only the fence keeps them from committing. The
 /// zombie ends `lease_lost` having committed nothing more, and the peer settles every loan from the zombie's
 /// cursor on, each exactly once.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_replica_taken_over_mid_run_commits_nothing_more_and_the_peer_finishes(pool: PgPool) {
     install_update_audit(&pool).await;
     install_writer_audit(&pool).await;
@@ -284,7 +281,7 @@ impl Gate {
 /// operator releases the claim and a peer takes the key over. The runner's own fence, the batch's last
 /// statement, then matches nothing: the batch's loan writes roll back, nothing is settled, and the run reports
 /// `lease_lost` without touching the peer's row.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_batch_whose_claim_is_taken_over_while_it_writes_rolls_back(pool: PgPool) {
     install_update_audit(&pool).await;
     let loans: Vec<_> = (1..=20)
@@ -296,9 +293,7 @@ async fn a_batch_whose_claim_is_taken_over_while_it_writes_rolls_back(pool: PgPo
 
     let run = tokio::spawn({
         let replica = runner(&pool, "a", 1000);
-        let settlement = Settlement {
-            policy: FinePolicy::default(),
-        };
+        let settlement = Settlement;
         async move { replica.run(&settlement, k, false).await }
     });
     gate.wait_for_a_writer(&pool).await;
@@ -363,7 +358,7 @@ async fn a_batch_whose_claim_is_taken_over_while_it_writes_rolls_back(pool: PgPo
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_conditional_write_never_changes_a_settled_loan(pool: PgPool) {
     install_update_audit(&pool).await;
     insert(
@@ -388,10 +383,9 @@ async fn the_conditional_write_never_changes_a_settled_loan(pool: PgPool) {
     let month = (crate::helpers::d("2026-10-01"), crate::helpers::d("2026-10-31"));
     let mut tx = pool.begin().await.expect("tx");
     let shard = fine_settler::shard::ShardSpec::SINGLE;
-    let written =
-        fine_settler::store::loans::settle_range(&mut tx, month, shard, &batch, &FinePolicy::DEFAULT)
-            .await
-            .expect("settle");
+    let written = fine_settler::store::loans::settle_range(&mut tx, month, shard, &batch)
+        .await
+        .expect("settle");
     tx.commit().await.expect("commit");
     assert_eq!(written, 1, "only the unsettled loan is written");
     let fines: Vec<(i64, i64)> = sqlx::query_as("select id, fine_cents from loans order by id")

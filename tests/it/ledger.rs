@@ -11,7 +11,7 @@ use fine_settler::{
     jobs::{accrual::Accrual, JobName, Outcome, RunKey},
     shard::ShardSpec,
     store::{
-        corrections::{self, Pricing},
+        corrections,
         ledger::{self, Scope},
     },
 };
@@ -19,9 +19,10 @@ use sqlx::PgPool;
 
 use crate::helpers::{d, db, insert, loan, runner};
 
-fn accrual(policy: FinePolicy) -> Accrual {
+/// The accrual job, with the database's rules replaced by `policy` (one `default` version).
+async fn accrual(pool: &PgPool, policy: FinePolicy) -> Accrual {
+    crate::helpers::set_policy(pool, policy).await;
     Accrual {
-        policy,
         backoff: Backoff::new(Duration::from_millis(100), Duration::from_millis(250)),
         row_timeout: Duration::from_millis(500),
         isolation_budget: Duration::from_secs(5),
@@ -111,11 +112,11 @@ async fn run_days(pool: &PgPool, job: &Accrual, days: &[NaiveDate]) {
 /// Ascending, descending, all days at once, and two shard counts at once: every order of runs leaves, row for
 /// row, the ledger one sequential run leaves — each day at its canonical amount — with a cap that most loans
 /// reach inside the window.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn every_order_of_runs_leaves_the_ledger_of_one_sequential_run(pool: PgPool) {
     library(&pool).await;
     let policy = FinePolicy::new(100, 1, 550).expect("policy");
-    let job = accrual(policy);
+    let job = accrual(&pool, policy).await;
     let window = days("2026-11-01", "2026-11-25");
     let expected = owed(&pool, &policy, &window).await;
     assert!(expected.len() > 250, "the library has work: {}", expected.len());
@@ -159,7 +160,7 @@ async fn every_order_of_runs_leaves_the_ledger_of_one_sequential_run(pool: PgPoo
 /// due date moved earlier (more days owed, and the cap reached sooner), a return removed. Re-running the days
 /// appends corrections — never updating a charge — after which the net ledger is what is owed; running them
 /// again writes nothing more.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn corrections_bring_changed_loans_to_what_is_owed_once(pool: PgPool) {
     insert(
         &pool,
@@ -172,7 +173,7 @@ async fn corrections_bring_changed_loans_to_what_is_owed_once(pool: PgPool) {
     )
     .await;
     let policy = FinePolicy::new(100, 0, 450).expect("policy");
-    let job = accrual(policy);
+    let job = accrual(&pool, policy).await;
     let window = days("2026-11-01", "2026-11-10");
     run_days(&pool, &job, &window).await;
     let before = charges(&pool).await;
@@ -246,11 +247,11 @@ async fn corrections_bring_changed_loans_to_what_is_owed_once(pool: PgPool) {
 
 /// Two runs correcting the same day at the same time (the day under one shard count and under two, whose keys
 /// are different) write each correction once: the second finds its number taken.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn concurrent_runs_correct_each_day_once(pool: PgPool) {
     let loans: Vec<_> = (1..=200).map(|id| loan(id, "2026-11-01", None)).collect();
     insert(&pool, &loans).await;
-    let job = accrual(FinePolicy::new(100, 0, 0).expect("policy"));
+    let job = accrual(&pool, FinePolicy::new(100, 0, 0).expect("policy")).await;
     let window = days("2026-11-02", "2026-11-06");
     run_days(&pool, &job, &window).await;
     sqlx::query("update loans set returned_on = '2026-11-02'")
@@ -290,31 +291,19 @@ async fn concurrent_runs_correct_each_day_once(pool: PgPool) {
 /// The re-check reads only the loans libraryd changed: it finds the days a changed loan needs, a run of those
 /// days in the changed scope corrects them, and the next re-check clears the queue. A loan libraryd deleted is
 /// reported, never corrected.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_recheck_finds_the_changed_loans_and_clears_them_once_corrected(pool: PgPool) {
     let loans: Vec<_> = (1..=1_000).map(|id| loan(id, "2026-11-01", None)).collect();
     insert(&pool, &loans).await;
     let policy = FinePolicy::new(100, 0, 0).expect("policy");
-    let pricing = Pricing::from(&policy);
-    let job = accrual(policy);
+    let job = accrual(&pool, policy).await;
     let window = days("2026-11-02", "2026-11-08");
     let (first, last) = (window[0], window[window.len() - 1]);
     run_days(&pool, &job, &window).await;
     let shard = ShardSpec::SINGLE;
     let pool_db = db(&pool);
     // Loans inserted already overdue were queued by the insert trigger; nothing to do for them.
-    let recheck = || {
-        corrections::recheck(
-            &pool_db,
-            shard,
-            first,
-            last,
-            pricing,
-            100_000,
-            true,
-            Duration::ZERO,
-        )
-    };
+    let recheck = || corrections::recheck(&pool_db, shard, first, last, 100_000, true, Duration::ZERO);
     let initial = recheck().await.expect("recheck");
     assert_eq!(
         (initial.days.len(), initial.dirty, initial.marked),
@@ -340,7 +329,7 @@ async fn the_recheck_finds_the_changed_loans_and_clears_them_once_corrected(pool
     assert_eq!(found.days, days("2026-11-06", "2026-11-08"));
     assert_eq!(found.orphaned, vec![500]);
 
-    let changed = accrual(policy).within(Scope::Changed);
+    let changed = accrual(&pool, policy).await.within(Scope::Changed);
     for day in &found.days {
         let r = runner(&pool, "r", 100)
             .run(&changed, day_key(*day, 0, 1), false)
@@ -370,13 +359,13 @@ async fn the_recheck_finds_the_changed_loans_and_clears_them_once_corrected(pool
 /// `backfill --dry-run`'s count is what the run then writes, cap included: every day of a range counted up front
 /// (as the dry run does, before anything runs), then the days run newest first — charges, and, after libraryd
 /// back-dates returns, corrections.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_dry_run_counts_what_the_run_writes(pool: PgPool) {
     library(&pool).await;
     let policy = FinePolicy::new(100, 1, 550).expect("policy");
-    let job = accrual(policy);
+    let job = accrual(&pool, policy).await;
     let window = days("2026-11-01", "2026-11-25");
-    let counted = count_days(&pool, policy, &window).await;
+    let counted = count_days(&pool, &window).await;
     let written = run_counting(&pool, &job, &window).await;
     assert_eq!(written, counted);
     assert!(counted.iter().map(|c| c.1 .0).sum::<i64>() > 250, "{counted:?}");
@@ -385,7 +374,7 @@ async fn the_dry_run_counts_what_the_run_writes(pool: PgPool) {
         .execute(&pool)
         .await
         .expect("back-dated returns");
-    let counted = count_days(&pool, policy, &window).await;
+    let counted = count_days(&pool, &window).await;
     let written = run_counting(&pool, &job, &window).await;
     assert_eq!(written, counted);
     let corrections: i64 = counted.iter().map(|c| c.1 .1).sum();
@@ -396,18 +385,12 @@ async fn the_dry_run_counts_what_the_run_writes(pool: PgPool) {
 }
 
 /// The dry run's (charges, corrections) of each day, counted before any of them runs.
-async fn count_days(pool: &PgPool, policy: FinePolicy, days: &[NaiveDate]) -> Vec<(NaiveDate, (i64, i64))> {
+async fn count_days(pool: &PgPool, days: &[NaiveDate]) -> Vec<(NaiveDate, (i64, i64))> {
     let mut counted = Vec::new();
     for day in days {
-        let work = ledger::count_work(
-            &db(pool),
-            *day,
-            ShardSpec::SINGLE,
-            Pricing::from(&policy),
-            i64::MIN,
-        )
-        .await
-        .expect("count");
+        let work = ledger::count_work(&db(pool), *day, ShardSpec::SINGLE, i64::MIN)
+            .await
+            .expect("count");
         counted.push((*day, work));
     }
     counted
@@ -470,8 +453,8 @@ async fn an_old_order_ledger_is_brought_to_canonical_amounts_by_corrections(pool
     upgrade.arg("migrate");
     crate::helpers::assert_success(&crate::helpers::output(upgrade));
 
-    let (pricing, shard) = (Pricing::from(&policy), ShardSpec::SINGLE);
-    let changed = accrual(policy).within(Scope::Changed);
+    let shard = ShardSpec::SINGLE;
+    let changed = accrual(&pool, policy).await.within(Scope::Changed);
     let mut rounds = 0;
     loop {
         let found = corrections::recheck(
@@ -479,7 +462,6 @@ async fn an_old_order_ledger_is_brought_to_canonical_amounts_by_corrections(pool
             shard,
             window[0],
             window[24],
-            pricing,
             100_000,
             true,
             Duration::ZERO,
@@ -521,27 +503,15 @@ fn net_of(rows: &[(i64, NaiveDate, i64)]) -> BTreeMap<(i64, NaiveDate), i64> {
 /// A charge priced from a loan's row before libraryd changed it, committed after a re-check found the changed loan
 /// as owed: the change stays queued until a second re-check (at least a batch's time later) finds it owed too, so
 /// the stale charge is seen and corrected instead of forgotten.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_charge_in_flight_when_the_loan_changes_is_not_forgotten(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-12-01", None)]).await;
     let policy = FinePolicy::new(100, 0, 0).expect("policy");
-    let pricing = Pricing::from(&policy);
     let window = days("2026-12-02", "2026-12-05");
-    run_days(&pool, &accrual(policy), &window[..3]).await;
+    run_days(&pool, &accrual(&pool, policy).await, &window[..3]).await;
     let shard = ShardSpec::SINGLE;
     let pool_db = db(&pool);
-    let recheck = || {
-        corrections::recheck(
-            &pool_db,
-            shard,
-            window[0],
-            window[3],
-            pricing,
-            100,
-            true,
-            Duration::ZERO,
-        )
-    };
+    let recheck = || corrections::recheck(&pool_db, shard, window[0], window[3], 100, true, Duration::ZERO);
     // The loan was queued by its insert (already overdue); start from an empty queue.
     sqlx::query("delete from fine_loan_changes")
         .execute(&pool)
@@ -550,7 +520,7 @@ async fn a_charge_in_flight_when_the_loan_changes_is_not_forgotten(pool: PgPool)
 
     // A batch of 12-05 prices loan 1 from its row as it is: still out.
     let mut batch = pool.begin().await.expect("begin");
-    let charged = ledger::charge(&mut batch, d("2026-12-05"), &[1], pricing, ledger::Clamp::Hold)
+    let charged = ledger::charge(&mut batch, d("2026-12-05"), &[1], ledger::Clamp::Hold)
         .await
         .expect("charge");
     assert_eq!(charged.written, 1);
@@ -572,11 +542,11 @@ async fn a_charge_in_flight_when_the_loan_changes_is_not_forgotten(pool: PgPool)
 /// --reprocess all` runs them, still leaves every day as owed — the run of a new day that does not fit under the
 /// cap corrects the loan's later days first, whether or not the loan is still queued — and the dry run counted
 /// that pass's work beforehand.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn one_pass_after_a_due_date_moved_earlier_leaves_every_day_as_owed(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-01-01", None)]).await;
     let policy = FinePolicy::new(100, 0, 1000).expect("policy");
-    let job = accrual(policy);
+    let job = accrual(&pool, policy).await;
     let charged = days("2026-01-02", "2026-01-12");
     run_days(&pool, &job, &charged).await;
     sqlx::query("update loans set due_on = '2025-12-29' where id = 1")
@@ -589,7 +559,7 @@ async fn one_pass_after_a_due_date_moved_earlier_leaves_every_day_as_owed(pool: 
         .expect("the re-check let it go");
 
     let pass = days("2025-12-30", "2026-01-12");
-    let counted: i64 = count_days(&pool, policy, &pass)
+    let counted: i64 = count_days(&pool, &pass)
         .await
         .iter()
         .map(|(_, (charges, corrections))| charges + corrections)
@@ -611,21 +581,40 @@ async fn one_pass_after_a_due_date_moved_earlier_leaves_every_day_as_owed(pool: 
     assert_eq!(total, 1000);
 }
 
-/// A policy changed between runs (the rate doubled, the cap lowered) never gives a day owed more a negative
-/// correction, never takes a loan over the new cap, and one pass leaves every day as the new policy prices it.
-#[sqlx::test]
-async fn a_changed_policy_never_corrects_an_owed_day_downwards(pool: PgPool) {
+/// A loan whose class libraryd changes between runs to one with another policy (the rate doubled, the cap
+/// lowered) never gets a negative correction on a day it now owes more, never goes over the new cap, and one
+/// pass leaves every day as the new policy prices it.
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_changed_class_never_corrects_an_owed_day_downwards(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-01-01", None)]).await;
     let before = FinePolicy::new(100, 0, 1000).expect("policy");
+    let job = accrual(&pool, before).await;
+    sqlx::query(
+        "insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents) \
+         values ('laptop', '4714-11-24 BC', 200, 0, 800)",
+    )
+    .execute(&pool)
+    .await
+    .expect("the laptop class's policy");
+    let after = FinePolicy::new(200, 0, 800).expect("policy");
     let window = days("2026-01-02", "2026-01-12");
-    run_days(&pool, &accrual(before), &window).await;
-    sqlx::query("delete from fine_loan_changes")
+    run_days(&pool, &job, &window).await;
+    sqlx::query("update loans set fine_class = 'laptop' where id = 1")
         .execute(&pool)
         .await
-        .expect("nothing queued: libraryd did not change the loan");
+        .expect("libraryd reclassifies the loan");
+    let queued: i64 = sqlx::query_scalar("select count(*) from fine_loan_changes where loan_id = 1")
+        .fetch_one(&pool)
+        .await
+        .expect("queue");
+    assert!(queued > 0, "a change of class is queued for the re-check");
 
-    let after = FinePolicy::new(200, 0, 800).expect("policy");
-    run_days(&pool, &accrual(after), &window).await;
+    for day in &window {
+        let r = runner(&pool, "again", 7)
+            .run(&job, day_key(*day, 0, 1), true)
+            .await;
+        assert_eq!(r.outcome, Outcome::Settled, "{r:?}");
+    }
     let wrong: i64 = sqlx::query_scalar(
         "select count(*) from fine_ledger_corrections c join fine_ledger_net n using (loan_id, accrual_date) \
          where c.amount_cents < 0 and n.net_cents > 0 and c.accrual_date < '2026-01-06'",
@@ -640,11 +629,11 @@ async fn a_changed_policy_never_corrects_an_owed_day_downwards(pool: PgPool) {
 /// A pending charge whose day no longer fits under the cap because later days hold more than they owe (the due
 /// date moved earlier while it waited) is not written off as "not owed": the retry leaves it to the re-check,
 /// queueing the loan, and the run of its day relieves the later days and charges it.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_pending_charge_held_back_by_the_cap_is_left_to_the_recheck(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-01-01", None)]).await;
     let policy = FinePolicy::new(100, 0, 1000).expect("policy");
-    let job = accrual(policy);
+    let job = accrual(&pool, policy).await;
     run_days(&pool, &job, &days("2026-01-03", "2026-01-11")).await;
     sqlx::query(
         "insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at) \

@@ -56,7 +56,7 @@ async fn healthz_answers(port: u16) -> bool {
         .is_ok()
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_replica_told_to_stop_drains_and_frees_its_port(pool: PgPool) {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
@@ -83,7 +83,7 @@ async fn a_replica_told_to_stop_drains_and_frees_its_port(pool: PgPool) {
     std::net::TcpListener::bind(("127.0.0.1", port)).expect("the port is free again");
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_drain_longer_than_the_drain_timeout_exits_with_the_batch_in_flight(pool: PgPool) {
     // Loans returned late in the month a tick settles now; each row's update takes a second, so a batch of 5
     // takes 5 s.
@@ -135,7 +135,7 @@ async fn a_drain_longer_than_the_drain_timeout_exits_with_the_batch_in_flight(po
 /// `job_runs` until its statement timeout (1 s) cancels it, attempt after attempt — make `/readyz` fail at once
 /// and `/healthz` once they have failed for longer than the liveness window (two 300 ms periods plus the 1 s
 /// batch timeout, at least a minute), each saying why; a tick that succeeds again makes both green.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn ticks_failing_on_a_server_that_answers_fail_readyz_then_healthz_until_one_succeeds(pool: PgPool) {
     let url = database_url(&pool);
     let port = free_port();

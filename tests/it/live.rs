@@ -77,7 +77,7 @@ async fn exec(pool: &PgPool, sql: &str) {
     sqlx::raw_sql(sql).execute(pool).await.expect(sql);
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_return_back_dated_into_a_settled_month_is_settled_by_the_next_tick_and_by_settle(pool: PgPool) {
     let url = database_url(&pool);
     let months = due_now(&pool, 3).await;
@@ -160,7 +160,7 @@ async fn a_return_back_dated_into_a_settled_month_is_settled_by_the_next_tick_an
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn outside_the_catch_up_window_nothing_reopens_by_itself_verify_reports_it_and_settle_fixes_it(
     pool: PgPool,
 ) {
@@ -200,7 +200,7 @@ async fn outside_the_catch_up_window_nothing_reopens_by_itself_verify_reports_it
     verify(0);
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_loan_recorded_late_as_overdue_is_charged_when_the_tick_reopens_its_days(pool: PgPool) {
     let url = database_url(&pool);
     let today = db_today(&pool).await;
@@ -242,9 +242,10 @@ async fn a_loan_recorded_late_as_overdue_is_charged_when_the_tick_reopens_its_da
     assert!(idle.is_empty(), "{idle:?}");
 }
 
-fn accrual(policy: FinePolicy, backoff: Duration) -> Accrual {
+/// The accrual job, with the database's rules replaced by `policy` (one `default` version).
+async fn accrual(pool: &PgPool, policy: FinePolicy, backoff: Duration) -> Accrual {
+    crate::helpers::set_policy(pool, policy).await;
     Accrual {
-        policy,
         backoff: Backoff::new(backoff, backoff * 4),
         row_timeout: Duration::from_millis(500),
         isolation_budget: Duration::from_secs(5),
@@ -269,7 +270,7 @@ async fn ledger_total(pool: &PgPool, loan_id: i64) -> i64 {
         .expect("total")
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn two_runs_of_different_days_never_charge_a_capped_loan_past_its_cap(pool: PgPool) {
     let day = d("2026-10-20");
     insert(&pool, &[loan(1, "2026-10-18", None)]).await;
@@ -287,9 +288,11 @@ async fn two_runs_of_different_days_never_charge_a_capped_loan_past_its_cap(pool
     )
     .await;
     let job = accrual(
+        &pool,
         FinePolicy::new(100, 0, 250).expect("policy"),
         Duration::from_secs(60),
-    );
+    )
+    .await;
     // Two replicas of the shard (or a manual accrue) running two days at once.
     let (ra, rb) = (runner(&pool, "a", 10), runner(&pool, "b", 10));
     let (a, b) = tokio::join!(
@@ -341,7 +344,7 @@ fn runner_with_lock_timeout(pool: &PgPool, owner: &str, batch_size: u32) -> Runn
     )
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_row_libraryd_keeps_locked_is_left_for_later_and_settled_once_released(pool: PgPool) {
     insert(
         &pool,
@@ -351,9 +354,7 @@ async fn a_row_libraryd_keeps_locked_is_left_for_later_and_settled_once_released
     )
     .await;
     let libraryd = Libraryd::locks(&pool, "select * from loans where id = 12 for update").await;
-    let job = Settlement {
-        policy: FinePolicy::default(),
-    };
+    let job = Settlement;
     let k = key("2026-10-31", 0, 1);
     let first = runner_with_lock_timeout(&pool, "a", 10).run(&job, k, false).await;
     assert_eq!(
@@ -396,7 +397,7 @@ async fn a_row_libraryd_keeps_locked_is_left_for_later_and_settled_once_released
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_charge_blocked_by_a_libraryd_lock_goes_to_pending_and_is_charged_once_released(pool: PgPool) {
     // libraryd keeps a balance per member, updated by a trigger on the ledger; a libraryd transaction holds
     // member 7's balance row.
@@ -427,7 +428,7 @@ async fn a_charge_blocked_by_a_libraryd_lock_goes_to_pending_and_is_charged_once
     )
     .await;
 
-    let job = accrual(FinePolicy::default(), Duration::from_millis(100));
+    let job = accrual(&pool, FinePolicy::default(), Duration::from_millis(100)).await;
     let day = d("2026-10-20");
     let run = runner_with_lock_timeout(&pool, "a", 50)
         .run(&job, day_key(day), false)
@@ -454,7 +455,7 @@ async fn a_charge_blocked_by_a_libraryd_lock_goes_to_pending_and_is_charged_once
     assert_eq!(charged, 20);
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn concurrent_compensation_passes_spend_one_attempt_per_backoff_period(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-10-01", None), loan(2, "2026-10-01", None)]).await;
     // Both charges keep failing; loan 1's rejection takes 1 s, loan 2's 0.3 s.
@@ -472,7 +473,7 @@ async fn concurrent_compensation_passes_spend_one_attempt_per_backoff_period(poo
     )
     .await;
     // Two replicas of the shard read the same due list; each then reaches the charge the other just retried.
-    let job = accrual(FinePolicy::default(), Duration::from_secs(60));
+    let job = accrual(&pool, FinePolicy::default(), Duration::from_secs(60)).await;
     let shared = db(&pool);
     let pass = || compensate(&shared, &job, Some(ShardSpec::SINGLE), true, 10);
     let (a, b) = tokio::join!(pass(), pass());
@@ -485,7 +486,7 @@ async fn concurrent_compensation_passes_spend_one_attempt_per_backoff_period(poo
     assert_eq!(attempts, [2, 2], "each charge retried once, not once per replica");
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_failing_compensation_pass_does_not_stop_settlement(pool: PgPool) {
     let url = database_url(&pool);
     let latest = *due_now(&pool, 1).await.last().expect("month");
@@ -533,7 +534,7 @@ async fn a_failing_compensation_pass_does_not_stop_settlement(pool: PgPool) {
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_deferred_constraint_that_rejects_a_charge_at_commit_queues_that_charge(pool: PgPool) {
     insert(
         &pool,
@@ -553,7 +554,7 @@ async fn a_deferred_constraint_that_rejects_a_charge_at_commit_queues_that_charg
              for each row execute function reject_13();",
     )
     .await;
-    let job = accrual(FinePolicy::default(), Duration::from_millis(100));
+    let job = accrual(&pool, FinePolicy::default(), Duration::from_millis(100)).await;
     let run = runner(&pool, "a", 50)
         .run(&job, day_key(d("2026-10-20")), false)
         .await;
@@ -569,7 +570,7 @@ async fn a_deferred_constraint_that_rejects_a_charge_at_commit_queues_that_charg
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_pending_charge_for_a_day_no_longer_overdue_is_resolved_and_verify_reports_over_accrual(
     pool: PgPool,
 ) {
@@ -584,7 +585,7 @@ async fn a_pending_charge_for_a_day_no_longer_overdue_is_resolved_and_verify_rep
     )
     .await;
     // Loan 1 was returned on the 15th, recorded late: nothing is owed for the 20th.
-    let job = accrual(FinePolicy::default(), Duration::from_millis(100));
+    let job = accrual(&pool, FinePolicy::default(), Duration::from_millis(100)).await;
     let done = compensate(&db(&pool), &job, Some(ShardSpec::SINGLE), true, 10)
         .await
         .expect("compensation");
@@ -598,13 +599,7 @@ async fn a_pending_charge_for_a_day_no_longer_overdue_is_resolved_and_verify_rep
 
     // Loan 2 was charged up to the 20th before its return on the 15th was recorded: over-accrued.
     let settle = runner(&pool, "s", 10)
-        .run(
-            &Settlement {
-                policy: FinePolicy::default(),
-            },
-            key("2026-10-31", 0, 1),
-            false,
-        )
+        .run(&Settlement, key("2026-10-31", 0, 1), false)
         .await;
     assert_eq!(settle.outcome, Outcome::Settled);
     let mut verify = fine_settler(&database_url(&pool));
@@ -619,7 +614,7 @@ async fn a_pending_charge_for_a_day_no_longer_overdue_is_resolved_and_verify_rep
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_key_that_leaves_its_window_unfinished_is_reported_once(pool: PgPool) {
     let url = database_url(&pool);
     let oldest_due = due_now(&pool, 3).await[0];
@@ -641,7 +636,7 @@ async fn a_key_that_leaves_its_window_unfinished_is_reported_once(pool: PgPool) 
 
 /// `accrue --date` asks the database what day it is, as the daemon does: a host clock three days behind does not
 /// make yesterday "not over yet" (the test runs the binary under libfaketime; scripts/test.sh installs it).
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn accrue_checks_its_date_against_the_database_clock(pool: PgPool) {
     let url = database_url(&pool);
     let yesterday = db_today(&pool).await - days(1);
@@ -679,7 +674,7 @@ fn which(program: &str) -> Option<std::path::PathBuf> {
     })
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_loan_due_at_the_end_of_the_calendar_does_not_stop_the_accrual(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-10-01", None), loan(3, "2026-10-01", None)]).await;
     // PostgreSQL's last date: with a grace period, `due_on + grace` is past the calendar.
@@ -689,15 +684,18 @@ async fn a_loan_due_at_the_end_of_the_calendar_does_not_stop_the_accrual(pool: P
     )
     .await;
     let job = accrual(
+        &pool,
         FinePolicy::new(100, 1, 0).expect("policy"),
         Duration::from_secs(1),
-    );
+    )
+    .await;
     let run = runner(&pool, "a", 10)
         .run(&job, day_key(d("2026-10-20")), false)
         .await;
     assert_eq!((run.outcome, run.updated), (Outcome::Settled, 2), "{run:?}");
 }
 
+// No fixture: the command seeds the empty fine_policies from its [fine] keys.
 #[sqlx::test]
 async fn with_a_daily_rate_of_zero_accrual_days_do_not_reopen_at_every_tick(pool: PgPool) {
     let url = database_url(&pool);
@@ -719,7 +717,7 @@ async fn with_a_daily_rate_of_zero_accrual_days_do_not_reopen_at_every_tick(pool
 
 /// The first attempt of a finish still committing when its retry starts: the retry waits for it, matches
 /// nothing, and must still see that the key is SUCCESS under its own epoch.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_retried_finish_racing_its_own_first_attempt_counts_as_finished(pool: PgPool) {
     use fine_settler::store::job_runs::{claim, finish, ClaimMode, Claimant, Ending};
     let k = key("2026-10-31", 0, 1);
@@ -770,7 +768,7 @@ async fn a_retried_finish_racing_its_own_first_attempt_counts_as_finished(pool: 
 
 /// A replica asked to stop during a long compensation backlog stops between charges and exits 0 within its drain
 /// timeout; the rest of the queue waits for the next replica.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn sigterm_during_a_long_compensation_pass_stops_it_cleanly(pool: PgPool) {
     let url = database_url(&pool);
     insert(
@@ -813,7 +811,7 @@ async fn sigterm_during_a_long_compensation_pass_stops_it_cleanly(pool: PgPool) 
 
 /// Two runs of different days charging the same capped loans, one of them isolating a rejected batch row by row:
 /// the isolated charges take their loans' locks in the same order as every batch, so the two cannot deadlock.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn isolating_a_rejected_batch_cannot_deadlock_with_another_run(pool: PgPool) {
     use std::str::FromStr;
     insert(
@@ -835,9 +833,11 @@ async fn isolating_a_rejected_batch_cannot_deadlock_with_another_run(pool: PgPoo
     )
     .await;
     let job = accrual(
+        &pool,
         FinePolicy::new(100, 0, 1_000_000).expect("policy"),
         Duration::from_secs(60),
-    );
+    )
+    .await;
     let a = tokio::spawn({
         let (pool, job) = (pool.clone(), job);
         async move {
@@ -886,7 +886,7 @@ async fn isolating_a_rejected_batch_cannot_deadlock_with_another_run(pool: PgPoo
 /// A loan recorded late and returned inside both a settled month and the accrual window: the running replica's
 /// next tick settles it (settlement's question runs at every tick), and its overdue days are charged by the next
 /// accrual recheck although the loan is settled by then.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_late_return_settled_by_a_running_replica_is_also_accrued(pool: PgPool) {
     let url = database_url(&pool);
     let today = db_today(&pool).await;
@@ -939,7 +939,7 @@ async fn a_late_return_settled_by_a_running_replica_is_also_accrued(pool: PgPool
 
 /// The accrual's re-check looks at each day of a changed loan: a day both charged and queued (a charge rejected
 /// by a trigger after another run had written that day) does not hide a day really missing from the same loan.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_day_both_charged_and_queued_does_not_hide_a_missing_day(pool: PgPool) {
     insert(&pool, &[loan(2, "2026-01-01", None)]).await;
     exec(
@@ -952,13 +952,11 @@ async fn a_day_both_charged_and_queued_does_not_hide_a_missing_day(pool: PgPool)
     )
     .await;
     // The loan was queued by libraryd's insert (it was already overdue).
-    let pricing = fine_settler::store::corrections::Pricing::from(&FinePolicy::DEFAULT);
     let found = fine_settler::store::corrections::recheck(
         &fine_settler::store::Db::from(pool.clone()),
         fine_settler::shard::ShardSpec::SINGLE,
         d("2026-01-02"),
         d("2026-01-10"),
-        pricing,
         100,
         false,
         Duration::ZERO,

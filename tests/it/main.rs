@@ -31,6 +31,7 @@ mod promotion;
 mod read_only;
 mod recheck;
 mod replication;
+mod rules;
 mod scripts;
 mod server;
 mod settlement;

@@ -16,7 +16,7 @@ fn multi_host(pool: &PgPool) -> String {
     )
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_multi_host_url_settles_through_its_first_host(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-10-01", Some("2026-10-09"))]).await;
     let url = multi_host(&pool);
@@ -38,7 +38,7 @@ async fn a_multi_host_url_settles_through_its_first_host(pool: PgPool) {
     assert_eq!(fine, 800);
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn check_config_shows_a_multi_host_url_redacted(_pool: PgPool) {
     let url = "postgres://settler:hunter2@db1.example:5432,[2001:db8::2]:5433/libraryd?target_session_attrs=primary";
     let mut cmd = fine_settler(url);
@@ -55,7 +55,7 @@ async fn check_config_shows_a_multi_host_url_redacted(_pool: PgPool) {
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_bad_host_list_is_one_line_exit_2_and_nothing_written(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-10-01", Some("2026-10-09"))]).await;
     let good = database_url(&pool).replace("postgres@", "postgres:hunter2@");

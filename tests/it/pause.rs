@@ -6,7 +6,6 @@ use std::{process::Output, time::Duration};
 
 use chrono::NaiveDate;
 use fine_settler::{
-    fine::FinePolicy,
     jobs::{settlement::Settlement, JobName, Outcome},
     shard::ShardSpec,
     store::{
@@ -25,9 +24,7 @@ use crate::{
     },
 };
 
-const POLICY: Settlement = Settlement {
-    policy: FinePolicy::DEFAULT,
-};
+const POLICY: Settlement = Settlement;
 
 /// Loans 1..=n returned the day before `month_end`, three days late.
 async fn returned_in(pool: &PgPool, month_end: NaiveDate, n: i64) {
@@ -74,7 +71,7 @@ async fn committed_updates(pool: &PgPool) -> i64 {
 /// lease ended); while paused, tick after tick claims nothing and commits nothing, the replica says so once and
 /// exports the gauge; resumed, the next tick takes the key over and finishes it from the cursor, no loan
 /// updated twice.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_pause_stops_a_running_replica_within_one_batch_and_resume_finishes_from_the_cursor(pool: PgPool) {
     install_update_audit(&pool).await;
     let months = due_now(&pool, 1).await;
@@ -231,7 +228,7 @@ async fn a_pause_stops_a_running_replica_within_one_batch_and_resume_finishes_fr
 
 /// A run learns of a pause at its first fence: a key claimed just before the pause commits one batch and is
 /// handed back; with `ignoring_pauses` (`--ignore-pause`) the run goes on to the end.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_run_claimed_before_the_pause_commits_one_batch_and_hands_the_key_back(pool: PgPool) {
     returned_in(&pool, "2026-10-31".parse().expect("date"), 50).await;
     pauses::pause(
@@ -270,7 +267,7 @@ async fn a_run_claimed_before_the_pause_commits_one_batch_and_hands_the_key_back
 
 /// The fence's answer: a pause covering the key (the job's, or this shard's) lets the batch commit and says
 /// who paused it; another shard's pause is not this key's; a lost epoch is lost, paused or not.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_fence_reports_a_pause_and_never_mistakes_it_for_a_lost_lease(pool: PgPool) {
     let k = key("2026-10-31", 1, 4);
     assert!(matches!(
@@ -359,7 +356,7 @@ async fn the_fence_reports_a_pause_and_never_mistakes_it_for_a_lost_lease(pool: 
 /// A pause of shard 1 of 2 stops only that shard: shard 0 settles, shard 1 claims nothing (its plan says
 /// paused), shard 1 of another shard count is not paused; resuming the whole job does not lift the shard's own
 /// pause, resuming the shard does.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_shard_s_pause_stops_only_that_shard(pool: PgPool) {
     let months = due_now(&pool, 1).await;
     returned_in(&pool, months[0], 40).await;
@@ -439,7 +436,7 @@ async fn a_shard_s_pause_stops_only_that_shard(pool: PgPool) {
 
 /// `settle` and `accrue` by hand on a paused job exit 1 with one line naming the pause and write nothing (not
 /// even the compensation pass); with `--ignore-pause` they run.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn settle_and_accrue_refuse_a_paused_job_unless_told_to_ignore_the_pause(pool: PgPool) {
     returned_in(&pool, "2026-10-31".parse().expect("date"), 20).await;
     let url = database_url(&pool);
@@ -523,7 +520,7 @@ async fn settle_and_accrue_refuse_a_paused_job_unless_told_to_ignore_the_pause(p
 /// `pending retry` retries every shard's charges, so a pause of the accrual — of the whole job or of one shard —
 /// refuses it: exit 1, one line naming the pause and `--ignore-pause`, nothing written (not even `--dead`'s fresh
 /// attempts). With `--ignore-pause` it charges the queue. A pause of the settlement does not stop it.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn pending_retry_refuses_a_paused_accrual_unless_told_to_ignore_the_pause(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-10-01", None), loan(2, "2026-10-01", None)]).await;
     sqlx::query(
@@ -619,7 +616,7 @@ async fn pending_retry_refuses_a_paused_accrual_unless_told_to_ignore_the_pause(
 /// lifted, and a second `resume` that nothing was paused (exit 0); `--by` defaults to $USER@host; `runs` shows
 /// the pause above its table and as a `record: pause` JSON line; bad scopes are refused with exit 2 and nothing
 /// written.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn pause_and_resume_report_what_they_did_and_keep_a_history(pool: PgPool) {
     let url = database_url(&pool);
     let as_alice = |args: &[&str]| {
@@ -744,7 +741,7 @@ async fn pause_and_resume_report_what_they_did_and_keep_a_history(pool: PgPool) 
 
 /// A pause that comes while a replica's pass works through several keys: the key in flight is handed back, and
 /// the pass starts no further key of the job (they wait for `resume`).
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_pause_mid_pass_starts_no_further_key_of_the_job(pool: PgPool) {
     let months = due_now(&pool, 3).await;
     for (i, m) in months.iter().enumerate() {
@@ -820,7 +817,7 @@ async fn a_pause_mid_pass_starts_no_further_key_of_the_job(pool: PgPool) {
 
 /// A paused accrual charges nothing from the daemon either: its compensation pass waits for `resume`, as `accrue`
 /// refuses before its own.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_paused_accrual_s_queue_is_not_compensated_by_the_daemon(pool: PgPool) {
     let url = database_url(&pool);
     insert(&pool, &[loan(7, "2026-01-01", None)]).await;

@@ -54,25 +54,25 @@ async fn jobs_through(pool: &PgPool, bouncer: &PgBouncer, mode: PoolMode) -> Db 
         .expect("connect through pgbouncer")
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn idempotence_through_pgbouncer_in_transaction_mode(pool: PgPool) {
     let bouncer = PgBouncer::start(PoolMode::Transaction).await;
     three_shards_twice_each(&pool, &via(&pool, &bouncer, PoolMode::Transaction)).await;
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn idempotence_through_pgbouncer_in_session_mode(pool: PgPool) {
     let bouncer = PgBouncer::start(PoolMode::Session).await;
     three_shards_twice_each(&pool, &via(&pool, &bouncer, PoolMode::Session)).await;
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn three_replicas_catch_up_through_pgbouncer_in_transaction_mode(pool: PgPool) {
     let bouncer = PgBouncer::start(PoolMode::Transaction).await;
     three_replicas_catch_up(&pool, &via(&pool, &bouncer, PoolMode::Transaction)).await;
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn rejected_charges_are_compensated_once_through_pgbouncer_in_transaction_mode(pool: PgPool) {
     let bouncer = PgBouncer::start(PoolMode::Transaction).await;
     let jobs = jobs_through(&pool, &bouncer, PoolMode::Transaction).await;
@@ -88,7 +88,7 @@ async fn holder(pool: &PgPool, month: chrono::NaiveDate) -> Option<(String, Opti
         .expect("job_runs")
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_replica_frozen_mid_batch_behind_pgbouncer_commits_nothing_when_thawed(pool: PgPool) {
     let bouncer = PgBouncer::start(PoolMode::Transaction).await;
     let via = via(&pool, &bouncer, PoolMode::Transaction);

@@ -51,7 +51,7 @@ async fn statement_timeout(conn: &mut PgConnection) -> String {
         .get(0)
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn transaction_mode_reaches_the_per_test_database_by_name(pool: PgPool) {
     let bouncer = PgBouncer::start(PoolMode::Transaction).await;
     let url = bouncer.url_for(&database_url(&pool));
@@ -82,7 +82,7 @@ async fn transaction_mode_reaches_the_per_test_database_by_name(pool: PgPool) {
     assert_eq!(server_side, Some(expected));
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn default_settings_reject_the_extra_float_digits_sqlx_sends(pool: PgPool) {
     for mode in [PoolMode::Transaction, PoolMode::Session] {
         let bouncer = PgBouncer::start(mode).await;
@@ -101,7 +101,7 @@ async fn default_settings_reject_the_extra_float_digits_sqlx_sends(pool: PgPool)
     }
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn session_mode_keeps_a_clients_prepared_statements_and_settings_to_itself(pool: PgPool) {
     let bouncer = PgBouncer::start(PoolMode::Session).await;
     let options = admitted(&bouncer.url_for(&database_url(&pool)));
@@ -125,7 +125,7 @@ async fn session_mode_keeps_a_clients_prepared_statements_and_settings_to_itself
     }
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn transaction_mode_shares_a_server_connection_and_session_mode_does_not(pool: PgPool) {
     // Two client connections open at once, each running one statement after the other. In transaction mode the
     // second finds the first client's server connection idle in the pool (no other was ever opened) and runs on
@@ -153,7 +153,7 @@ async fn transaction_mode_shares_a_server_connection_and_session_mode_does_not(p
 /// startup parameter `options`, which PgBouncer refuses at every login. Behind a pooler in either mode a command
 /// refuses at once instead: exit 2, one line naming `PGOPTIONS`, no connection, nothing written. Directly, the
 /// variable is sqlx's to send, as libpq's users expect.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn pgoptions_behind_a_pooler_is_refused_in_one_line_naming_it(pool: PgPool) {
     for mode in [PoolMode::Transaction, PoolMode::Session] {
         let bouncer = PgBouncer::start(mode).await;

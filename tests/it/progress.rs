@@ -73,7 +73,7 @@ fn under_terminal(url: &str, args: &str, env: &[(&str, &str)]) -> (std::process:
     (out, stdout)
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn settle_on_a_terminal_draws_rows_done_of_rows_to_do_and_keeps_stdout_the_report(pool: PgPool) {
     overdue_loans(&pool, 3000).await;
     // 3000 rows at 1 ms each in batches of 100: the run takes some seconds, so the bar is drawn mid-run.
@@ -115,7 +115,7 @@ async fn settle_on_a_terminal_draws_rows_done_of_rows_to_do_and_keeps_stdout_the
     assert_eq!(report["updated"], 3000, "{report}");
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn migrate_on_a_terminal_draws_the_concurrent_index_build(pool: PgPool) {
     overdue_loans(&pool, 2000).await;
     // The index is to be built again: gone, and its migration forgotten.
@@ -194,7 +194,7 @@ fn assert_plain_json(what: &str, out: &std::process::Output) -> Vec<Value> {
     reports
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn without_a_terminal_stderr_is_json_logs_and_stdout_the_reports(pool: PgPool) {
     overdue_loans(&pool, 300).await;
     let url = database_url(&pool);

@@ -55,7 +55,7 @@ async fn job_runs(pool: &PgPool) -> i64 {
         .expect("count")
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_replica_started_on_a_read_only_server_is_not_ready_claims_nothing_and_starts_once_it_can_write(
     pool: PgPool,
 ) {
@@ -208,7 +208,7 @@ async fn a_running_replica_whose_server_turns_read_only_claims_nothing_until_it_
     .await;
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_one_shot_command_on_a_read_only_server_exits_1_with_one_line_and_writes_nothing(pool: PgPool) {
     let month = due_now(&pool, 1).await[0];
     insert(&pool, &[loan(1, &month.to_string(), Some(&month.to_string()))]).await;
@@ -246,7 +246,7 @@ async fn a_one_shot_command_on_a_read_only_server_exits_1_with_one_line_and_writ
     assert_eq!(pauses, 0);
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_write_refused_by_a_read_only_transaction_is_told_apart_from_other_errors(pool: PgPool) {
     let mut tx = pool.begin().await.expect("begin");
     exec_tx(&mut tx, "set transaction read only").await;

@@ -26,7 +26,7 @@ async fn count(pool: &PgPool, sql: &str) -> i64 {
 /// A return recorded late and back-dated before days the replica already charged: the re-check finds the loan
 /// among libraryd's changes, re-opens those days, and their runs append `returned` corrections; the net ledger is
 /// then what is owed, and the metric counts them.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_replica_corrects_a_back_dated_return_by_itself(pool: PgPool) {
     let due = days_ago(&pool, 10).await;
     let loans: Vec<_> = (1..=40)
@@ -102,7 +102,7 @@ async fn a_replica_corrects_a_back_dated_return_by_itself(pool: PgPool) {
 /// settled: the replica settles it anyway, counts and logs the failed re-check once as its own episode (not as a
 /// database outage), and stays live. Before the re-check had its own step, the accrual's re-open question was part
 /// of the tick's status statement, and a slow one stopped every tick.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_re_check_that_cannot_complete_never_stops_the_tick(pool: PgPool) {
     let month_end = crate::helpers::due_now(&pool, 1).await[0];
     let returned: Vec<_> = (1..=50)

@@ -16,9 +16,7 @@ use crate::helpers::{
     output, report, runner, settled, settled_outside, sigkill, slow_down, spawn, wait_until, Via,
 };
 
-const POLICY: Settlement = Settlement {
-    policy: FinePolicy::DEFAULT,
-};
+const POLICY: Settlement = Settlement;
 
 async fn demo_loans(pool: &PgPool, n: u64) {
     let loans: Vec<_> = demo::loans(DemoSpec {
@@ -31,7 +29,7 @@ async fn demo_loans(pool: &PgPool, n: u64) {
     insert(pool, &loans).await;
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_run_settles_the_month_and_reruns_change_nothing(pool: PgPool) {
     install_update_audit(&pool).await;
     demo_loans(&pool, 2000).await;
@@ -63,7 +61,7 @@ async fn a_run_settles_the_month_and_reruns_change_nothing(pool: PgPool) {
     assert_eq!(max_updates_per_loan(&pool).await, 1);
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn three_shards_twice_each_concurrently_then_rerun_then_forced(pool: PgPool) {
     three_shards_twice_each(&pool, &Via::direct(&pool)).await;
 }
@@ -172,7 +170,7 @@ pub(crate) async fn three_shards_twice_each(pool: &PgPool, via: &Via) {
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_seeds_zero_fine_trap_reworks_nothing(pool: PgPool) {
     install_update_audit(&pool).await;
     // 40 on-time returns (fine 0) and 10 late ones.
@@ -199,7 +197,7 @@ async fn the_seeds_zero_fine_trap_reworks_nothing(pool: PgPool) {
     assert_eq!(settled(&pool, "2026-10-31").await, (50, 10 * 300));
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn resharding_from_three_to_four_settles_every_row(pool: PgPool) {
     install_update_audit(&pool).await;
     demo_loans(&pool, 1500).await;
@@ -230,7 +228,7 @@ async fn resharding_from_three_to_four_settles_every_row(pool: PgPool) {
     assert_eq!(max_updates_per_loan(&pool).await, 1);
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_business_month_is_first_to_last_day_inclusive(pool: PgPool) {
     insert(
         &pool,
@@ -264,7 +262,7 @@ async fn the_business_month_is_first_to_last_day_inclusive(pool: PgPool) {
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_january_tick_settles_december(pool: PgPool) {
     insert(
         &pool,
@@ -284,7 +282,7 @@ async fn a_january_tick_settles_december(pool: PgPool) {
     assert_eq!((r.outcome, r.scanned, r.updated), (Outcome::Settled, 1, 1));
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn ids_at_the_top_of_the_range_terminate(pool: PgPool) {
     insert(
         &pool,
@@ -309,7 +307,7 @@ async fn ids_at_the_top_of_the_range_terminate(pool: PgPool) {
 /// is left out: the run settles the rest of the month and succeeds, the key does not re-open for it, and
 /// `verify` names it (exit 3) — as it names one with a non-finite return date, which is in no month. Once the
 /// date is fixed, `settle` re-opens the key and settles it.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_loan_with_a_date_that_is_not_finite_is_left_out_and_named_by_verify(pool: PgPool) {
     insert(
         &pool,
@@ -399,7 +397,7 @@ async fn a_loan_with_a_date_that_is_not_finite_is_left_out_and_named_by_verify(p
     assert_eq!(report(&out)["audit"]["not_finite"].as_i64(), Some(0));
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(pool: PgPool) {
     install_update_audit(&pool).await;
     let loans: Vec<_> = (1..=300)
@@ -493,7 +491,7 @@ async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(
 /// 2^30 days early, and a day either side of the due date; the first and last months are in years 1 and 9999,
 /// the calendar's bounds, so the first date is about 5.4 million days before a return and the last about
 /// 2.1 billion days after one.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn settlement_and_the_audit_charge_the_policys_fine_on_random_and_extreme_loans(pool: PgPool) {
     let mut rng = demo::SplitMix64::new(99);
     let mut checked = 0;
@@ -558,15 +556,16 @@ async fn settlement_and_the_audit_charge_the_policys_fine_on_random_and_extreme_
         .await
         .expect("insert loans");
 
+        crate::helpers::set_policy(&pool, policy).await;
         let run = runner(&pool, "settler", 64)
-            .run(&Settlement { policy }, key(&last.to_string(), 0, 1), false)
+            .run(&Settlement, key(&last.to_string(), 0, 1), false)
             .await;
         assert_eq!(
             (run.outcome, run.scanned, run.updated),
             (Outcome::Settled, 206, 206),
             "{policy:?}: {run:?}"
         );
-        let audit = fine_settler::store::audit::month(&db(&pool), (first, last), &policy)
+        let audit = fine_settler::store::audit::month(&db(&pool), (first, last))
             .await
             .expect("audit");
         assert_eq!(

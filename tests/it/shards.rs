@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use fine_settler::{
     backoff::Backoff,
-    fine::FinePolicy,
     jobs::{
         accrual::{compensate, Accrual},
         settlement::Settlement,
@@ -25,13 +24,11 @@ use crate::helpers::{
     db, insert, install_update_audit, key, loan, max_updates_per_loan, oracle, runner, settled,
 };
 
-const POLICY: Settlement = Settlement {
-    policy: FinePolicy::DEFAULT,
-};
+const POLICY: Settlement = Settlement;
 
 /// `fine_settler_shard_of(id, shards)` in SQL and `shard_of` in Rust agree on generated ids and shard counts
 /// (any i64, 1..=MAX_SHARDS) and on the edges, all sent in one statement.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_sql_shard_function_agrees_with_shard_spec(pool: PgPool) {
     let mut gen = TestRunner::deterministic();
     let pairs = (proptest::num::i64::ANY, 1..=MAX_SHARDS);
@@ -81,7 +78,7 @@ async fn the_sql_shard_function_agrees_with_shard_spec(pool: PgPool) {
 
 /// Loans -7..=7 returned in the month, settled by three shards: every loan is settled exactly once, each by the
 /// shard `ShardSpec::owns` names, and the totals are the oracle's.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn negative_ids_are_settled_by_exactly_one_shard(pool: PgPool) {
     install_update_audit(&pool).await;
     let loans: Vec<_> = (-7..=7)
@@ -110,7 +107,7 @@ async fn negative_ids_are_settled_by_exactly_one_shard(pool: PgPool) {
 
 /// A pending charge of loan -3 belongs to shard 1 of 2 (the remainder taken non-negative): that shard's pass
 /// retries it and its counts show it; shard 0's do neither.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_negative_loans_pending_charge_is_retried_and_counted_by_its_shard(pool: PgPool) {
     insert(&pool, &[loan(-3, "2026-10-01", None)]).await;
     sqlx::query(
@@ -121,7 +118,6 @@ async fn a_negative_loans_pending_charge_is_retried_and_counted_by_its_shard(poo
     .await
     .expect("pending");
     let job = Accrual {
-        policy: FinePolicy::DEFAULT,
         backoff: Backoff::new(Duration::from_millis(100), Duration::from_millis(250)),
         row_timeout: Duration::from_millis(500),
         isolation_budget: Duration::from_secs(5),

@@ -68,7 +68,7 @@ fn listen(port: u16) -> String {
     format!("127.0.0.1:{port}")
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn status_json_follows_every_shard_s_keys_from_running_to_success(pool: PgPool) {
     let month = due_now(&pool, 1).await[0];
     load_month(&pool, month, 200).await;
@@ -203,7 +203,7 @@ async fn status_json_follows_every_shard_s_keys_from_running_to_success(pool: Pg
     }
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_status_routes_answer_503_within_seconds_when_the_database_cannot_be_read(pool: PgPool) {
     let url = database_url(&pool);
     let port = free_port();
@@ -345,7 +345,7 @@ fn sample_sessions_and_files(pool: &PgPool, pid: u32) -> (tokio::task::JoinHandl
 /// probes' timeout), every page load gets the page or a quick "busy", the page never holds more than its one
 /// database session, the replica's open file descriptors stay under what its systemd unit's `LimitNOFILE` is
 /// sized for, and nothing fails to be accepted for want of a file descriptor.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_flooded_page_leaves_the_probes_answering_and_opens_one_database_session(pool: PgPool) {
     let url = database_url(&pool);
     let port = free_port();
@@ -549,7 +549,7 @@ fn td<'a>(dom: &'a str, id: &str) -> &'a str {
     &dom[start..end]
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn chromium_renders_the_status_page_as_keys_change(pool: PgPool) {
     let month = due_now(&pool, 1).await[0];
     load_month(&pool, month, 300).await;
@@ -642,7 +642,7 @@ async fn chromium_renders_the_status_page_as_keys_change(pool: PgPool) {
     assert_eq!(stop(replica).await.0, Some(0));
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn running_keys_count_what_their_batches_still_have_to_do_after_the_cursor(pool: PgPool) {
     use fine_settler::store::status::{keys, AccrualPolicy};
     // Settlement, 2026-10-31, shard 0 of 2, cursor 10: unsettled even ids above 10 returned in October count;

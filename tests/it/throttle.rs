@@ -11,7 +11,6 @@ use std::{
 
 use fine_settler::{
     config::{ClaimSettings, Lease, ThrottleSettings},
-    fine::FinePolicy,
     jobs::{settlement::Settlement, throttle::Throttle, Outcome},
     metrics::Metrics,
 };
@@ -22,9 +21,7 @@ use crate::helpers::{
     slow_down, spawn, wait_until, Cluster, StderrLog,
 };
 
-const POLICY: Settlement = Settlement {
-    policy: FinePolicy::DEFAULT,
-};
+const POLICY: Settlement = Settlement;
 
 /// `n` loans returned in October 2026 (ids from 1), each 5 days late.
 async fn october(pool: &PgPool, n: i64) {
@@ -65,7 +62,7 @@ fn throttle(settings: ThrottleSettings) -> Arc<Throttle> {
     Throttle::new(settings)
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_run_under_a_rows_per_second_cap_takes_at_least_rows_over_cap(pool: PgPool) {
     october(&pool, 2_000).await;
     let k = crate::helpers::key("2026-10-31", 0, 1);
@@ -97,7 +94,7 @@ async fn a_run_under_a_rows_per_second_cap_takes_at_least_rows_over_cap(pool: Pg
     );
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_settle_command_honours_the_cap_from_its_configuration(pool: PgPool) {
     october(&pool, 1_000).await;
     let mut cmd = fine_settler(&database_url(&pool));
@@ -120,7 +117,7 @@ async fn the_settle_command_honours_the_cap_from_its_configuration(pool: PgPool)
     assert_eq!(log.matches("throttle released").count(), 1, "{log}");
 }
 
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn batches_shrink_to_the_target_duration_under_a_slow_trigger(pool: PgPool) {
     october(&pool, 1_200).await;
     // Which transaction wrote each loan: the batches' sizes, in commit order.
@@ -381,7 +378,7 @@ async fn a_standby_reporting_every_ten_seconds_holds_batches_once_and_not_after_
 
 /// A role without `pg_read_all_stats` cannot see standbys' positions: a command with a lag limit says so once and
 /// runs unthrottled. `deploy/sql/least-privilege.sql -v monitor=on` grants what the limit needs.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn a_lag_limit_the_role_cannot_read_warns_once_and_the_script_can_grant_it(pool: PgPool) {
     october(&pool, 300).await;
     let november: Vec<_> = (1_001..=1_300)
@@ -509,7 +506,7 @@ async fn an_operator_pause_reaches_a_run_waiting_for_a_lagging_standby() {
 }
 
 /// The daemon's runs are throttled too: one tick (`run --once`) settling the last month end under a cap.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_daemon_paces_its_runs(pool: PgPool) {
     let month_end = crate::helpers::due_now(&pool, 1).await[0];
     let first = chrono::Datelike::with_day(&month_end, 1)
@@ -538,7 +535,7 @@ async fn the_daemon_paces_its_runs(pool: PgPool) {
 }
 
 /// Accrual batches are paced like settlement's: `accrue` of a day with 600 overdue loans under 300 rows/s.
-#[sqlx::test]
+#[sqlx::test(fixtures("default_policy"))]
 async fn the_accrue_command_is_paced_too(pool: PgPool) {
     let today = fine_settler::calendar::local_date(chrono::Utc::now(), chrono_tz::Asia::Shanghai);
     let day = today - chrono::Duration::days(5);

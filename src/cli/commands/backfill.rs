@@ -31,6 +31,10 @@ pub async fn backfill(ctx: &Context, args: BackfillArgs) -> Result<ExitCode, Cli
         output::print_json(&summary?);
         return Ok(ExitCode::SUCCESS);
     }
+    if let Err(e) = crate::store::policies::seed_default_by(&pool, &settings.fine, "backfill").await {
+        pool.close().await;
+        return Err(e.into());
+    }
     let signals = Signals::install()?;
     let summary = backfill::run(
         settings,

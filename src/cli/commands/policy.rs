@@ -71,7 +71,11 @@ async fn add(ctx: &Context, args: PolicyAddArgs) -> Result<ExitCode, CliError> {
             new.effective_from, ctx.settings.zone
         )));
     }
-    let added = policies::add(&pool, &new).await;
+    // A first version of another class must not leave loans of no class (and of other classes) without one.
+    let added = match policies::seed_default_by(&pool, &ctx.settings.fine, "policy add").await {
+        Ok(_) => policies::add(&pool, &new).await,
+        Err(e) => Err(e),
+    };
     pool.close().await;
     let (state, version) = match added? {
         Added::Added(v) => ("added", v),

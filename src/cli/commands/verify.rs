@@ -13,7 +13,7 @@ pub async fn verify(ctx: &Context, args: VerifyArgs) -> Result<ExitCode, CliErro
     let month = calendar::settlement_month(args.business_date)
         .map_err(|e| CliError::Usage(format!("--business-date: {e}")))?;
     let pool = ctx.connect("fine-settler verify").await?;
-    let audit = store::audit::month(&pool, month, &ctx.settings.fine).await?;
+    let audit = store::audit::month(&pool, month).await?;
     output::print_audit(args.business_date, month, &audit, args.json);
     Ok(if audit.violations().is_empty() {
         ExitCode::SUCCESS

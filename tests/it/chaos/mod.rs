@@ -63,14 +63,11 @@ async fn chaos() {
         .await
         .expect("connect");
     // The database's default policy is the deployment's (`migrate` seeded it from the default keys).
-    sqlx::query(
-        "update fine_policies set daily_rate_cents = $1, cap_cents = $2 where fine_class = 'default'",
+    crate::helpers::set_policy(
+        &pool,
+        fine_settler::fine::FinePolicy::new(RATE, 0, CAP).expect("the deployment's policy"),
     )
-    .bind(RATE)
-    .bind(CAP)
-    .execute(&pool)
-    .await
-    .expect("the deployment's policy");
+    .await;
     let world = World::load(&pool, &mode, seed).await;
     let history = History::install(&pool).await;
     let oracle = Oracle::new(&world.months, world.days[0], world.current);

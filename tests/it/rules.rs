@@ -1,0 +1,374 @@
+//! The fine rules in the database price every path: settlement, the accrual's charges and corrections, the
+//! re-check and `verify` all take a loan's policy from `fine_policies` (the version of its class in force on its
+//! due date) and leave the library's closed days uncharged — checked against the Rust rules (`crate::policy`).
+
+use std::{collections::BTreeMap, time::Duration};
+
+use chrono::NaiveDate;
+use fine_settler::{
+    backoff::Backoff,
+    jobs::{accrual::Accrual, settlement::Settlement, JobName, Outcome, RunKey},
+    policy::{governing, ClosedDays},
+    shard::ShardSpec,
+    store::{corrections, ledger::Scope, policies},
+};
+use sqlx::PgPool;
+
+use crate::helpers::{d, database_url, db, fine_settler, key, output, report, runner};
+
+fn accrual() -> Accrual {
+    Accrual {
+        backoff: Backoff::new(Duration::from_millis(100), Duration::from_millis(250)),
+        row_timeout: Duration::from_millis(500),
+        isolation_budget: Duration::from_secs(5),
+        lock_timeout: Duration::from_secs(2),
+        scope: Scope::Full,
+    }
+}
+
+fn day_key(day: NaiveDate) -> RunKey {
+    RunKey {
+        job: JobName::OverdueAccrual,
+        business_date: day,
+        shard: ShardSpec::SINGLE,
+    }
+}
+
+async fn exec(pool: &PgPool, sql: &str) {
+    sqlx::raw_sql(sql).execute(pool).await.expect(sql);
+}
+
+/// Two classes with two versions each (the later one from 2026-10-15), a class libraryd misspelt, and four
+/// closed days (one of the versions charges them).
+async fn rules(pool: &PgPool) {
+    exec(
+        pool,
+        "insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents,
+                                    charge_closed_days)
+         values ('default', '2026-10-15', 50, 1, 0, false),
+                ('laptop', '4714-11-24 BC', 300, 0, 1000, false),
+                ('laptop', '2026-10-15', 200, 2, 600, true);
+         insert into library_closed_days (day, reason)
+         values ('2026-10-05', 'staff day'), ('2026-10-11', 'sunday'), ('2026-10-12', 'holiday'),
+                ('2026-10-20', 'snow');",
+    )
+    .await;
+}
+
+/// Loans of every class, due from 2026-09-26 on (so that every owed day is in the accrual window), some
+/// returned in October, some still out.
+async fn loans(pool: &PgPool) {
+    exec(
+        pool,
+        "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on, fine_class)
+         select id, 1, 1, due - 21, due,
+                case when id % 4 <> 3 then least(due + (id % 11) + id % 3, date '2026-10-31') end,
+                (array[null, 'laptop', 'typo', 'default'])[1 + id % 4]
+         from (select id, date '2026-09-26' + (id * 3 % 31) as due from generate_series(1, 48) id) l",
+    )
+    .await;
+}
+
+/// The Rust rules' fine and daily amounts for each loan, from the versions and closed days the database holds.
+struct Oracle {
+    versions: Vec<fine_settler::policy::PolicyVersion>,
+    closed: ClosedDays,
+}
+
+impl Oracle {
+    async fn load(pool: &PgPool) -> Self {
+        let versions = policies::list(&db(pool)).await.expect("versions");
+        let days: Vec<NaiveDate> = sqlx::query_scalar("select day from library_closed_days order by day")
+            .fetch_all(pool)
+            .await
+            .expect("closed days");
+        Oracle {
+            versions,
+            closed: ClosedDays::new(days),
+        }
+    }
+
+    fn policy(&self, class: Option<&str>, due: NaiveDate) -> fine_settler::policy::Policy {
+        governing(&self.versions, class, due).expect("a version").policy
+    }
+}
+
+type LoanRow = (
+    i64,
+    Option<String>,
+    NaiveDate,
+    Option<NaiveDate>,
+    i64,
+    Option<chrono::DateTime<chrono::Utc>>,
+);
+
+async fn loan_rows(pool: &PgPool) -> Vec<LoanRow> {
+    sqlx::query_as(
+        "select id, fine_class, due_on, returned_on, fine_cents, fine_settled_at from loans order by id",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("loans")
+}
+
+async fn net(pool: &PgPool) -> BTreeMap<(i64, NaiveDate), i64> {
+    let rows: Vec<(i64, NaiveDate, i64)> =
+        sqlx::query_as("select loan_id, accrual_date, net_cents from fine_ledger_net where net_cents <> 0")
+            .fetch_all(pool)
+            .await
+            .expect("net");
+    rows.into_iter().map(|(l, day, n)| ((l, day), n)).collect()
+}
+
+fn days(from: &str, to: &str) -> Vec<NaiveDate> {
+    d(from).iter_days().take_while(|x| *x <= d(to)).collect()
+}
+
+/// Every amount comes from the loan's version and the closed days: the October settlement sets each loan's
+/// fine as the Rust rules do, every day of the ledger holds the Rust rules' amount (nothing on a closed day
+/// unless the version charges closed days), each settled loan's ledger adds up to its fine, and `verify` agrees
+/// (and names the class no version exists for).
+#[sqlx::test(fixtures("default_policy"))]
+async fn every_amount_follows_the_loans_version_and_the_closed_days(pool: PgPool) {
+    rules(&pool).await;
+    loans(&pool).await;
+    let window = days("2026-09-26", "2026-10-31");
+    for day in &window {
+        let r = runner(&pool, "accrual", 7)
+            .run(&accrual(), day_key(*day), false)
+            .await;
+        assert!(matches!(r.outcome, Outcome::Settled | Outcome::Skipped), "{r:?}");
+    }
+    let s = runner(&pool, "settle", 7)
+        .run(&Settlement, key("2026-10-31", 0, 1), false)
+        .await;
+    assert_eq!(s.outcome, Outcome::Settled, "{s:?}");
+
+    let oracle = Oracle::load(&pool).await;
+    let mut expected_net = BTreeMap::new();
+    let (mut settled, mut closed_charged) = (0, 0);
+    for (id, class, due, returned, fine, settled_at) in loan_rows(&pool).await {
+        let policy = oracle.policy(class.as_deref(), due);
+        for day in &window {
+            let amount = policy.day_amount(&oracle.closed, due, returned, *day).get();
+            if amount > 0 {
+                expected_net.insert((id, *day), amount);
+                if oracle.closed.is_closed(*day) {
+                    closed_charged += 1;
+                }
+            }
+        }
+        if let Some(returned) = returned.filter(|r| *r >= d("2026-10-01")) {
+            assert!(settled_at.is_some(), "loan {id} returned {returned} is settled");
+            assert_eq!(
+                fine,
+                policy.fine(&oracle.closed, due, returned).get(),
+                "loan {id} ({class:?}, due {due}, returned {returned})"
+            );
+            settled += 1;
+        }
+    }
+    assert_eq!(net(&pool).await, expected_net);
+    assert!(settled > 20, "{settled} loans settled");
+    assert!(
+        closed_charged > 0,
+        "the version that charges closed days charged some"
+    );
+    let mismatched: i64 = sqlx::query_scalar(
+        "select count(*) from loans l
+         where l.returned_on between '2026-10-01' and '2026-10-31'
+           and l.fine_cents <> coalesce((select sum(n.net_cents) from fine_ledger_net n where n.loan_id = l.id), 0)",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("reconcile");
+    assert_eq!(mismatched, 0, "each settled loan's ledger adds up to its fine");
+
+    let mut verify = fine_settler(&database_url(&pool));
+    verify.args(["verify", "--business-date", "2026-10-31", "--json"]);
+    let out = output(verify);
+    let audit = report(&out);
+    assert_eq!(out.status.code(), Some(0), "{audit}");
+    assert_eq!(audit["audit"]["wrong_fine"], 0);
+    assert_eq!(audit["audit"]["over_accrued"], 0);
+    assert_eq!(
+        audit["audit"]["classes_without_policy"],
+        serde_json::json!(["typo"])
+    );
+    assert!(
+        audit["notes"][0].as_str().is_some_and(|n| n.contains("typo")),
+        "{audit}"
+    );
+}
+
+/// The snow day recorded the next morning: closing a day already charged queues the loans out on it, the
+/// re-check re-opens the day, and its run corrects each charge away with reason `closed-day` (and, under a cap,
+/// brings the day that reaches it forward); opening it again charges it again. A change inside a month already
+/// settled is refused.
+#[sqlx::test(fixtures("default_policy"))]
+async fn closing_a_day_already_charged_corrects_it_and_opening_it_charges_it_again(pool: PgPool) {
+    crate::helpers::set_policy(
+        &pool,
+        fine_settler::fine::FinePolicy::new(100, 0, 450).expect("policy"),
+    )
+    .await;
+    exec(
+        &pool,
+        "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         values (1, 1, 1, '2026-10-01', '2026-11-01', null), (2, 1, 1, '2026-10-01', '2026-11-02', null),
+                (3, 1, 1, '2026-10-01', '2026-11-05', null);
+         delete from fine_loan_changes;",
+    )
+    .await;
+    let window = days("2026-11-02", "2026-11-08");
+    for day in &window {
+        runner(&pool, "accrual", 7)
+            .run(&accrual(), day_key(*day), false)
+            .await;
+    }
+    let calendar = |args: &[&str]| {
+        let mut cmd = fine_settler(&database_url(&pool));
+        cmd.arg("calendar").args(args);
+        output(cmd)
+    };
+    let closed = calendar(&["close", "--from", "2026-11-04", "--reason", "snow"]);
+    assert_eq!(
+        closed.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&closed.stderr)
+    );
+
+    let found = corrections::recheck(
+        &db(&pool),
+        ShardSpec::SINGLE,
+        window[0],
+        window[6],
+        100,
+        false,
+        Duration::ZERO,
+    )
+    .await
+    .expect("recheck");
+    assert!(found.days.contains(&d("2026-11-04")), "{found:?}");
+    for day in &found.days {
+        let r = runner(&pool, "recheck", 7)
+            .run(&accrual().within(Scope::Changed), day_key(*day), true)
+            .await;
+        assert_eq!(r.outcome, Outcome::Settled, "{r:?}");
+    }
+    let reasons: Vec<(i64, NaiveDate, i64, String)> = sqlx::query_as(
+        "select loan_id, accrual_date, amount_cents, reason from fine_ledger_corrections order by 1, 2, seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("corrections");
+    assert!(
+        reasons.contains(&(1, d("2026-11-04"), -100, "closed-day".into())),
+        "{reasons:?}"
+    );
+    let oracle = Oracle::load(&pool).await;
+    let owed = |oracle: &Oracle, loans: &[LoanRow]| {
+        let mut owed = BTreeMap::new();
+        for (id, class, due, returned, ..) in loans {
+            let policy = oracle.policy(class.as_deref(), *due);
+            for day in &window {
+                let a = policy.day_amount(&oracle.closed, *due, *returned, *day).get();
+                if a > 0 {
+                    owed.insert((*id, *day), a);
+                }
+            }
+        }
+        owed
+    };
+    let rows = loan_rows(&pool).await;
+    assert_eq!(net(&pool).await, owed(&oracle, &rows), "closed");
+    assert!(!net(&pool).await.contains_key(&(1, d("2026-11-04"))));
+
+    let opened = calendar(&["open", "--from", "2026-11-04"]);
+    assert_eq!(
+        opened.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&opened.stderr)
+    );
+    let found = corrections::recheck(
+        &db(&pool),
+        ShardSpec::SINGLE,
+        window[0],
+        window[6],
+        100,
+        false,
+        Duration::ZERO,
+    )
+    .await
+    .expect("recheck");
+    for day in &found.days {
+        runner(&pool, "recheck", 7)
+            .run(&accrual().within(Scope::Changed), day_key(*day), true)
+            .await;
+    }
+    let oracle = Oracle::load(&pool).await;
+    assert_eq!(net(&pool).await, owed(&oracle, &rows), "opened again");
+    assert_eq!(net(&pool).await.get(&(1, d("2026-11-04"))), Some(&100));
+
+    // A settlement key of November exists: a November day can no longer change.
+    runner(&pool, "settle", 7)
+        .run(&Settlement, key("2026-11-30", 0, 1), false)
+        .await;
+    let refused = calendar(&["close", "--from", "2026-11-06", "--reason", "late"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("2026-11-30"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+}
+
+/// A database whose `fine_policies` is empty (migrated before the rules moved into it) gets the deployment's
+/// `[fine]` keys as its first `default` version from the first command that prices loans, so no loan is ever
+/// left without a policy; and a version, once there, is never rewritten or removed.
+#[sqlx::test]
+async fn an_empty_policy_table_is_seeded_and_a_version_is_never_rewritten(pool: PgPool) {
+    exec(
+        &pool,
+        "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         values (1, 1, 1, '2026-09-01', '2026-10-01', '2026-10-11')",
+    )
+    .await;
+    let mut settle = fine_settler(&database_url(&pool));
+    settle.env("FINE_SETTLER__FINE__DAILY_RATE_CENTS", "70").args([
+        "settle",
+        "--business-date",
+        "2026-10-31",
+    ]);
+    let out = output(settle);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let fine: i64 = sqlx::query_scalar("select fine_cents from loans where id = 1")
+        .fetch_one(&pool)
+        .await
+        .expect("fine");
+    assert_eq!(fine, 700, "ten days at the seeded 70 cents");
+    let versions: Vec<(String, i64)> =
+        sqlx::query_as("select fine_class, daily_rate_cents from fine_policies")
+            .fetch_all(&pool)
+            .await
+            .expect("versions");
+    assert_eq!(versions, [("default".to_string(), 70)]);
+    for statement in [
+        "update fine_policies set daily_rate_cents = 1",
+        "delete from fine_policies",
+        "truncate fine_policies",
+    ] {
+        let refused = sqlx::query(statement).execute(&pool).await;
+        assert!(
+            refused.is_err_and(|e| e.to_string().contains("never updated or deleted")),
+            "{statement}"
+        );
+    }
+}
