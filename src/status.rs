@@ -45,7 +45,7 @@ use crate::{
     store::{
         job_runs::RunStatus,
         pauses::Pause,
-        status::{self as rows, AccrualPolicy, DeadCharge, KeyRow},
+        status::{self as rows, DeadCharge, KeyRow},
     },
 };
 
@@ -105,24 +105,22 @@ impl StatusSource {
     /// Reads the status from the database now.
     async fn read_now(&self) -> Result<Status, StatusError> {
         let settings = &self.settings;
-        let policy = AccrualPolicy {
-            grace_days: i32::try_from(settings.fine.grace_days()).unwrap_or(i32::MAX),
-            cap_cents: settings.fine.cap().map_or(0, |c| c.get()),
-        };
         let since = due::window_start(settings, Utc::now());
         // The pool bounds the wait for its connection and the server each statement; this bounds the whole, in
         // case the server cannot even be reached.
         let read = async {
-            let keys = rows::keys(&self.pool, since, policy).await?;
+            let keys = rows::keys(&self.pool, since).await?;
             let dead = rows::oldest_dead(&self.pool, DEAD_SHOWN).await?;
             let pauses = crate::store::pauses::list(&self.pool, None).await?;
-            Ok::<_, sqlx::Error>((keys, dead, pauses))
+            let today = calendar::local_date(keys.now, settings.zone);
+            let rules = crate::store::policies::rules_in_force(&self.pool, today).await?;
+            Ok::<_, sqlx::Error>((keys, dead, pauses, rules))
         };
         let read = tokio::time::timeout(DATABASE_TIMEOUT * 2, read).await;
         if !matches!(read, Ok(Ok(_))) {
             self.search_for_a_host();
         }
-        let (keys, dead, pauses) = read
+        let (keys, dead, pauses, rules) = read
             .map_err(|_| StatusError::Timeout)?
             .map_err(|e| StatusError::Database(crate::redact::secrets_in(&e.to_string())))?;
         let replica = ReplicaStatus {
@@ -135,7 +133,10 @@ impl StatusSource {
             last_progress: unix_ms(self.heartbeat.last_progress_ms()),
             clock_skew_s: self.metrics.clock_skew(),
         };
-        Ok(assemble(settings, keys, dead, &pauses, replica))
+        Ok(Status {
+            rules,
+            ..assemble(settings, keys, dead, &pauses, replica)
+        })
     }
 
     /// After a failed read, when `database.url` lists several hosts: looks for the next qualifying one (a
@@ -190,6 +191,9 @@ pub struct Status {
     pub replica: ReplicaStatus,
     pub jobs: Vec<JobStatus>,
     pub queue: QueueStatus,
+    /// The fine rules on the database's today: the version of each class in force and those to come, and the
+    /// closed days of the coming month.
+    pub rules: crate::store::policies::RulesInForce,
 }
 
 /// This replica: who it is, how it ticks, and how it is doing (from its metrics).
@@ -334,6 +338,7 @@ pub fn assemble(
             dead: rows.dead,
             oldest_dead: dead,
         },
+        rules: Default::default(),
     }
 }
 
@@ -474,6 +479,7 @@ pub fn render(status: &Status) -> String {
                 }
                 @for job in &status.jobs { (job_grid(job)) }
                 (queue(&status.queue))
+                (rules(&status.rules))
             }
         }
     };
@@ -565,6 +571,33 @@ fn cell(job: JobName, k: &KeyStatus) -> Markup {
                     }
                     @if let Some(e) = &k.last_error { div.small.error { (e) } }
                 }
+            }
+        }
+    }
+}
+
+/// The fine rules in force and the closed days of the coming month.
+fn rules(r: &crate::store::policies::RulesInForce) -> Markup {
+    let field = |v: &serde_json::Value, k: &str| v[k].to_string().trim_matches('"').to_string();
+    html! {
+        section id="rules" {
+            h2 { "Fine rules" }
+            table {
+                tr { th { "class" } th { "from" } th { "rate (cents/day)" } th { "grace (days)" } th { "cap (cents)" }
+                     th { "closed days" } }
+                @for p in &r.policies {
+                    tr {
+                        td { code { (field(p, "fine_class")) } } td { (field(p, "effective_from")) }
+                        td { (field(p, "daily_rate_cents")) } td { (field(p, "grace_days")) }
+                        td { @if p["cap_cents"] == 0 { "none" } @else { (field(p, "cap_cents")) } }
+                        td { @if p["charge_closed_days"] == true { "charged" } @else { "free" } }
+                    }
+                }
+            }
+            p.small {
+                "Closed in the coming month: "
+                @if r.closed_days.is_empty() { "none" }
+                @else { (r.closed_days.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")) }
             }
         }
     }

@@ -81,6 +81,74 @@ impl Row {
     }
 }
 
+/// What `plan` and the status page show of the rules on `today`: for each class the version in force (the
+/// latest `effective_from <= today`) and every version that takes effect later, as `policy list --json` prints
+/// them; and the closed days of the coming month (`today` to a month later).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct RulesInForce {
+    pub policies: Vec<serde_json::Value>,
+    pub closed_days: Vec<NaiveDate>,
+}
+
+/// Reads [`RulesInForce`] for `today`, in one statement (the status page's reads are few and short).
+pub async fn rules_in_force(pool: &Db, today: NaiveDate) -> Result<RulesInForce, sqlx::Error> {
+    let until = today.checked_add_months(chrono::Months::new(1)).unwrap_or(today);
+    let rows = sqlx::query!(
+        r#"select f.fine_class as "fine_class?", f.effective_from as "effective_from?",
+                  f.daily_rate_cents as "daily_rate_cents?", f.grace_days as "grace_days?",
+                  f.cap_cents as "cap_cents?", f.charge_closed_days as "charge_closed_days?",
+                  f.created_at as "created_at?", f.created_by as "created_by?", f.reason as "reason?",
+                  c.days as "closed_days!"
+           from (select coalesce(array_agg(d.day order by d.day), '{}') as days
+                 from library_closed_days d where d.day between $1 and $2) c
+           left join fine_policies f
+             on f.effective_from > $1
+             or f.effective_from = (select max(g.effective_from) from fine_policies g
+                                    where g.fine_class = f.fine_class and g.effective_from <= $1)
+           order by f.fine_class, f.effective_from"#,
+        today,
+        until,
+    )
+    .fetch_all(pool)
+    .await?;
+    let closed_days = rows.first().map(|r| r.closed_days.clone()).unwrap_or_default();
+    let mut policies = Vec::new();
+    for r in rows {
+        let (
+            Some(fine_class),
+            Some(effective_from),
+            Some(daily_rate_cents),
+            Some(grace_days),
+            Some(cap_cents),
+        ) = (
+            r.fine_class,
+            r.effective_from,
+            r.daily_rate_cents,
+            r.grace_days,
+            r.cap_cents,
+        )
+        else {
+            continue;
+        };
+        let row = Row {
+            fine_class,
+            effective_from,
+            daily_rate_cents,
+            grace_days,
+            cap_cents,
+            charge_closed_days: r.charge_closed_days.unwrap_or(false),
+            created_at: r.created_at.unwrap_or_default(),
+            created_by: r.created_by.unwrap_or_default(),
+            reason: r.reason.unwrap_or_default(),
+        };
+        policies.push(row.version()?.json());
+    }
+    Ok(RulesInForce {
+        policies,
+        closed_days,
+    })
+}
+
 /// Every version, by class and then date.
 pub async fn list(pool: &Db) -> Result<Vec<PolicyVersion>, sqlx::Error> {
     sqlx::query_as!(

@@ -41,14 +41,6 @@ pub struct StatusRows {
     pub dead: i64,
 }
 
-/// The policy the accrual's to-do count needs (the batches' predicate depends on it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AccrualPolicy {
-    pub grace_days: i32,
-    /// 0 = no cap.
-    pub cap_cents: i64,
-}
-
 /// Every shard's keys with a business date from `since` on, and every key that is not SUCCESS whatever its date
 /// (so that keys abandoned by their catch-up window show), with the database clock and the queue's counts.
 ///
@@ -57,7 +49,7 @@ pub struct AccrualPolicy {
 /// of unsettled loans (what is left of the month, 7 ms for a month of 34,000 loans); for the accrual the
 /// primary key after the cursor, checking the ledger and the queue for each overdue loan (42 ms for 100,000
 /// loans) — the page's `statement_timeout` bounds it.
-pub async fn keys(pool: &Db, since: NaiveDate, policy: AccrualPolicy) -> Result<StatusRows, sqlx::Error> {
+pub async fn keys(pool: &Db, since: NaiveDate) -> Result<StatusRows, sqlx::Error> {
     let rows = sqlx::query!(
         r#"select t.now as "now!", q.pending as "pending!", q.pending_due as "pending_due!", q.dead as "dead!",
                   r.job_name as "job_name?", r.business_date as "business_date?", r.shards as "shards?",
@@ -74,15 +66,20 @@ pub async fn keys(pool: &Db, since: NaiveDate, policy: AccrualPolicy) -> Result<
                               and fine_settler_shard_of(l.id, r.shards) = r.shard and isfinite(l.due_on))
                        when r.status = 'RUNNING' and r.job_name = 'overdue-accrual' then
                            (select count(*) from loans l
-                            where l.id > coalesce(r.cursor, -9223372036854775808) and fine_settler_shard_of(l.id, r.shards) = r.shard
-                              and l.due_on < r.business_date - $2::int
+                            cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+                            cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on,
+                                                                              r.business_date, p.daily_rate_cents,
+                                                                              p.grace_days, p.cap_cents,
+                                                                              p.charge_closed_days) a
+                            where l.id > coalesce(r.cursor, -9223372036854775808)
+                              and fine_settler_shard_of(l.id, r.shards) = r.shard
+                              and l.due_on < r.business_date
                               and (l.returned_on is null or l.returned_on >= r.business_date)
+                              and a.amount_cents > 0
                               and not exists (select 1 from fine_ledger f
                                               where f.loan_id = l.id and f.accrual_date = r.business_date)
-                              and not exists (select 1 from fine_pending p
-                                              where p.loan_id = l.id and p.accrual_date = r.business_date)
-                              and ($3::bigint = 0 or coalesce((select sum(f.amount_cents) from fine_ledger f
-                                                               where f.loan_id = l.id), 0) < $3::bigint))
+                              and not exists (select 1 from fine_pending q
+                                              where q.loan_id = l.id and q.accrual_date = r.business_date))
                   end as to_do
            from (select now() as now) t
            cross join (select count(*) filter (where status = 'PENDING') as pending,
@@ -92,8 +89,6 @@ pub async fn keys(pool: &Db, since: NaiveDate, policy: AccrualPolicy) -> Result<
            left join job_runs r on r.business_date >= $1 or r.status <> 'SUCCESS'
            order by r.job_name, r.business_date desc, r.shards, r.shard"#,
         since,
-        policy.grace_days,
-        policy.cap_cents,
     )
     .fetch_all(pool)
     .await?;

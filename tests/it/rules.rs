@@ -372,3 +372,84 @@ async fn an_empty_policy_table_is_seeded_and_a_version_is_never_rewritten(pool: 
         );
     }
 }
+
+/// `plan` and the status page show the rules where people look: the version of each class in force today and
+/// those to come, and the closed days of the coming month.
+#[sqlx::test(fixtures("default_policy"))]
+async fn plan_and_the_status_page_show_the_rules_in_force(pool: PgPool) {
+    let today: NaiveDate = sqlx::query_scalar("select (now() at time zone 'Asia/Shanghai')::date")
+        .fetch_one(&pool)
+        .await
+        .expect("today");
+    sqlx::query(
+        "insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents)
+         values ('laptop', '2020-01-01', 300, 0, 0), ('laptop', '2021-01-01', 400, 0, 0),
+                ('laptop', $1::date + 10, 500, 1, 5000);
+         ",
+    )
+    .bind(today)
+    .execute(&pool)
+    .await
+    .expect("versions");
+    sqlx::query("insert into library_closed_days (day, reason) values ($1::date + 3, 'holiday'), ($1::date + 90, 'later')")
+        .bind(today)
+        .execute(&pool)
+        .await
+        .expect("closed days");
+    let expected = serde_json::json!([
+        ["default", "-4713-11-24"],
+        ["laptop", "2021-01-01"],
+        ["laptop", (today + chrono::Duration::days(10)).to_string()],
+    ]);
+    let shown = |rules: &serde_json::Value| {
+        let policies: Vec<serde_json::Value> = rules["policies"]
+            .as_array()
+            .expect("policies")
+            .iter()
+            .map(|p| serde_json::json!([p["fine_class"], p["effective_from"]]))
+            .collect();
+        (serde_json::Value::from(policies), rules["closed_days"].clone())
+    };
+    let closed = serde_json::json!([(today + chrono::Duration::days(3)).to_string()]);
+
+    let mut plan = fine_settler(&database_url(&pool));
+    plan.arg("plan");
+    let out = output(plan);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let first: serde_json::Value = serde_json::from_str(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .expect("a first line"),
+    )
+    .expect("JSON");
+    assert_eq!(
+        shown(&first["rules"]),
+        (expected.clone(), closed.clone()),
+        "{first}"
+    );
+
+    let port = crate::helpers::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let replica = crate::helpers::daemon(
+        &database_url(&pool),
+        0,
+        1,
+        &[("FINE_SETTLER__HTTP__LISTEN", &listen)],
+    );
+    crate::helpers::wait_until("the status page", Duration::from_secs(20), || async {
+        crate::daemon::http_get(port, "/status.json").await.0 == 200
+    })
+    .await;
+    let (_, body) = crate::daemon::http_get(port, "/status.json").await;
+    let status: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(shown(&status["rules"]), (expected, closed), "{status}");
+    let (_, page) = crate::daemon::http_get(port, "/status").await;
+    assert!(page.contains("Fine rules") && page.contains("laptop"), "{page}");
+    crate::helpers::stop(replica).await;
+}
