@@ -322,7 +322,7 @@ pub fn assemble(
         fleet::mark(
             &mut status,
             settings.instance,
-            settings.claim.lease.duration(),
+            due::unclaimed_grace(settings, rows.now),
             pauses,
         );
         status

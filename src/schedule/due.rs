@@ -165,8 +165,18 @@ fn due_keys(settings: &Settings, at: DateTime<Utc>) -> DueKeys {
             .enabled
             .then(|| accrual_due(today, settings.accrual.catch_up_days))
             .and_then(range),
-        grace: settings.claim.lease.duration(),
+        grace: unclaimed_grace(settings, at),
     }
+}
+
+/// How long a due key of another shard may go without a live owner before it counts as one nobody runs: the
+/// lease, or two intervals of the schedule when they are longer (a peer takes a failed key over at its next
+/// tick, a schedule interval away, not a lease away), plus `claim.batch_timeout` (a batch in flight). With a
+/// cron schedule the interval is the gap between its next two occurrences after `at`.
+pub fn unclaimed_grace(settings: &Settings, at: DateTime<Utc>) -> std::time::Duration {
+    let schedule = crate::schedule::Schedule::new(settings.schedule.mode.clone(), settings.zone);
+    let interval = schedule.interval_after(at);
+    settings.claim.lease.duration().max(interval.saturating_mul(2)) + settings.claim.lease.batch_timeout()
 }
 
 /// Keys of this shard that are not SUCCESS although their business date has left its job's catch-up window at
@@ -325,6 +335,39 @@ mod tests {
         crate::config::load(None, &env)
             .and_then(|raw| raw.validate(&env))
             .expect("defaults")
+    }
+
+    /// A peer takes a failed key over at its next tick: with a schedule interval longer than the lease the grace
+    /// is two intervals, so a key waiting for that tick never counts as one nobody runs.
+    #[test]
+    fn the_unclaimed_grace_covers_two_schedule_intervals() {
+        let with = |vars: &[(&str, &str)]| {
+            let env = crate::testing::env(vars);
+            let s = crate::config::load(None, &env)
+                .and_then(|raw| raw.validate(&env))
+                .expect("valid");
+            let batch = s.claim.lease.batch_timeout();
+            (
+                unclaimed_grace(&s, "2026-12-01T00:00:00Z".parse().expect("time")),
+                batch,
+            )
+        };
+        let (grace, batch) = with(&[
+            ("FINE_SETTLER__SCHEDULE__PERIOD", "10m"),
+            ("FINE_SETTLER__CLAIM__LEASE", "2m"),
+        ]);
+        assert_eq!(grace, Duration::from_secs(20 * 60) + batch);
+        let (grace, batch) = with(&[
+            ("FINE_SETTLER__SCHEDULE__PERIOD", "1s"),
+            ("FINE_SETTLER__CLAIM__LEASE", "2m"),
+        ]);
+        assert_eq!(grace, Duration::from_secs(120) + batch);
+        let (grace, batch) = with(&[
+            ("FINE_SETTLER__SCHEDULE__MODE", "cron"),
+            ("FINE_SETTLER__SCHEDULE__CRON", "0 30 2 * * *"),
+            ("FINE_SETTLER__CLAIM__LEASE", "2m"),
+        ]);
+        assert_eq!(grace, Duration::from_secs(2 * 86_400) + batch);
     }
 
     #[test]

@@ -219,6 +219,21 @@ impl Schedule {
         }
     }
 
+    /// The time between two triggers after `at`: the period, or the gap between the cron's next two occurrences
+    /// (zero when it has fewer).
+    pub fn interval_after(&self, at: DateTime<Utc>) -> Duration {
+        match &self.mode {
+            ScheduleMode::FixedRate(p) | ScheduleMode::FixedDelay(p) => *p,
+            ScheduleMode::Cron(cron) => {
+                let mut next = cron.iter_after(at.with_timezone(&self.zone));
+                match (next.next(), next.next()) {
+                    (Some(a), Some(b)) => (b - a).to_std().unwrap_or_default(),
+                    _ => Duration::ZERO,
+                }
+            }
+        }
+    }
+
     /// Human description for logs.
     pub fn describe(&self) -> String {
         match &self.mode {
