@@ -30,10 +30,24 @@ use sqlx::{
 
 mod accrual;
 mod impact;
+mod rules;
 
 /// The month the generated loans cluster around (`fine-settler demo-data --month`), and its last day.
 const MONTH: &str = "2026-10";
 const MONTH_END: &str = "2026-10-31";
+
+/// The practical limit of a settlement: one set-based update of the month's loans (a part of them, `id % $2 =
+/// $3`) computing each fine as `settle` does — the loan's policy version from the database and its chargeable
+/// days (`fine_settler_policy_of`, `fine_settler_policy_fine`) — so that the ratio compares like with like.
+const LIMIT_SQL: &str = "update loans l
+     set fine_cents = (select f.fine_cents
+                       from fine_settler_policy_of(l.fine_class, l.due_on) p
+                       cross join lateral fine_settler_policy_fine(l.due_on, l.returned_on, p.daily_rate_cents,
+                                                                   p.grace_days, p.cap_cents,
+                                                                   p.charge_closed_days) f),
+         fine_settled_at = now()
+     where l.returned_on between date_trunc('month', $1::date) and $1::date
+       and l.fine_settled_at is null and isfinite(l.due_on) and l.id % $2 = $3";
 
 #[derive(Debug, Parser)]
 #[command(name = "fine-settler-bench")]
@@ -89,10 +103,23 @@ struct Args {
     /// Measure the accrual section alone (no settlement template, no other section).
     #[arg(long)]
     accrual_only: bool,
-    /// With `--accrual-only`: put the section into this report in place of its accrual section, keeping every
-    /// other section, and say in its header which sections were measured when.
-    #[arg(long, requires = "accrual_only")]
+    /// With `--accrual-only` or `--rules-only`: put the section into this report in place of its own, keeping
+    /// every other section, and say in its header which sections were measured when.
+    #[arg(long)]
     merge_into: Option<PathBuf>,
+    /// Leave out the fine rules section.
+    #[arg(long, conflicts_with = "rules_only")]
+    no_rules: bool,
+    /// Measure the fine rules section alone (settlement and an accrual day under versioned policies, item
+    /// classes and closed days, against one statement each; a loan's cost by the length of its overdue span).
+    #[arg(long, conflicts_with = "accrual_only")]
+    rules_only: bool,
+    /// Loans of the fine rules section.
+    #[arg(long, default_value_t = 1_000_000)]
+    rules_loans: u64,
+    /// Rounds of the fine rules section (each way on a fresh copy in each); the report takes the medians.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    rules_rounds: u32,
     /// Loans of the accrual day's template (also those of the back-dated returns).
     #[arg(long, default_value_t = 1_000_000)]
     accrual_loans: u64,
@@ -395,12 +422,7 @@ impl Bench {
             let pool = pool.clone();
             let month_end = month_end.to_string();
             tasks.push(tokio::spawn(async move {
-                sqlx::query(
-                    "update loans set fine_cents = greatest(0, returned_on - due_on)::bigint * 100,
-                                      fine_settled_at = now()
-                     where returned_on between date_trunc('month', $1::date) and $1::date
-                       and fine_settled_at is null and id % $2 = $3",
-                )
+                sqlx::query(LIMIT_SQL)
                 .bind(month_end.parse::<chrono::NaiveDate>().ok())
                 .bind(sessions)
                 .bind(part)
@@ -744,6 +766,12 @@ async fn main() -> Result<(), Error> {
     if args.accrual_only {
         return accrual_only(&bench, &args).await;
     }
+    if args.rules_only {
+        return rules_only(&bench, &args).await;
+    }
+    if args.merge_into.is_some() {
+        return Err("--merge-into needs --accrual-only or --rules-only".into());
+    }
 
     let (main, settled_db) = measure(&bench, args.loans, args.batch_size).await?;
     eprintln!("   idle daemon");
@@ -835,6 +863,16 @@ async fn main() -> Result<(), Error> {
         None
     } else {
         Some(bench.accrual(&args.accrual()).await?)
+    };
+    let rules_section = if args.no_rules {
+        None
+    } else {
+        eprintln!("   fine rules");
+        Some(
+            bench
+                .rules(args.rules_loans, args.rules_rounds, args.batch_size)
+                .await?,
+        )
     };
 
     // ---- the report ----
@@ -1078,6 +1116,18 @@ async fn main() -> Result<(), Error> {
             let _ = writeln!(r, "## Accrual\n\nNot measured: `--no-accrual`.\n");
         }
     }
+    match &rules_section {
+        Some(section) => {
+            r.push_str(&section.report());
+            r.push('\n');
+        }
+        None => {
+            let _ = writeln!(
+                r,
+                "## Fine rules: policy versions, item classes, closed days\n\nNot measured: `--no-rules`.\n"
+            );
+        }
+    }
 
     let _ = writeln!(r, "## Targets\n");
     let _ = writeln!(r, "| target | measured | |");
@@ -1160,6 +1210,30 @@ async fn main() -> Result<(), Error> {
     print!("{r}");
     if let Some(path) = args.out {
         std::fs::write(&path, &r)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// `--rules-only`: the fine rules section alone, printed, and written to `--out` or merged into `--merge-into`.
+async fn rules_only(bench: &Bench, args: &Args) -> Result<(), Error> {
+    let section = bench
+        .rules(args.rules_loans, args.rules_rounds, args.batch_size)
+        .await?
+        .report();
+    print!("{section}");
+    if let Some(path) = &args.merge_into {
+        let existing =
+            std::fs::read_to_string(path).map_err(|e| format!("--merge-into {}: {e}", path.display()))?;
+        let measured = rules::measured(
+            &sh("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]),
+            &sh("git", &["rev-parse", "--short", "HEAD"]),
+        );
+        std::fs::write(path, rules::merge(&existing, &section, &measured))?;
+        eprintln!("merged the fine rules section into {}", path.display());
+    }
+    if let Some(path) = &args.out {
+        std::fs::write(path, &section)?;
         eprintln!("wrote {}", path.display());
     }
     Ok(())

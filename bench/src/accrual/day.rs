@@ -69,30 +69,40 @@ impl DayLeg {
     }
 }
 
-/// The statement that writes the day's charges at once: on the current ledger with `fine_settler_day_amount`;
-/// on the one before (which has no such function) with the same expression written out, which costs the same
-/// (the function is one SQL expression the planner inlines).
+/// The statement that writes the day's charges at once: on the current ledger with each loan's policy from the
+/// database (`fine_settler_policy_of`, `fine_settler_policy_day_amount`: what `accrue` computes, so that the
+/// ratio compares like with like); on the one before (which has neither) with the flat rule written out, which
+/// costs what its `accrue` computed. The policy's values are bound on both (the current statement reads them
+/// from the database: a filter that is always true names them).
 fn statement_sql(schema: Schema) -> String {
-    let amount = match schema {
-        Schema::Current => {
-            "fine_settler_day_amount(l.due_on, l.returned_on, $1::date, $2::bigint, $3::int, $4::bigint)"
-                .to_string()
+    match schema {
+        Schema::Current => "insert into fine_ledger (loan_id, accrual_date, amount_cents)
+             select l.id, $1, a.amount_cents
+             from loans l
+             cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+             cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $1, p.daily_rate_cents,
+                                                               p.grace_days, p.cap_cents,
+                                                               p.charge_closed_days) a
+             where l.due_on < $1::date and (l.returned_on is null or l.returned_on >= $1)
+               and a.amount_cents > 0 and ($2::bigint, $3::int, $4::bigint) is not null"
+            .to_string(),
+        Schema::Before => {
+            let amount = data::day_amount_sql(
+                "l.due_on",
+                "l.returned_on",
+                "$1::date",
+                ["$2::bigint", "$3::int", "$4::bigint"],
+            );
+            format!(
+                "insert into fine_ledger (loan_id, accrual_date, amount_cents)
+                 select l.id, $1, a.amount
+                 from loans l
+                 cross join lateral (select {amount} as amount) a
+                 where l.due_on < $1::date - $3::int and (l.returned_on is null or l.returned_on >= $1)
+                   and a.amount > 0"
+            )
         }
-        Schema::Before => data::day_amount_sql(
-            "l.due_on",
-            "l.returned_on",
-            "$1::date",
-            ["$2::bigint", "$3::int", "$4::bigint"],
-        ),
-    };
-    format!(
-        "insert into fine_ledger (loan_id, accrual_date, amount_cents)
-         select l.id, $1, a.amount
-         from loans l
-         cross join lateral (select {amount} as amount) a
-         where l.due_on < $1::date - $3::int and (l.returned_on is null or l.returned_on >= $1)
-           and a.amount > 0"
-    )
+    }
 }
 
 impl Bench {
