@@ -45,12 +45,13 @@ $function$, '@schema', quote_ident(current_schema()));
 end $migration$;
 
 -- 2. A loan whose class libraryd changes may owe other amounts for the days already charged: the change is
---    queued for the re-check like a change of its dates.
+--    queued for the re-check like a change of its dates — once the loan is due (a day before tomorrow, whatever
+--    the session's zone, as for a loan inserted): a class set after checkout concerns no charged day.
 drop trigger if exists fine_settler_loan_changed on loans;
 create trigger fine_settler_loan_changed after update on loans
     for each row when (old.id is distinct from new.id or old.due_on is distinct from new.due_on
                        or old.returned_on is distinct from new.returned_on
-                       or old.fine_class is distinct from new.fine_class)
+                       or (old.fine_class is distinct from new.fine_class and new.due_on < current_date + 1))
     execute function fine_settler_note_loan_change();
 
 -- 3. A policy version is a fact the fines of loans already due rest on: it is never rewritten or removed
@@ -69,3 +70,37 @@ create trigger fine_settler_policy_is_history before update or delete on fine_po
 drop trigger if exists fine_settler_policy_not_truncated on fine_policies;
 create trigger fine_settler_policy_not_truncated before truncate on fine_policies
     for each statement execute function fine_settler_policy_is_history();
+
+-- 4. What a version may be when it is added, whoever adds it (`policy add` checks the same first, with the
+--    configured zone, and says it in its own words):
+--    - the first row of the table is the `default` class's from the earliest date (`migrate` seeds it from the
+--      [fine] keys): with it every loan, whatever its class and due date, has a version, for ever (rows are never
+--      removed), and no run can leave a loan unpriced;
+--    - every later version takes effect from today (by UTC) on: it governs only loans not yet due, so it never
+--      re-prices a day already charged or a fine already settled — and the accrual's cap guard, which takes its
+--      loan locks only when some version has a cap (src/store/ledger.rs, lock_loans), can never meet a capped
+--      version that governs a loan a run in flight is charging.
+--    A superuser who must repair the table does so with triggers off (`set session_replication_role = replica`),
+--    knowingly.
+create or replace function fine_settler_policy_is_new() returns trigger
+language plpgsql as $$
+begin
+    if not exists (select 1 from fine_policies) then
+        if new.fine_class <> 'default' or new.effective_from <> '4714-11-24 BC'::date then
+            raise exception 'the first fine policy must be the default class''s from 4714-11-24 BC, so that every loan '
+                            'has one: run `fine-settler migrate`, which seeds it from the [fine] keys'
+                using errcode = 'check_violation';
+        end if;
+    elsif new.effective_from < (now() at time zone 'UTC')::date then
+        raise exception 'a fine policy version must take effect from today on (effective_from %): a new rule governs '
+                        'loans falling due from then on, never loans already due', new.effective_from
+            using errcode = 'check_violation';
+    end if;
+    return new;
+end $$;
+do $$ begin
+    execute format('alter function fine_settler_policy_is_new() set search_path = %I, pg_temp', current_schema());
+end $$;
+drop trigger if exists fine_settler_policy_is_new on fine_policies;
+create trigger fine_settler_policy_is_new before insert on fine_policies
+    for each row execute function fine_settler_policy_is_new();

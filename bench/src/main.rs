@@ -423,12 +423,12 @@ impl Bench {
             let month_end = month_end.to_string();
             tasks.push(tokio::spawn(async move {
                 sqlx::query(LIMIT_SQL)
-                .bind(month_end.parse::<chrono::NaiveDate>().ok())
-                .bind(sessions)
-                .bind(part)
-                .execute(&pool)
-                .await
-                .map(|r| r.rows_affected())
+                    .bind(month_end.parse::<chrono::NaiveDate>().ok())
+                    .bind(sessions)
+                    .bind(part)
+                    .execute(&pool)
+                    .await
+                    .map(|r| r.rows_affected())
             }));
         }
         let mut rows = 0;

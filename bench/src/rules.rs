@@ -19,7 +19,6 @@ const DAY: &str = "2026-10-20";
 const RULES_SQL: &str = "
 set session_replication_role = replica;
 update loans set fine_class = case id % 3 when 0 then null when 1 then 'laptop' else 'dvd' end;
-reset session_replication_role;
 insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents, charge_closed_days,
                            reason)
 values ('default', '2026-10-10', 50, 1, 0, false, 'bench'),
@@ -27,6 +26,7 @@ values ('default', '2026-10-10', 50, 1, 0, false, 'bench'),
        ('laptop', '2026-10-10', 200, 2, 4000, true, 'bench'),
        ('dvd', '4714-11-24 BC', 100, 1, 1500, false, 'bench'),
        ('dvd', '2026-10-10', 150, 0, 0, false, 'bench');
+reset session_replication_role;
 insert into library_closed_days (day, reason)
 select d::date, 'sunday' from generate_series('2019-01-06'::date, '2027-12-26', interval '7 days') d
 union
@@ -214,10 +214,11 @@ impl Bench {
                     .execute(&self.admin)
                     .await?;
             }
-            let sessions: i64 = sqlx::query_scalar("select count(*) from pg_stat_activity where datname = $1")
-                .bind(db)
-                .fetch_one(&self.admin)
-                .await?;
+            let sessions: i64 =
+                sqlx::query_scalar("select count(*) from pg_stat_activity where datname = $1")
+                    .bind(db)
+                    .fetch_one(&self.admin)
+                    .await?;
             if sessions == 0 {
                 return Ok(());
             }
@@ -349,7 +350,10 @@ pub(crate) fn merge(existing: &str, section: &str, measured: &str) -> String {
             lines.splice(start..end, new);
         }
         None => {
-            let at = lines.iter().position(|l| *l == "## Targets").unwrap_or(lines.len());
+            let at = lines
+                .iter()
+                .position(|l| *l == "## Targets")
+                .unwrap_or(lines.len());
             lines.splice(at..at, new);
         }
     }

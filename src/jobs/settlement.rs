@@ -62,6 +62,9 @@ impl BatchJob for Settlement {
         batch: &SettleBatch,
     ) -> Result<Written, JobError> {
         let month = calendar::settlement_month(key.business_date)?;
+        // No calendar change while this batch prices its loans (src/store/ledger.rs, CALENDAR_LOCK): one that
+        // waited for it then sees this month's key and is refused.
+        store::ledger::hold_calendar(tx).await?;
         let mut range = tx.begin().await?;
         match loans::settle_range(&mut range, month, key.shard, batch).await {
             Ok(updated) => {

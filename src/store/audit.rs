@@ -1,5 +1,6 @@
-//! The audit behind `verify`: recomputes a settled month in plain SQL, independently of the settlement code, and
-//! reports the loans neither job touches because a date of theirs is not finite.
+//! The audit behind `verify`: recomputes a settled month in plain SQL, independently of the settlement code (the
+//! policy version and the fine written out again, the closed days counted one by one, rather than the SQL
+//! functions settlement calls), and reports the loans neither job touches because a date of theirs is not finite.
 
 use crate::store::Db;
 use chrono::NaiveDate;
@@ -52,8 +53,8 @@ pub const UNKNOWN_CLASSES_SHOWN: usize = 20;
 pub const NOT_FINITE_SHOWN: usize = 20;
 
 /// Audits the loans returned in `[first, last]` against the fine rules in the database: each loan's expected fine
-/// is its policy's over its chargeable days (`fine_settler_policy_fine`), computed by the database from the loan
-/// as it is now, apart from what settlement wrote.
+/// is its policy version's over its chargeable days, computed by the database from the loan as it is now with
+/// SQL of its own (not the functions settlement calls), apart from what settlement wrote.
 pub async fn month(pool: &Db, (first, last): (NaiveDate, NaiveDate)) -> Result<MonthAudit, sqlx::Error> {
     let fines = fines(pool, (first, last)).await?;
     let complete = sqlx::query_scalar!(
@@ -117,9 +118,27 @@ async fn fines(pool: &Db, (first, last): (NaiveDate, NaiveDate)) -> Result<Fines
                       l.fine_class is not null and p.fine_class is distinct from l.fine_class as unknown_class,
                       l.fine_class
                from loans l
-               left join lateral fine_settler_policy_of(l.fine_class, l.due_on) p on true
-               left join lateral fine_settler_policy_fine(l.due_on, l.returned_on, p.daily_rate_cents,
-                                                          p.grace_days, p.cap_cents, p.charge_closed_days) f on true
+               -- The version and the fine written out again, apart from the functions settlement calls: the
+               -- version of the loan's class in force on its due date, else the default class's; the closed days
+               -- counted one by one (an audit can afford a cost that grows with the span).
+               left join lateral (
+                   select v.fine_class, v.daily_rate_cents, v.grace_days, v.cap_cents, v.charge_closed_days
+                   from fine_policies v
+                   where v.effective_from <= l.due_on and (v.fine_class = l.fine_class or v.fine_class = 'default')
+                   order by (v.fine_class = l.fine_class) desc nulls last, v.effective_from desc
+                   limit 1) p on true
+               left join lateral (
+                   select case
+                       when not (isfinite(l.due_on) and isfinite(l.returned_on)) then null
+                       when l.returned_on - l.due_on <= p.grace_days then 0::bigint
+                       else least(nullif(p.cap_cents, 0),
+                                  p.daily_rate_cents
+                                  * ((l.returned_on - l.due_on - p.grace_days)::bigint
+                                     - case when p.charge_closed_days then 0
+                                            else (select count(*) from library_closed_days c
+                                                  where c.day > l.due_on + p.grace_days and c.day <= l.returned_on)
+                                       end))
+                   end as fine_cents) f on true
                where l.returned_on between $1 and $2
            )
            select count(*) filter (where finite) as "returned!",
@@ -296,7 +315,8 @@ impl MonthAudit {
         if self.without_policy > 0 {
             v.push(format!(
                 "{} loans returned in the month have no fine policy at all (fine_policies has no `default` \
-                 version for their due date): run `fine-settler migrate`",
+                 version for their due date: the table was edited with its triggers off); add the `default` \
+                 class's version from 4714-11-24 BC as a superuser (docs/operations.md)",
                 self.without_policy
             ));
         }

@@ -193,6 +193,27 @@ pub async fn count_work(
     Ok((row.charges, row.corrections))
 }
 
+/// The calendar's lock (`pg_advisory_xact_lock(1718829932, 0)`: ASCII "fsCl" and 0), which every change of
+/// `library_closed_days` takes exclusively (its numbering trigger, migrations/20261203000052) and every batch
+/// that prices loans takes shared, first, for its transaction: a calendar change waits for the batches in flight
+/// to commit, and a batch that starts meanwhile waits for the change — so a batch never prices a loan with a
+/// calendar about to change under it, and the change's own checks and queueing (src/store/calendar.rs) see
+/// every batch's work.
+pub const CALENDAR_LOCK: (i32, i32) = (0x6673_436c, 0);
+
+/// Takes the calendar's lock shared for the rest of the transaction ([`CALENDAR_LOCK`]); settlement's batches
+/// (the accrual's take it in [`lock_loans`]).
+pub async fn hold_calendar(tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select 1 as "held!" from pg_advisory_xact_lock_shared($1, $2)"#,
+        CALENDAR_LOCK.0,
+        CALENDAR_LOCK.1,
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    Ok(())
+}
+
 /// The advisory-lock namespace of per-loan ledger locks (`pg_advisory_xact_lock(space, hashint8(loan_id))`):
 /// ASCII "fsLd". A collision of two loans' hashes only makes their charges wait for each other.
 const LOAN_LOCK_SPACE: i32 = 0x6673_4c64;
@@ -203,17 +224,23 @@ const LOAN_LOCK_SPACE: i32 = 0x6673_4c64;
 /// this lock before it reads what the loan has accrued: charges for different days never meet on the ledger's
 /// key, and without it two runs (a second replica of the shard, a manual `accrue`, `pending retry`, the overlap
 /// of two shard counts) would each read the same total and together charge past the cap. Waits at most the
-/// transaction's `lock_timeout`. (A policy with a cap added meanwhile governs only loans falling due after today,
-/// none of which any run charges yet.)
+/// transaction's `lock_timeout`. (A version with a cap added meanwhile takes effect from today on — the table's
+/// insert trigger refuses an earlier date — so it governs only loans not yet due, none of which any run charges
+/// yet.) The same statement takes the calendar's lock shared ([`CALENDAR_LOCK`]), as every batch that prices
+/// loans does: it is the first statement of each batch and of each compensation retry.
 pub async fn lock_loans(tx: &mut PgConnection, ids: &[i64]) -> Result<(), sqlx::Error> {
     sqlx::query_scalar!(
-        r#"select count(*) as "locked!" from (
-               select pg_advisory_xact_lock($1::int, k.key)
-               from (select distinct hashint8(b.id) as key from unnest($2::bigint[]) as b (id) order by 1) k
-               where exists (select 1 from fine_policies c where c.cap_cents > 0)
-           ) locks"#,
+        r#"select (select count(*) from pg_advisory_xact_lock_shared($3, $4))
+                  + (select count(*) from (
+                         select pg_advisory_xact_lock($1::int, k.key)
+                         from (select distinct hashint8(b.id) as key from unnest($2::bigint[]) as b (id)
+                               order by 1) k
+                         where exists (select 1 from fine_policies c where c.cap_cents > 0)
+                     ) locks) as "locked!""#,
         LOAN_LOCK_SPACE,
         ids,
+        CALENDAR_LOCK.0,
+        CALENDAR_LOCK.1,
     )
     .fetch_one(&mut *tx)
     .await?;

@@ -589,13 +589,12 @@ async fn a_changed_class_never_corrects_an_owed_day_downwards(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-01-01", None)]).await;
     let before = FinePolicy::new(100, 0, 1000).expect("policy");
     let job = accrual(&pool, before).await;
-    sqlx::query(
+    crate::helpers::add_versions(
+        &pool,
         "insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents) \
          values ('laptop', '4714-11-24 BC', 200, 0, 800)",
     )
-    .execute(&pool)
-    .await
-    .expect("the laptop class's policy");
+    .await;
     let after = FinePolicy::new(200, 0, 800).expect("policy");
     let window = days("2026-01-02", "2026-01-12");
     run_days(&pool, &job, &window).await;

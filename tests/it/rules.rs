@@ -41,14 +41,18 @@ async fn exec(pool: &PgPool, sql: &str) {
 /// Two classes with two versions each (the later one from 2026-10-15), a class libraryd misspelt, and four
 /// closed days (one of the versions charges them).
 async fn rules(pool: &PgPool) {
-    exec(
+    crate::helpers::add_versions(
         pool,
         "insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents,
                                     charge_closed_days)
          values ('default', '2026-10-15', 50, 1, 0, false),
                 ('laptop', '4714-11-24 BC', 300, 0, 1000, false),
-                ('laptop', '2026-10-15', 200, 2, 600, true);
-         insert into library_closed_days (day, reason)
+                ('laptop', '2026-10-15', 200, 2, 600, true)",
+    )
+    .await;
+    exec(
+        pool,
+        "insert into library_closed_days (day, reason)
          values ('2026-10-05', 'staff day'), ('2026-10-11', 'sunday'), ('2026-10-12', 'holiday'),
                 ('2026-10-20', 'snow');",
     )
@@ -238,6 +242,16 @@ async fn closing_a_day_already_charged_corrects_it_and_opening_it_charges_it_aga
         "{}",
         String::from_utf8_lossy(&closed.stderr)
     );
+    // Older than the replicas' catch-up window today: said, with the backfill that corrects it.
+    assert_eq!(
+        report(&closed)["days_outside_window"],
+        serde_json::json!(["2026-11-04"])
+    );
+    assert!(
+        String::from_utf8_lossy(&closed.stderr).contains("--from 2026-11-04 --to 2026-11-04 --reprocess all"),
+        "{}",
+        String::from_utf8_lossy(&closed.stderr)
+    );
 
     let found = corrections::recheck(
         &db(&pool),
@@ -330,6 +344,17 @@ async fn closing_a_day_already_charged_corrects_it_and_opening_it_charges_it_aga
 /// left without a policy; and a version, once there, is never rewritten or removed.
 #[sqlx::test]
 async fn an_empty_policy_table_is_seeded_and_a_version_is_never_rewritten(pool: PgPool) {
+    let refused = sqlx::query(
+        "insert into fine_policies (fine_class, effective_from, daily_rate_cents) values ('laptop', '2020-01-01', 9)",
+    )
+    .execute(&pool)
+    .await;
+    assert!(
+        refused.is_err_and(|e| e
+            .to_string()
+            .contains("the first fine policy must be the default class")),
+        "the first version must give every loan a policy"
+    );
     exec(
         &pool,
         "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
@@ -360,6 +385,22 @@ async fn an_empty_policy_table_is_seeded_and_a_version_is_never_rewritten(pool: 
             .await
             .expect("versions");
     assert_eq!(versions, [("default".to_string(), 70)]);
+    let back_dated = sqlx::query(
+        "insert into fine_policies (fine_class, effective_from, daily_rate_cents, cap_cents)
+         values ('laptop', current_date - 1, 300, 900)",
+    )
+    .execute(&pool)
+    .await;
+    assert!(
+        back_dated.is_err_and(|e| e.to_string().contains("must take effect from today on")),
+        "a version never re-prices a loan already due"
+    );
+    sqlx::query(
+        "insert into fine_policies (fine_class, effective_from, daily_rate_cents) values ('laptop', current_date + 1, 300)",
+    )
+    .execute(&pool)
+    .await
+    .expect("a version from tomorrow");
     for statement in [
         "update fine_policies set daily_rate_cents = 1",
         "delete from fine_policies",
@@ -381,16 +422,16 @@ async fn plan_and_the_status_page_show_the_rules_in_force(pool: PgPool) {
         .fetch_one(&pool)
         .await
         .expect("today");
-    sqlx::query(
-        "insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents)
-         values ('laptop', '2020-01-01', 300, 0, 0), ('laptop', '2021-01-01', 400, 0, 0),
-                ('laptop', $1::date + 10, 500, 1, 5000);
-         ",
+    crate::helpers::add_versions(
+        &pool,
+        &format!(
+            "insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents)
+             values ('laptop', '2020-01-01', 300, 0, 0), ('laptop', '2021-01-01', 400, 0, 0),
+                    ('laptop', '{}', 500, 1, 5000)",
+            today + chrono::Duration::days(10)
+        ),
     )
-    .bind(today)
-    .execute(&pool)
-    .await
-    .expect("versions");
+    .await;
     sqlx::query("insert into library_closed_days (day, reason) values ($1::date + 3, 'holiday'), ($1::date + 90, 'later')")
         .bind(today)
         .execute(&pool)
@@ -452,4 +493,79 @@ async fn plan_and_the_status_page_show_the_rules_in_force(pool: PgPool) {
     let (_, page) = crate::daemon::http_get(port, "/status").await;
     assert!(page.contains("Fine rules") && page.contains("laptop"), "{page}");
     crate::helpers::stop(replica).await;
+}
+
+/// A calendar change and a settlement batch never interleave: a batch that starts while a change is being made
+/// waits for it and prices with it (the snow day closed while the month-end settlement claims its key is not
+/// charged), and a change made while a batch prices waits for the batch and then sees the month's key (and is
+/// refused: a settled fine never changes silently).
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_calendar_change_and_a_settlement_batch_never_interleave(pool: PgPool) {
+    exec(
+        &pool,
+        "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         values (1, 1, 1, '2026-10-01', '2026-11-01', '2026-11-10')",
+    )
+    .await;
+    // The change is being made: the day is inserted (its trigger holds the calendar's lock), not yet committed.
+    let mut change = pool.begin().await.expect("begin");
+    sqlx::query("insert into library_closed_days (day, reason) values ('2026-11-05', 'snow')")
+        .execute(&mut *change)
+        .await
+        .expect("close a day");
+    let settling = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            runner(&pool, "settle", 7)
+                .run(&Settlement, key("2026-11-30", 0, 1), false)
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    change.commit().await.expect("commit the change");
+    let run = settling.await.expect("settlement");
+    assert_eq!(run.outcome, Outcome::Settled, "{run:?}");
+    let fine: i64 = sqlx::query_scalar("select fine_cents from loans where id = 1")
+        .fetch_one(&pool)
+        .await
+        .expect("fine");
+    assert_eq!(fine, 800, "nine days late, one of them closed");
+
+    // A batch in flight (it holds the calendar's lock shared, as settlement's batches do) and the month's key
+    // claimed in it: a change waits for the batch, then sees the key and is refused, writing nothing.
+    exec(&pool, "delete from job_runs").await;
+    let mut batch = pool.begin().await.expect("begin");
+    fine_settler::store::ledger::hold_calendar(&mut batch)
+        .await
+        .expect("the calendar's lock");
+    sqlx::query(
+        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
+         values ('fine-settlement', '2026-11-30', 1, 0, 'RUNNING', 'other', 1, now() + interval '1 minute')",
+    )
+    .execute(&mut *batch)
+    .await
+    .expect("a claim");
+    let closing = tokio::task::spawn_blocking({
+        let url = database_url(&pool);
+        move || {
+            let mut cmd = fine_settler(&url);
+            cmd.args(["calendar", "close", "--from", "2026-11-06", "--reason", "late"]);
+            output(cmd)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    batch.commit().await.expect("the batch commits");
+    let out = closing.await.expect("calendar close");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("2026-11-30"));
+    let closed: i64 = sqlx::query_scalar("select count(*) from library_closed_days where day = '2026-11-06'")
+        .fetch_one(&pool)
+        .await
+        .expect("closed days");
+    assert_eq!(closed, 0, "nothing written");
 }

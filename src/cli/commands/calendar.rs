@@ -53,7 +53,7 @@ pub async fn calendar(ctx: &Context, action: CalendarAction) -> Result<ExitCode,
             let today = database_today(ctx, &pool).await?;
             let changed = calendar::close(&pool, days, &args.reason, &by, today).await;
             pool.close().await;
-            report("closed", days, changed)
+            report(ctx, "closed", days, today, changed)
         }
         CalendarAction::Open(args) => {
             let days = range(&args)?;
@@ -61,16 +61,20 @@ pub async fn calendar(ctx: &Context, action: CalendarAction) -> Result<ExitCode,
             let today = database_today(ctx, &pool).await?;
             let changed = calendar::open(&pool, days, today).await;
             pool.close().await;
-            report("opened", days, changed)
+            report(ctx, "opened", days, today, changed)
         }
     }
 }
 
-/// Prints `{"calendar": "closed"|"opened", "from", "to", "days": [...], "loans_queued"}`; a refusal is a usage
-/// error (exit 2, nothing written).
+/// Prints `{"calendar": "closed"|"opened", "from", "to", "days": [...], "loans_queued", "days_outside_window":
+/// [...]}`; a refusal is a usage error (exit 2, nothing written). `days_outside_window` are the changed days
+/// already over that are older than the accrual's catch-up window (on `today`): the replicas do not re-run them,
+/// so their charges are corrected only by a backfill, which a warning on stderr names.
 fn report(
+    ctx: &Context,
     what: &str,
     (from, to): (NaiveDate, NaiveDate),
+    today: NaiveDate,
     changed: Result<Changed, CalendarError>,
 ) -> Result<ExitCode, CliError> {
     let changed = match changed {
@@ -80,13 +84,25 @@ fn report(
         }
         Err(CalendarError::Sql(e)) => return Err(e.into()),
     };
+    let window = crate::schedule::due::accrual_due(today, ctx.settings.accrual.catch_up_days);
+    let oldest = window.first().copied().unwrap_or(today);
+    let outside: Vec<NaiveDate> = changed.days.iter().copied().filter(|d| *d < oldest).collect();
     println!(
         "{}",
         serde_json::json!({
             "calendar": what, "from": from, "to": to, "days": changed.days,
-            "loans_queued": changed.loans_queued,
+            "loans_queued": changed.loans_queued, "days_outside_window": outside,
         })
     );
+    if let (Some(first), Some(last)) = (outside.first(), outside.last()) {
+        eprintln!(
+            "fine-settler: {} changed day(s) from {first} to {last} are older than the accrual's catch-up window \
+             (accrual.catch_up_days = {}): the replicas do not re-run them; correct their charges with \
+             `fine-settler backfill --job overdue-accrual --from {first} --to {last} --reprocess all`",
+            outside.len(),
+            ctx.settings.accrual.catch_up_days
+        );
+    }
     if !changed.days.is_empty() {
         tracing::info!(what, from = %from, to = %to, days = changed.days.len(), loans_queued = changed.loans_queued,
                        "library calendar changed");

@@ -314,3 +314,16 @@ pub async fn set_policy(pool: &PgPool, policy: fine_settler::fine::FinePolicy) {
     .expect("the test's policy");
     tx.commit().await.expect("commit");
 }
+
+/// Runs `sql` (inserts of policy versions a test needs, back-dated ones included) with triggers off: the table's
+/// insert trigger accepts only versions that take effect from today on, which a test of loans due in the past
+/// cannot use.
+pub async fn add_versions(pool: &PgPool, sql: &str) {
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query("set local session_replication_role = replica")
+        .execute(&mut *tx)
+        .await
+        .expect("triggers off");
+    sqlx::raw_sql(sql).execute(&mut *tx).await.expect(sql);
+    tx.commit().await.expect("commit");
+}
