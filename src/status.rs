@@ -105,7 +105,14 @@ impl StatusSource {
     /// Reads the status from the database now.
     async fn read_now(&self) -> Result<Status, StatusError> {
         let settings = &self.settings;
-        let since = due::window_start(settings, Utc::now());
+        // The window by the database's clock when the last tick measured the host's skew from it (the tick
+        // plans by it), so that a host clock ahead or behind shows the tick's keys.
+        let skew = self
+            .metrics
+            .clock_skew()
+            .and_then(|s| chrono::Duration::try_milliseconds((s * 1000.0) as i64))
+            .unwrap_or_default();
+        let since = due::window_start(settings, Utc::now() - skew);
         // The pool bounds the wait for its connection and the server each statement; this bounds the whole, in
         // case the server cannot even be reached.
         let read = async {

@@ -30,7 +30,14 @@ pub async fn plan(settings: &Settings, at: Option<DateTime<Utc>>) -> Result<Vec<
         settings.database.connect_timeout,
         settings.claim.lease.batch_timeout() + settings.database.connect_timeout,
     );
-    let around = at.unwrap_or_else(Utc::now);
+    // The status statement's bounds (the oldest key read, the months probed for late returns) by the clock the
+    // tick uses: with `time.source = "database"` the database's, so that a host clock ahead or behind plans what
+    // the tick then does.
+    let around = match (at, settings.time_source) {
+        (Some(at), _) => at,
+        (None, TimeSource::Database) => crate::store::database_now(&pool).await?,
+        (None, TimeSource::System) => Utc::now(),
+    };
     let mut status = session
         .tick_status(
             settings.instance,

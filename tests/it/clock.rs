@@ -161,6 +161,26 @@ fn run_once_shifted(url: &str, shift: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// `plan` with the host clock shifted by `shift`: its key lines as (job, business date, action).
+fn plan_shifted(url: &str, shift: &str) -> Vec<(String, String, String)> {
+    let mut cmd = fine_settler(url);
+    cmd.env("LD_PRELOAD", libfaketime())
+        .env("FAKETIME", shift)
+        .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+        .arg("plan");
+    let out = cmd.output().expect("plan");
+    assert_success(&out);
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON"))
+        .filter(|v| v.get("rules").is_none())
+        .map(|v| {
+            let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+            (s("job"), s("business_date"), s("action"))
+        })
+        .collect()
+}
+
 /// A return back-dated into the oldest settled month of the catch-up window is settled at the first tick, with
 /// the host clock 40 days ahead of the database's and 40 days behind it; a return back-dated into a month that
 /// left the window (by the database's date) re-opens nothing, however far behind the host clock is.
@@ -187,6 +207,16 @@ async fn a_host_clock_ahead_or_behind_never_hides_a_late_return(pool: PgPool) {
             )],
         )
         .await;
+        // `plan` asks its question with the database's time too: it shows the re-open the tick then does.
+        let planned = plan_shifted(&url, shift);
+        assert!(
+            planned.contains(&(
+                "fine-settlement".to_string(),
+                oldest.to_string(),
+                "reopen".to_string()
+            )),
+            "plan, host clock {shift}: {planned:?}"
+        );
         let reports = run_once_shifted(&url, shift);
         let dates: Vec<&str> = reports
             .iter()
