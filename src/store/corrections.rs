@@ -118,7 +118,10 @@ pub async fn correct(
                                                   where y.loan_id = f.loan_id), 0))
                       end as delta
                from fine_ledger f
-               join loans l on l.id = f.loan_id
+               -- The loan by its key for each charge (a join, planned on a ledger whose statistics
+               -- predate the day's charges, scanned the whole loans table for each).
+               cross join lateral (select l.id, l.due_on, l.returned_on, l.fine_class from loans l
+                                   where l.id = f.loan_id offset 0) l
                cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
                cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $1, p.daily_rate_cents,
                                                                  p.grace_days, p.cap_cents,

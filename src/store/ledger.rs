@@ -78,7 +78,10 @@ async fn full_batch(
                union all
                (select f.loan_id
                 from fine_ledger f
-                join loans l on l.id = f.loan_id
+                -- The loan by its key for each charge (a join, planned on a ledger whose statistics
+                -- predate the day's charges, scanned the whole loans table for each).
+                cross join lateral (select l.id, l.due_on, l.returned_on, l.fine_class from loans l
+                                    where l.id = f.loan_id offset 0) l
                 cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
                 cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $4, p.daily_rate_cents,
                                                                   p.grace_days, p.cap_cents,
@@ -171,7 +174,10 @@ pub async fn count_work(
                     offset 0) c) as "charges!",
              (select count(*)
               from fine_ledger f
-              join loans l on l.id = f.loan_id
+              -- The loan by its key for each charge (a join, planned on a ledger whose statistics
+              -- predate the day's charges, scanned the whole loans table for each).
+              cross join lateral (select l.id, l.due_on, l.returned_on, l.fine_class from loans l
+                                  where l.id = f.loan_id offset 0) l
               cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
               cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $4, p.daily_rate_cents,
                                                                 p.grace_days, p.cap_cents,
@@ -373,7 +379,10 @@ pub async fn day_has_work(pool: &Db, day: NaiveDate, shard: ShardSpec) -> Result
                or exists (
                   select 1
                   from fine_ledger f
-                  join loans l on l.id = f.loan_id
+                  -- The loan by its key for each charge (a join, planned on a ledger whose statistics
+                  -- predate the day's charges, scanned the whole loans table for each).
+                  cross join lateral (select l.id, l.due_on, l.returned_on, l.fine_class from loans l
+                                      where l.id = f.loan_id offset 0) l
                   cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
                   cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $1, p.daily_rate_cents,
                                                                     p.grace_days, p.cap_cents,

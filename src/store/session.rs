@@ -37,6 +37,14 @@ impl Gucs {
     /// statements that read a few rows (the accrual re-check with nothing queued, a batch scan) passes
     /// `jit_above_cost` and PostgreSQL compiles them: about 100 ms of a re-check that executes in 0.3 ms at
     /// 5,000,000 open overdue loans, and a few percent of each accrual batch (bench/README.md).
+    ///
+    /// And no sequential scan where an index serves: a generic plan is built once per connection, at the
+    /// statement's first execution, with the table sizes of that moment and kept for the connection's life. On a
+    /// new deployment the ledger is empty then, so the accrual batch's probe "is this loan already charged
+    /// today" was planned as a sequential scan of `fine_ledger` — and after a few batches had charged 10,000
+    /// loans each, every probe read them all: a batch of 1,000,000 loans took 20 s instead of 0.13 s and the run
+    /// failed at its batch timeout (measured with auto_explain). Every job statement reads by a key or walks an
+    /// index; a table with no index for a statement is still scanned.
     pub(super) fn jobs(batch_timeout: Duration) -> Self {
         let timeout = batch_timeout.as_millis().max(1).to_string();
         Gucs(vec![
@@ -45,6 +53,7 @@ impl Gucs {
             ("max_parallel_workers_per_gather", "0".into()),
             ("plan_cache_mode", "force_generic_plan".into()),
             ("jit", "off".into()),
+            ("enable_seqscan", "off".into()),
         ])
     }
 

@@ -569,3 +569,45 @@ async fn a_calendar_change_and_a_settlement_batch_never_interleave(pool: PgPool)
         .expect("closed days");
     assert_eq!(closed, 0, "nothing written");
 }
+
+/// A job connection keeps the generic plan of each statement for its life, built at the statement's first
+/// execution with the table sizes of that moment. On a new deployment the ledger is empty then: a batch's probe
+/// "is this loan charged today" must still be planned on the ledger's index — as a sequential scan it read every
+/// charge of the day for every loan once the run had written some (a batch of 1,000,000 loans took 20 s, and the
+/// run failed at its batch timeout).
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_job_connection_plans_the_ledger_probe_on_its_index_even_on_an_empty_ledger(pool: PgPool) {
+    // Analysed while empty (a DBA's `vacuumdb --analyze`, or a database copied from a template): the planner
+    // then knows it is empty.
+    exec(&pool, "vacuum analyze fine_ledger").await;
+    let url = database_url(&pool);
+    let env: std::collections::HashMap<String, String> =
+        [("DATABASE_URL".to_string(), url.clone())].into_iter().collect();
+    let settings = fine_settler::config::load(None, &env)
+        .and_then(|raw| raw.validate(&env))
+        .expect("settings");
+    let jobs = fine_settler::store::connect(&settings.database, "test", Duration::from_secs(5))
+        .await
+        .expect("a job pool");
+    let mut conn = jobs.pool().acquire().await.expect("a job connection");
+    sqlx::raw_sql(
+        "prepare probe (bigint, date) as
+             select l.id from loans l
+             where l.id >= $1 and not exists (select 1 from fine_ledger f
+                                              where f.loan_id = l.id and f.accrual_date = $2 offset 0)
+             order by l.id limit 100",
+    )
+    .execute(&mut *conn)
+    .await
+    .expect("prepare");
+    let plan: Vec<String> = sqlx::query_scalar("explain execute probe (0, '2026-10-20')")
+        .fetch_all(&mut *conn)
+        .await
+        .expect("explain");
+    let plan = plan.join("\n");
+    assert!(
+        plan.contains("fine_ledger_day_idx") || plan.contains("fine_ledger_pkey"),
+        "{plan}"
+    );
+    assert!(!plan.contains("Seq Scan on fine_ledger"), "{plan}");
+}
