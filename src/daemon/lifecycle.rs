@@ -198,7 +198,9 @@ async fn until_stopped(
 
 /// One tick, then return its runs' reports (`run --once`).
 pub async fn run_once(settings: Settings, control: Control) -> Result<Vec<RunReport>, TickError> {
-    replica(settings, &control).tick().await
+    let mut daemon = replica(settings, &control);
+    daemon.seed_rules().await;
+    daemon.tick().await
 }
 
 fn replica(settings: Settings, control: &Control) -> Daemon {

@@ -234,6 +234,15 @@ impl Daemon {
         .with_throttle(self.throttle.clone())
     }
 
+    /// Gives an empty fine_policies (a database migrated before the rules moved into it, or by other means) this
+    /// deployment's first `default` policy, as `migrate` gives it; a failure is logged, and retried by the next
+    /// start.
+    pub(crate) async fn seed_rules(&self) {
+        if let Err(e) = store::policies::seed_default_by(&self.pool, &self.settings.fine, "run").await {
+            tracing::warn!(error = %e, "could not check that fine_policies has a policy");
+        }
+    }
+
     /// Runs until shutdown: ticks on the schedule (and once at start), each tick retried through outages.
     pub async fn run(mut self) {
         let schedule = Schedule::new(self.settings.schedule.mode.clone(), self.settings.zone);
@@ -249,11 +258,7 @@ impl Daemon {
             tracing::info!("replica stopped before it was ready; it held no key");
             return;
         }
-        // An empty fine_policies (a database migrated before the rules moved into it, or by other means) gets
-        // this deployment's first `default` policy, as `migrate` gives it; a failure is retried by the next start.
-        if let Err(e) = store::policies::seed_default_by(&self.pool, &self.settings.fine, "run").await {
-            tracing::warn!(error = %e, "could not check that fine_policies has a policy");
-        }
+        self.seed_rules().await;
         // A lag limit this role cannot read is said once, now (and asked again at the first batch if this fails).
         if let Err(e) = self.throttle.prepare(&self.pool).await {
             tracing::debug!(error = %e, "could not ask whether standbys' positions are readable");

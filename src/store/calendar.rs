@@ -51,6 +51,12 @@ pub enum CalendarError {
     Sql(#[from] sqlx::Error),
 }
 
+/// PostgreSQL's earliest date, 4714-11-24 BC.
+const PG_EARLIEST: NaiveDate = match NaiveDate::from_ymd_opt(-4713, 11, 24) {
+    Some(d) => d,
+    None => NaiveDate::MIN,
+};
+
 /// The closed days in `[from, to]` (each end optional), in order.
 pub async fn list(
     pool: &Db,
@@ -60,10 +66,11 @@ pub async fn list(
     sqlx::query_as!(
         ClosedDay,
         r#"select day, reason, created_at, created_by from library_closed_days
-           where ($1::date is null or day >= $1) and ($2::date is null or day <= $2)
+           where day >= $1 and day <= $2
            order by day"#,
-        from,
-        to,
+        from.unwrap_or(PG_EARLIEST),
+        // A day past the last date chrono has (inserted by hand: PostgreSQL's dates go further) is not listed.
+        to.unwrap_or(NaiveDate::MAX),
     )
     .fetch_all(pool)
     .await
@@ -78,6 +85,7 @@ pub async fn close(
     today: NaiveDate,
 ) -> Result<Changed, CalendarError> {
     let mut tx = pool.begin().await?;
+    take_calendar(&mut tx).await?;
     let days = sqlx::query_scalar!(
         r#"insert into library_closed_days (day, reason, created_by)
            select d::date, $3, $4 from generate_series($1::date, $2::date, interval '1 day') d
@@ -102,6 +110,7 @@ pub async fn open(
     today: NaiveDate,
 ) -> Result<Changed, CalendarError> {
     let mut tx = pool.begin().await?;
+    take_calendar(&mut tx).await?;
     let days = sqlx::query_scalar!(
         r#"delete from library_closed_days where day between $1 and $2 returning day"#,
         from,
@@ -112,6 +121,21 @@ pub async fn open(
     let loans_queued = after_change(&mut tx, &days, today).await?;
     tx.commit().await?;
     Ok(Changed { days, loans_queued })
+}
+
+/// Takes the calendar's lock ([`CALENDAR_LOCK`](crate::store::ledger::CALENDAR_LOCK)) before the change touches a
+/// row: its numbering trigger takes it too, after the statement — a `close` and an `open` at once each held a row
+/// the other's renumbering needed while waiting for that lock (a deadlock, one of them failing).
+async fn take_calendar(tx: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+    let (space, key) = crate::store::ledger::CALENDAR_LOCK;
+    sqlx::query_scalar!(
+        r#"select 1 as "taken!" from pg_advisory_xact_lock($1, $2)"#,
+        space,
+        key
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    Ok(())
 }
 
 /// The checks and consequences of changing `days`, inside the change's transaction: refuses a change in a

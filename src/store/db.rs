@@ -228,11 +228,26 @@ impl Db {
         }
     }
 
-    /// Closes every connection (waiting for checked-out ones to come back).
+    /// Closes every connection, waiting for checked-out ones to come back — for at most [`CLOSE_WITHIN`]: a
+    /// connection stuck reading from a server that stopped answering (a frozen host, a partition) never comes
+    /// back, and a command that had already finished its work waited for it for ever. Whatever is still open then
+    /// is left to the process's exit.
     pub async fn close(&self) {
-        self.pool.close().await
+        if tokio::time::timeout(CLOSE_WITHIN, self.pool.close())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                host = %self.host(),
+                "a connection did not close within {} (the server does not answer); leaving it",
+                humantime::format_duration(CLOSE_WITHIN)
+            );
+        }
     }
 }
+
+/// How long [`Db::close`] waits for the connections to close.
+pub const CLOSE_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl<'d> sqlx::Executor<'d> for &'_ Db {
     type Database = Postgres;

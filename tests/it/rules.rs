@@ -611,3 +611,76 @@ async fn a_job_connection_plans_the_ledger_probe_on_its_index_even_on_an_empty_l
     );
     assert!(!plan.contains("Seq Scan on fine_ledger"), "{plan}");
 }
+
+/// `run --once` on an empty `fine_policies` seeds it from its `[fine]` keys before its tick, as `run` does (its
+/// month's settlement failed on a fine no policy could give).
+#[sqlx::test]
+async fn run_once_seeds_an_empty_policy_table(pool: PgPool) {
+    let month = crate::helpers::due_now(&pool, 1).await[0];
+    let day = |back: i64| (month - chrono::Duration::days(back)).to_string();
+    crate::helpers::insert(&pool, &[crate::helpers::loan(1, &day(20), Some(&day(10)))]).await;
+    let mut once = fine_settler(&database_url(&pool));
+    // No [fine] key: the compiled-in values (100 cents a day) seed it.
+    once.env("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "1")
+        .args(["run", "--once"]);
+    let out = output(once);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let fine: i64 = sqlx::query_scalar("select fine_cents from loans where id = 1")
+        .fetch_one(&pool)
+        .await
+        .expect("fine");
+    assert_eq!(fine, 1000, "ten days at the seeded 100 cents");
+}
+
+/// Closing and opening days at the same moment never deadlock (each held a row the other's renumbering needed),
+/// and a day past the last date the program's calendar has, inserted by hand, does not break `calendar list`.
+#[sqlx::test(fixtures("default_policy"))]
+async fn calendar_changes_at_once_never_deadlock(pool: PgPool) {
+    use fine_settler::store::calendar;
+    let d0 = d("2027-03-01");
+    calendar::close(&db(&pool), (d0, d0 + chrono::Duration::days(40)), "test", "t", d0)
+        .await
+        .expect("close");
+    let mut tasks = Vec::new();
+    for i in 0..20i64 {
+        let db = db(&pool);
+        let (open, close) = (
+            d0 + chrono::Duration::days(i),
+            d0 + chrono::Duration::days(60 + i),
+        );
+        tasks.push(tokio::spawn(async move {
+            let opened = calendar::open(&db, (open, open), d0).await.map(|_| ());
+            let closed = calendar::close(&db, (close, close), "x", "t", d0)
+                .await
+                .map(|_| ());
+            opened.and(closed)
+        }));
+        let db = crate::helpers::db(&pool);
+        let day = d0 + chrono::Duration::days(20 + i);
+        tasks.push(tokio::spawn(async move {
+            calendar::open(&db, (day, day), d0).await.map(|_| ())
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task").expect("no deadlock");
+    }
+    exec(
+        &pool,
+        "insert into library_closed_days (day, reason) values ('5874897-12-31', 'far')",
+    )
+    .await;
+    let mut list = fine_settler(&database_url(&pool));
+    list.args(["calendar", "list", "--json"]);
+    let out = output(list);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

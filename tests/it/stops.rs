@@ -102,3 +102,71 @@ async fn a_sigterm_after_the_server_died_mid_run_says_the_key_could_not_be_hande
     );
     assert!(!stderr.contains("batch in flight"), "{stderr}");
 }
+
+/// A one-shot `settle` whose server freezes mid-run (a frozen host, a partition: the sockets stay open, nothing
+/// answers) ends by itself: its batch times out, the end of the run is retried briefly, its connections are left
+/// to the exit, and it prints its report and exits 1 — it used to wait for a connection that never came back, for
+/// ever, after logging that the run had finished.
+#[tokio::test]
+async fn a_settle_whose_server_freezes_mid_run_ends_by_itself() {
+    let primary = Cluster::primary_with_libraryd().await;
+    let url = primary.url("libraryd");
+    migrate(&url);
+    let pool: PgPool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .expect("connect");
+    let month = due_now(&pool, 1).await[0];
+    let first = month.with_day(1).expect("first day").to_string();
+    let loans: Vec<_> = (1..=400)
+        .map(|n| loan(n, &first, Some(&month.to_string())))
+        .collect();
+    insert(&pool, &loans).await;
+    slow_down(&pool, "update on loans", 0.02).await;
+    let mut settle = crate::helpers::fine_settler(&url);
+    settle
+        .env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "25")
+        .env("FINE_SETTLER__CLAIM__LEASE", "6s")
+        .env("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "2s")
+        .env("FINE_SETTLER__CLAIM__LOCK_TIMEOUT", "1s")
+        .env("FINE_SETTLER__DATABASE__CONNECT_TIMEOUT", "2s")
+        .args(["settle", "--business-date", &month.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = settle.spawn().expect("settle");
+    wait_until("a batch settled", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from loans where fine_settled_at is not null")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+            > 0
+    })
+    .await;
+    pool.close().await;
+    primary.freeze();
+    let frozen_at = Instant::now();
+    let mut ended = None;
+    while frozen_at.elapsed() < Duration::from_secs(60) {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            ended = Some(status);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = frozen_at.elapsed();
+    if ended.is_none() {
+        let _ = child.kill();
+    }
+    primary.thaw();
+    let out = child.wait_with_output().expect("settle's output");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("settle ended {took:?} after its server froze");
+    assert!(
+        ended.is_some(),
+        "still running {took:?} after the freeze: {stderr}"
+    );
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let report = crate::helpers::report(&out);
+    assert_eq!(report["outcome"], "failed", "{report}");
+}

@@ -41,14 +41,21 @@ fn service_manager(settings: &Settings) -> Result<ServiceManager, CliError> {
 }
 
 /// Refuses to start (exit 2) when a `[fine]` key set in this replica's file or environment differs from the
-/// database's `default` policy in force today. A replica that sets none is not asked; one whose database cannot
-/// be reached now starts anyway (it rides out the outage as ever) and says that the keys went unchecked.
+/// database's `default` policy in force today, after seeding an empty `fine_policies` from those keys (as
+/// `migrate` does) — in that order, so that of two replicas with different keys starting together on an empty
+/// table one seeds and the other is refused. A replica that sets no key is not asked (it seeds once ready, with
+/// the compiled-in values); one whose database cannot be reached now starts anyway (it rides out the outage as
+/// ever) and says that the keys went unchecked. `run --once` included.
 async fn check_fine_keys(ctx: &Context) -> Result<(), CliError> {
     if ctx.fine_keys.is_empty() {
         return Ok(());
     }
     let in_force = async {
         let pool = ctx.connect("fine-settler run").await?;
+        if let Err(e) = policies::seed_default_by(&pool, &ctx.settings.fine, "run").await {
+            pool.close().await;
+            return Err(CliError::from(e));
+        }
         let today = super::database_today(ctx, &pool).await;
         let version = match today {
             Ok(today) => policies::governing(&pool, None, today)

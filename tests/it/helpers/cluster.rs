@@ -242,6 +242,38 @@ impl Cluster {
         self.dir.path()
     }
 
+    /// Freezes the server (SIGSTOP to the postmaster and every process it started): it keeps its sockets but
+    /// answers nothing, as a frozen host or a partition does.
+    pub fn freeze(&self) {
+        self.signal_all("STOP");
+    }
+
+    /// Thaws a frozen server.
+    pub fn thaw(&self) {
+        self.signal_all("CONT");
+    }
+
+    fn signal_all(&self, signal: &str) {
+        let pid = std::fs::read_to_string(self.data().join("postmaster.pid")).expect("postmaster.pid");
+        let pid = pid.lines().next().expect("pid").trim().to_string();
+        let children = std::process::Command::new("pgrep")
+            .args(["-P", &pid])
+            .output()
+            .expect("pgrep");
+        let mut pids = vec![pid];
+        pids.extend(
+            String::from_utf8_lossy(&children.stdout)
+                .split_whitespace()
+                .map(str::to_string),
+        );
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .args(&pids)
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill -{signal} {pids:?}");
+    }
+
     /// Its `cluster_name`; a standby's row in the primary's `pg_stat_replication` has it as `application_name`.
     pub fn name(&self) -> &str {
         &self.name
