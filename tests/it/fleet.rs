@@ -215,6 +215,21 @@ async fn the_status_statement_counts_keys_without_a_live_owner_beyond_the_grace(
     )
     .await;
     assert_eq!(count().await, (1, 0));
+    // Shard 2's replica is busy with another key (a long month-end run, its lease live): it runs, it has just
+    // not claimed this one yet.
+    exec(
+        &pool,
+        "insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
+         values ('overdue-accrual', '2026-10-30', 3, 2, 'RUNNING', 'o2', 1, now() + interval '1 minute')",
+    )
+    .await;
+    assert_eq!(count().await, (0, 0));
+    exec(
+        &pool,
+        "update job_runs set lease_until = now() - interval '1 hour' where job_name = 'overdue-accrual'",
+    )
+    .await;
+    assert_eq!(count().await, (1, 0));
     // A pause of shard 2 is the operator's choice, shown by its own gauge.
     exec(
         &pool,

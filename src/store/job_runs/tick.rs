@@ -332,6 +332,12 @@ async fn status_rows(
                                 and (o.status = 'SUCCESS'
                                      or o.lease_until >= now() - $9::bigint * interval '1 millisecond')
                               limit 1) is null
+                         -- Nor is a shard whose replica runs another key of the count right now (a long run:
+                         -- the month-end settlement, a throttled or waiting run), before it claims the newer ones.
+                         and (select true from job_runs b
+                              where b.shards = $1::int and b.shard = s.shard and b.status = 'RUNNING'
+                                and b.lease_until >= now()
+                              limit 1) is null
                          and not exists (
                              select 1 from job_pauses p
                              where p.job_name = k.job
