@@ -462,13 +462,20 @@ async fn plan_and_the_status_page_show_the_rules_in_force(pool: PgPool) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // On stderr: stdout is the keys alone.
     let first: serde_json::Value = serde_json::from_str(
-        String::from_utf8_lossy(&out.stdout)
+        String::from_utf8_lossy(&out.stderr)
             .lines()
-            .next()
-            .expect("a first line"),
+            .find(|l| l.starts_with("{\"rules\""))
+            .expect("the rules line"),
     )
     .expect("JSON");
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .all(|l| !l.contains("\"rules\"")),
+        "stdout is the keys alone"
+    );
     assert_eq!(
         shown(&first["rules"]),
         (expected.clone(), closed.clone()),

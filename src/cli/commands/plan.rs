@@ -9,9 +9,10 @@ use crate::{
     daemon,
 };
 
-/// Prints the fine rules in force on the day of `--at` (default: now, by the configured clock) — `{"rules":
-/// {"policies": [...], "closed_days": [...]}}`, the version of each class in force and those to come, and the
-/// closed days of the coming month — and then one JSON line per key a tick at that time would consider.
+/// Prints one JSON line per key a tick at `--at` (default: now, by the configured clock) would consider, on
+/// stdout; and first, on stderr, the fine rules in force on that day — `{"rules": {"policies": [...],
+/// "closed_days": [...]}}`, the version of each class in force and those to come, and the closed days of the
+/// coming month — so that stdout stays the keys alone for scripts.
 pub async fn plan(ctx: &Context, args: PlanArgs) -> Result<ExitCode, CliError> {
     let at = args.at.map(|at| at.with_timezone(&Utc));
     let pool = ctx.connect("fine-settler plan").await?;
@@ -30,7 +31,7 @@ pub async fn plan(ctx: &Context, args: PlanArgs) -> Result<ExitCode, CliError> {
         Err(e) => Err(e),
     };
     pool.close().await;
-    println!("{}", serde_json::json!({ "rules": rules? }));
+    eprintln!("{}", serde_json::json!({ "rules": rules? }));
     for due in daemon::plan(&ctx.settings, at).await? {
         println!("{}", serde_json::to_string(&due).unwrap_or_default());
     }
