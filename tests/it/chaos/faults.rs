@@ -513,6 +513,28 @@ async fn zombie(
                 *frozen = Some(pid);
                 send_signal(pid, "STOP");
             }
+            // Frozen while it still holds the key? The list above may be a tick old, and a statement sent just
+            // before the freeze (its finish) still lands: look again once it has. A key it had finished meanwhile
+            // is re-opened by a peer's re-check later (a higher epoch), with no lost lease for the zombie to report.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let holds: bool = sqlx::query_scalar(
+                "select exists (select 1 from job_runs where job_name = $1 and business_date = $2 and shards = $3
+                     and shard = $4 and status = 'RUNNING' and owner = $5 and epoch = $6)",
+            )
+            .bind(&job)
+            .bind(date)
+            .bind(shards)
+            .bind(shard)
+            .bind(&owner)
+            .bind(epoch)
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(false);
+            if !holds {
+                send_signal(pid, "CONT");
+                *frozen.lock().expect("lock") = None;
+                continue;
+            }
             // A peer of the same shard takes the key over once the lease has expired and the peer's tick comes
             // back to the key (a tick works through every due key of the shard in turn, so that can take a while
             // when the peers are busy with other keys).
