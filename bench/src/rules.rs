@@ -336,38 +336,8 @@ pub(crate) fn measured(date: &str, commit: &str) -> String {
     format!("{MEASURED} {date} at commit {commit}")
 }
 
-/// `existing` with its fine rules section replaced by `section` (put before "## Targets", or at the end, when it
-/// has none) and its header line by `measured` (put after the "- commit:" line when it has none).
+/// `existing` with its fine rules section replaced by `section` and its header line by `measured`
+/// ([`crate::accrual::merge_section`]).
 pub(crate) fn merge(existing: &str, section: &str, measured: &str) -> String {
-    let mut lines: Vec<&str> = existing.lines().collect();
-    let new: Vec<&str> = section.trim_end().lines().chain([""]).collect();
-    match lines.iter().position(|l| *l == HEADING) {
-        Some(start) => {
-            let end = lines[start + 1..]
-                .iter()
-                .position(|l| l.starts_with("## "))
-                .map_or(lines.len(), |i| start + 1 + i);
-            lines.splice(start..end, new);
-        }
-        None => {
-            let at = lines
-                .iter()
-                .position(|l| *l == "## Targets")
-                .unwrap_or(lines.len());
-            lines.splice(at..at, new);
-        }
-    }
-    match lines.iter().position(|l| l.starts_with(MEASURED)) {
-        Some(i) => lines[i] = measured,
-        None => {
-            let at = lines
-                .iter()
-                .position(|l| l.starts_with("- commit:"))
-                .map_or(1, |i| i + 1);
-            lines.insert(at.min(lines.len()), measured);
-        }
-    }
-    let mut out = lines.join("\n");
-    out.push('\n');
-    out
+    crate::accrual::merge_section(existing, (HEADING, section), (MEASURED, measured))
 }

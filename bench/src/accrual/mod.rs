@@ -22,7 +22,7 @@ use std::{
 
 use chrono::NaiveDate;
 
-pub(crate) use report::{measured_accrual, measured_all, merge};
+pub(crate) use report::{measured_accrual, measured_all, merge, merge_section};
 
 use crate::{Bench, Error};
 

@@ -339,9 +339,20 @@ impl Accrual {
 /// `existing` with its accrual section replaced by `section` (put before "## Targets", or at the end, when it has
 /// none) and its "- measured:" header line by `measured` (put after the "- commit:" line when it has none).
 pub(crate) fn merge(existing: &str, section: &str, measured: &str) -> String {
+    merge_section(existing, (HEADING, section), (MEASURED, measured))
+}
+
+/// `existing` with the section under `heading` replaced by `section` (put before "## Targets", or at the end,
+/// when it has none) and its header line starting with `prefix` by `measured` (put after the "- commit:" line
+/// when it has none): how a section measured alone goes into a whole report.
+pub(crate) fn merge_section(
+    existing: &str,
+    (heading, section): (&str, &str),
+    (prefix, measured): (&str, &str),
+) -> String {
     let mut lines: Vec<&str> = existing.lines().collect();
     let new: Vec<&str> = section.trim_end().lines().chain([""]).collect();
-    match lines.iter().position(|l| *l == HEADING) {
+    match lines.iter().position(|l| *l == heading) {
         Some(start) => {
             let end = lines[start + 1..]
                 .iter()
@@ -357,7 +368,7 @@ pub(crate) fn merge(existing: &str, section: &str, measured: &str) -> String {
             lines.splice(at..at, new);
         }
     }
-    match lines.iter().position(|l| l.starts_with(MEASURED)) {
+    match lines.iter().position(|l| l.starts_with(prefix)) {
         Some(i) => lines[i] = measured,
         None => {
             let at = lines

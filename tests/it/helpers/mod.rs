@@ -292,27 +292,18 @@ where
 /// "deployment" whose rules are `policy`. fine-settler never rewrites a policy version (a trigger refuses it), so
 /// the test does it as a superuser with triggers off, before any loan is priced under the old rules.
 pub async fn set_policy(pool: &PgPool, policy: fine_settler::fine::FinePolicy) {
-    let mut tx = pool.begin().await.expect("begin");
-    for statement in [
-        "set local session_replication_role = replica",
-        "delete from fine_policies",
-    ] {
-        sqlx::query(statement)
-            .execute(&mut *tx)
-            .await
-            .expect("replace the policies");
-    }
-    sqlx::query(
-        "insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents, reason)
-         values ('default', '4714-11-24 BC', $1, $2, $3, 'test')",
+    add_versions(
+        pool,
+        &format!(
+            "delete from fine_policies;
+             insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents, reason)
+             values ('default', '4714-11-24 BC', {}, {}, {}, 'test')",
+            policy.daily_rate().get(),
+            policy.grace_days(),
+            policy.cap().map_or(0, |c| c.get())
+        ),
     )
-    .bind(policy.daily_rate().get())
-    .bind(i32::try_from(policy.grace_days()).expect("grace"))
-    .bind(policy.cap().map_or(0, |c| c.get()))
-    .execute(&mut *tx)
-    .await
-    .expect("the test's policy");
-    tx.commit().await.expect("commit");
+    .await;
 }
 
 /// Runs `sql` (inserts of policy versions a test needs, back-dated ones included) with triggers off: the table's
