@@ -2,10 +2,7 @@
 //! timeout — one entry point, [`run`], that the command line calls with the process's signals and a test calls
 //! with tokens of its own.
 
-use std::{
-    sync::{atomic::Ordering, Arc},
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
 use chrono::Utc;
 use tokio::sync::Notify;
@@ -162,27 +159,36 @@ async fn until_stopped(
     drain_timeout: Duration,
     connect_timeout: Duration,
 ) -> Stopped {
-    let (in_pass, pool) = (daemon.in_pass(), daemon.pool());
+    let (in_pass, held, pool) = (daemon.in_pass(), daemon.held(), daemon.pool());
+    // What the replica holds is read as the drain times out or the database is found gone: once a branch of the
+    // `select!` below is taken, the replica's future (and with it every run's hold on its key) is dropped.
     let drain_expired = async {
         control.shutdown.cancelled().await;
         tokio::time::sleep(drain_timeout).await;
+        held.count()
     };
     let gone = async {
         control.shutdown.cancelled().await;
-        stop::database_gone(&pool, &in_pass, connect_timeout).await
+        let gone = stop::database_gone(&pool, &in_pass, connect_timeout).await;
+        (gone, held.count())
     };
     tokio::select! {
         () = daemon.run() => Stopped::Drained,
         () = control.hard_stop.cancelled() => Stopped::HardStop,
-        stop::DatabaseGone(reason) = gone => {
-            tracing::error!(
-                reason = %reason,
-                "the database is unreachable: could not hand the key back; its lease frees it for a peer"
-            );
-            Stopped::DatabaseGone
+        (stop::DatabaseGone(reason), held_keys) = gone => {
+            if held_keys > 0 {
+                tracing::error!(
+                    reason = %reason,
+                    "the database is unreachable: could not hand the key back; its lease frees it for a peer"
+                );
+                Stopped::DatabaseGone
+            } else {
+                tracing::warn!(reason = %reason, "the database is unreachable; the replica held no key");
+                Stopped::Drained
+            }
         }
-        () = drain_expired => {
-            if in_pass.load(Ordering::SeqCst) {
+        held_keys = drain_expired => {
+            if held_keys > 0 {
                 tracing::error!(
                     drain_timeout_ms = duration_ms(drain_timeout),
                     "drain timeout: exiting with a batch in flight; its key is taken over when the lease expires"

@@ -41,7 +41,7 @@ use crate::{
     config::Settings,
     health::{Heartbeat, TickFailure},
     jobs::{
-        runner::{process_owner, Runner},
+        runner::{process_owner, HeldKeys, Runner},
         throttle::Throttle,
     },
     metrics::Metrics,
@@ -137,9 +137,11 @@ pub struct Daemon {
     paused: Vec<Pause>,
     /// `[throttle]`, shared by every run of the replica.
     throttle: Arc<Throttle>,
-    /// Whether a tick is past its status statement, running keys: only then may the replica hold a key (what a
-    /// stop says about it, see [`lifecycle`]).
+    /// Whether a tick is past its status statement (running keys, compensating, re-checking): only then does a
+    /// stop watch whether the database is gone (see [`lifecycle`]).
     in_pass: Arc<AtomicBool>,
+    /// The keys the replica's runs hold now: what a stop says about them.
+    held: Arc<HeldKeys>,
 }
 
 impl Daemon {
@@ -181,6 +183,7 @@ impl Daemon {
             paused: Vec::new(),
             throttle,
             in_pass: Arc::default(),
+            held: Arc::default(),
         }
     }
 
@@ -211,9 +214,14 @@ impl Daemon {
         &self.owner
     }
 
-    /// Set while a tick runs keys, so may hold one (for the stop).
+    /// Set while a tick is past its status statement (for the stop).
     pub fn in_pass(&self) -> Arc<AtomicBool> {
         self.in_pass.clone()
+    }
+
+    /// The keys the replica holds now (for the stop).
+    pub fn held(&self) -> Arc<HeldKeys> {
+        self.held.clone()
     }
 
     /// The pool the jobs use (for the readiness probe).
@@ -232,6 +240,7 @@ impl Daemon {
         .with_metrics(self.metrics.clone())
         .with_heartbeat(self.heartbeat.clone())
         .with_throttle(self.throttle.clone())
+        .with_held_keys(self.held.clone())
     }
 
     /// Gives an empty fine_policies (a database migrated before the rules moved into it, or by other means) this

@@ -15,6 +15,7 @@
 
 mod claim;
 mod end;
+mod held;
 mod retry;
 mod wait;
 mod walk;
@@ -27,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use self::claim::Start;
-pub use self::retry::transient;
+pub use self::{held::HeldKeys, retry::transient};
 use super::{throttle::Throttle, Outcome, RunKey, RunReport};
 use crate::{
     calendar::CalendarError,
@@ -172,6 +173,8 @@ pub struct Runner {
     pub ignore_pause: bool,
     /// The process's throttle (`[throttle]`), shared by its runs.
     pub throttle: Arc<Throttle>,
+    /// The keys this runner's runs hold now (shared with the daemon's stop).
+    pub held: Arc<HeldKeys>,
 }
 
 /// The shortest interval between lease renewals of a waiting run (a lease barely longer than the batch timeout
@@ -201,7 +204,14 @@ impl Runner {
             progress: None,
             ignore_pause: false,
             throttle: Throttle::off(),
+            held: Arc::default(),
         }
+    }
+
+    /// The same runner, counting the keys its runs hold in `held`.
+    pub fn with_held_keys(mut self, held: Arc<HeldKeys>) -> Self {
+        self.held = held;
+        self
     }
 
     /// The same runner, waiting for `throttle` before its batches.
@@ -274,8 +284,8 @@ impl Runner {
         mode: ClaimMode,
         span: &tracing::Span,
     ) -> RunReport {
-        let mut run = match self.claim(job, key, mode, span).await {
-            Start::Run(run) => run,
+        let (mut run, _holding) = match self.claim(job, key, mode, span).await {
+            Start::Run(run, holding) => (run, holding),
             Start::Ended(report) => return report,
         };
         let stop = self.walk(job, &mut run).await;

@@ -170,3 +170,71 @@ async fn a_settle_whose_server_freezes_mid_run_ends_by_itself() {
     let report = crate::helpers::report(&out);
     assert_eq!(report["outcome"], "failed", "{report}");
 }
+
+/// A replica told to stop while its compensation pass runs and its server has just died holds no key (the pass
+/// charges pending rows, it claims nothing): it says so and exits 0 — it used to say it could not hand its key
+/// back, and exit 1, whenever the database was gone after the tick's status statement.
+#[tokio::test]
+async fn a_sigterm_during_a_compensation_pass_with_the_server_gone_exits_0_holding_no_key() {
+    let primary = Cluster::primary_with_libraryd().await;
+    let url = primary.url("libraryd");
+    migrate(&url);
+    let pool: PgPool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .expect("connect");
+    let loans: Vec<_> = (1..=200).map(|n| loan(n, "2026-06-01", None)).collect();
+    insert(&pool, &loans).await;
+    sqlx::raw_sql(
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
+         select id, '2026-06-20', 100, 1, 'x', now() - interval '1 s' from generate_series(1, 200) id;",
+    )
+    .execute(&pool)
+    .await
+    .expect("pending charges");
+    slow_down(&pool, "insert on fine_ledger", 0.1).await;
+    let mut replica = daemon(
+        &url,
+        0,
+        1,
+        &[
+            ("FINE_SETTLER__ACCRUAL__ENABLED", "true"),
+            ("FINE_SETTLER__SETTLEMENT__ENABLED", "false"),
+            ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "20s"),
+            ("FINE_SETTLER__CLAIM__LEASE", "60s"),
+            ("FINE_SETTLER__DATABASE__CONNECT_TIMEOUT", "10s"),
+        ],
+    );
+    let log = StderrLog::collect(&mut replica);
+    wait_until(
+        "the compensation pass under way",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_scalar::<_, i64>("select count(*) from fine_pending")
+                .fetch_one(&pool)
+                .await
+                .unwrap_or(200)
+                < 195
+        },
+    )
+    .await;
+    let held: i64 = sqlx::query_scalar("select count(*) from job_runs where status = 'RUNNING'")
+        .fetch_one(&pool)
+        .await
+        .expect("running keys");
+    assert_eq!(held, 0, "the replica holds a key during its compensation pass");
+    pool.close().await;
+    primary.stop_immediate().await;
+    let stopped_at = Instant::now();
+    signal(&replica, "TERM");
+    let (code, _) = exit_of(replica, Duration::from_secs(20)).await;
+    let took = stopped_at.elapsed();
+    let stderr = log.finish();
+    eprintln!("stopped {took:?} after SIGTERM during a compensation pass with the server gone");
+    assert!(took < Duration::from_secs(5), "stopped after {took:?}: {stderr}");
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("held no key"), "{stderr}");
+    assert!(!stderr.contains("could not hand the key back"), "{stderr}");
+    assert!(!stderr.contains("batch in flight"), "{stderr}");
+}

@@ -1,7 +1,7 @@
 //! The run's first step: claim the key, and decide whether a SUCCESS key is re-opened. Its end is the run's
 //! handle, or the report of a run that does not start (skipped, or the claim failed).
 
-use super::{BatchJob, JobError, Runner};
+use super::{held::Holding, BatchJob, JobError, Runner};
 use crate::{
     jobs::{Outcome, RunKey, RunReport},
     metrics::ClaimResult,
@@ -10,8 +10,8 @@ use crate::{
 
 /// How the claim step ended.
 pub(super) enum Start {
-    /// This process holds the run.
-    Run(ClaimedRun),
+    /// This process holds the run (counted in the runner's held keys while the `Holding` lives).
+    Run(ClaimedRun, Holding),
     /// The run does not start; its report.
     Ended(RunReport),
 }
@@ -26,6 +26,12 @@ impl Runner {
         mode: ClaimMode,
         span: &tracing::Span,
     ) -> Start {
+        // The key counts as held from the moment the claim has a connection to be sent on (its answer may be
+        // lost after it committed); a claim still waiting for a connection to a dead server holds nothing.
+        if let Err(e) = self.pool.pool().acquire().await {
+            return Start::Ended(failed(key, e));
+        }
+        let holding = self.held.hold();
         let claimed = match self.claim_as(key, mode).await {
             // The re-open decision: a SUCCESS key a free claim skipped is claimed again as a re-open if the job
             // finds rows still to do in it (`Reopen` and `Force` take SUCCESS keys anyway).
@@ -46,14 +52,10 @@ impl Runner {
         match claimed {
             Ok(Claimed::Won(run)) => {
                 self.won(&run, span);
-                Start::Run(run)
+                Start::Run(run, holding)
             }
             Ok(Claimed::Skipped(holder)) => Start::Ended(self.skipped(key, holder)),
-            Err(e) => {
-                let e = JobError::from(e);
-                tracing::error!(error = %e, "claim failed");
-                Start::Ended(RunReport::new(key, Outcome::Failed).failed_by(&e))
-            }
+            Err(e) => Start::Ended(failed(key, e)),
         }
     }
 
@@ -89,4 +91,11 @@ impl Runner {
             m.count_claim(key.job, result);
         }
     }
+}
+
+/// The report of a claim that failed (logged here).
+fn failed(key: RunKey, e: sqlx::Error) -> RunReport {
+    let e = JobError::from(e);
+    tracing::error!(error = %e, "claim failed");
+    RunReport::new(key, Outcome::Failed).failed_by(&e)
 }
