@@ -134,9 +134,12 @@ impl Heartbeat {
         self.progress.unix_ms()
     }
 
-    /// Notes that a tick read its status now (host clock).
+    /// Notes that a tick read its status now (host clock): the database answered the tick's status statement
+    /// (which fails on a read-only server), so an outage is over — the tick goes on to its pass, however long
+    /// that takes (a catch-up after the outage).
     pub fn ticked_now(&self) {
         self.tick.advance_to(unix_now_ms());
+        *lock(&self.outage) = None;
     }
 
     /// Unix time in ms of the last tick that read its status (0: none yet).
@@ -151,7 +154,7 @@ impl Heartbeat {
     }
 
     /// Since when (unix ms) the replica's tick attempts have failed for an outage, if the last one did: it is not
-    /// ready, whatever a probe of the database finds, until a tick succeeds.
+    /// ready, whatever a probe of the database finds, until a tick reads its status (or succeeds).
     pub fn outage_since(&self) -> Option<i64> {
         *lock(&self.outage)
     }
@@ -371,7 +374,8 @@ mod tests {
         );
     }
 
-    /// The work loop's outage is what `/readyz` agrees with: from the first failed attempt until a tick succeeds;
+    /// The work loop's outage is what `/readyz` agrees with: from the first failed attempt until a tick reads its
+    /// status or succeeds;
     /// a readiness check that finds the database answering meanwhile ends the loop's wait.
     #[tokio::test]
     async fn an_outage_lasts_until_a_tick_succeeds_and_a_database_that_answers_wakes_the_loop() {
@@ -386,6 +390,13 @@ mod tests {
         assert!(woken().await.is_ok(), "the loop's wait ends");
         beat.tick_succeeded();
         assert_eq!(beat.outage_since(), None);
+        beat.tick_failed(2_500, TickFailure::Outage);
+        beat.ticked_now();
+        assert_eq!(
+            beat.outage_since(),
+            None,
+            "a tick that read its status ends the outage"
+        );
         beat.tick_failed(3_000, TickFailure::Outage);
         beat.tick_failed(4_000, TickFailure::Error("boom".into()));
         assert_eq!(beat.outage_since(), None, "a server that answers is no outage");

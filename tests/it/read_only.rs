@@ -129,6 +129,31 @@ async fn all_settled(pool: &PgPool) -> bool {
     .unwrap_or(false)
 }
 
+/// A pool whose sessions keep writing whatever the server's default.
+async fn writing_pool(url: &str) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("set default_transaction_read_only = off")
+                    .await
+                    .map(|_| ())
+            })
+        })
+        .connect(url)
+        .await
+        .expect("connect")
+}
+
+/// Turns the whole server's transactions read-only (`on`) or writable again, at a reload.
+async fn server_read_only(pool: &PgPool, on: bool) {
+    let sql = match on {
+        true => "alter system set default_transaction_read_only = on; select pg_reload_conf()",
+        false => "alter system reset default_transaction_read_only; select pg_reload_conf()",
+    };
+    exec(pool, sql).await;
+}
+
 /// A primary demoted behind its address: every session's transactions turn read-only at a reload
 /// (`default_transaction_read_only` in postgresql.auto.conf), connections stay up. The running replica notices
 /// at its next tick, claims nothing, answers 503, logs the episode once, and resumes when the server writes
@@ -137,19 +162,7 @@ async fn all_settled(pool: &PgPool) -> bool {
 async fn a_running_replica_whose_server_turns_read_only_claims_nothing_until_it_writes_again() {
     let server = PrivateServer::start(&[]);
     let url = server.migrated_database("libraryd").await;
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        // The test's own sessions keep writing whatever the server's default.
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                conn.execute("set default_transaction_read_only = off")
-                    .await
-                    .map(|_| ())
-            })
-        })
-        .connect(&url)
-        .await
-        .expect("connect");
+    let pool = writing_pool(&url).await;
     let month = due_now(&pool, 1).await[0];
     let day = |n: u32| month.with_day(n).expect("day").to_string();
     insert(&pool, &[loan(1, &day(2), Some(&day(9)))]).await;
@@ -162,11 +175,7 @@ async fn a_running_replica_whose_server_turns_read_only_claims_nothing_until_it_
     })
     .await;
 
-    exec(
-        &pool,
-        "alter system set default_transaction_read_only = on; select pg_reload_conf()",
-    )
-    .await;
+    server_read_only(&pool, true).await;
     // A return back-dated into the settled month: the next tick would re-open the key.
     insert(&pool, &[loan(2, &day(3), Some(&day(10)))]).await;
     wait_until("the episode's line", Duration::from_secs(15), || async {
@@ -189,11 +198,7 @@ async fn a_running_replica_whose_server_turns_read_only_claims_nothing_until_it_
         "nothing was written while the server was read-only"
     );
 
-    exec(
-        &pool,
-        "alter system reset default_transaction_read_only; select pg_reload_conf()",
-    )
-    .await;
+    server_read_only(&pool, false).await;
     wait_until("the late return settled", Duration::from_secs(40), || async {
         unsettled(pool.clone()).await == 0
     })
@@ -276,4 +281,74 @@ async fn a_write_refused_by_a_read_only_transaction_is_told_apart_from_other_err
 
 async fn exec_tx(tx: &mut sqlx::PgConnection, sql: &str) {
     sqlx::raw_sql(sql).execute(&mut *tx).await.expect(sql);
+}
+
+/// Once the server writes again after an outage, the replica is ready as soon as a tick's status statement
+/// answers — not only when that tick's whole pass ends: a catch-up pass of many late rows after an outage used
+/// to keep `/readyz` at 503 ("no tick has succeeded since the outage began") for as long as the pass ran, while
+/// the replica was working.
+#[tokio::test]
+async fn after_an_outage_the_replica_is_ready_while_its_catch_up_pass_runs() {
+    let server = PrivateServer::start(&[]);
+    let url = server.migrated_database("libraryd").await;
+    let pool = writing_pool(&url).await;
+    let month = due_now(&pool, 1).await[0];
+    let day = |n: u32| month.with_day(n).expect("day").to_string();
+    insert(&pool, &[loan(1, &day(2), Some(&day(9)))]).await;
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut replica = daemon(
+        &url,
+        0,
+        1,
+        &[
+            ("FINE_SETTLER__HTTP__LISTEN", &listen),
+            ("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "10"),
+        ],
+    );
+    let log = StderrLog::collect(&mut replica);
+    wait_until("the month settled", Duration::from_secs(30), || async {
+        all_settled(&pool).await
+    })
+    .await;
+
+    server_read_only(&pool, true).await;
+    wait_until("the outage's line", Duration::from_secs(15), || async {
+        log.contains("read-only server: claiming nothing")
+    })
+    .await;
+    // 300 returns back-dated into the settled month, 30 ms a row: a catch-up pass of about 9 s.
+    let late: Vec<_> = (2..=301).map(|n| loan(n, &day(3), Some(&day(10)))).collect();
+    insert(&pool, &late).await;
+    crate::helpers::slow_down(&pool, "update on loans", 0.03).await;
+    server_read_only(&pool, false).await;
+    wait_until("the catch-up pass under way", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from loans where fine_settled_at is not null and id > 1",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap_or(0)
+            > 0
+    })
+    .await;
+    let (status, body) = http_get(port, "/readyz").await;
+    let left: i64 = sqlx::query_scalar("select count(*) from loans where fine_settled_at is null")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert!(left > 0, "the pass ended before /readyz was asked");
+    assert_eq!(status, 200, "{body}");
+    wait_until("the late returns settled", Duration::from_secs(60), || async {
+        all_settled(&pool).await
+    })
+    .await;
+    ready_then_stop(
+        port,
+        replica,
+        log,
+        "read-only server: claiming nothing",
+        "writable server found again",
+    )
+    .await;
 }
