@@ -17,7 +17,10 @@
 //! is older than the liveness window ([`Health::Failing`]).
 
 use std::{
-    sync::{Arc, Mutex, OnceLock},
+    sync::{
+        atomic::{AtomicI64, Ordering},
+        Arc, Mutex, OnceLock,
+    },
     time::Duration,
 };
 
@@ -41,7 +44,13 @@ pub struct Heartbeat {
     outage: Mutex<Option<i64>>,
     /// Told when the database answers again while the loop waits out an outage: it retries at once.
     retry: tokio::sync::Notify,
+    /// When (unix ms) a probe last ended the loop's wait during a failing spell.
+    probe_woke: AtomicI64,
 }
+
+/// During a failing spell, a readiness probe ends the loop's backoff at most this often: a retry per probe, not
+/// one per request.
+pub const PROBE_RETRY_EVERY: Duration = Duration::from_secs(1);
 
 /// Why a tick attempt failed, as far as liveness is concerned.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -167,7 +176,26 @@ impl Heartbeat {
         }
     }
 
-    /// Resolves once [`Heartbeat::database_answers`] was told during an outage.
+    /// Notes that a readiness probe found ticks failing on a server that answers: the loop's wait ends (at most
+    /// once per [`PROBE_RETRY_EVERY`]), so that a cause that went away (a lock released, a grant restored) is
+    /// seen at the next probe rather than after a backoff of up to 30 s.
+    pub fn probed_while_failing(&self, now_ms: i64) {
+        let every = i64::try_from(PROBE_RETRY_EVERY.as_millis()).unwrap_or(i64::MAX);
+        let last = self.probe_woke.load(Ordering::Relaxed);
+        // A clock stepped back counts as a second gone by; of probes racing, one wakes the loop.
+        let due = now_ms.saturating_sub(last) >= every || now_ms < last;
+        if due
+            && self
+                .probe_woke
+                .compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.retry.notify_one();
+        }
+    }
+
+    /// Resolves once [`Heartbeat::database_answers`] was told during an outage, or
+    /// [`Heartbeat::probed_while_failing`] during a failing spell.
     pub async fn database_answered(&self) {
         self.retry.notified().await;
     }
@@ -400,6 +428,22 @@ mod tests {
         beat.tick_failed(3_000, TickFailure::Outage);
         beat.tick_failed(4_000, TickFailure::Error("boom".into()));
         assert_eq!(beat.outage_since(), None, "a server that answers is no outage");
+    }
+
+    /// During a failing spell a probe ends the loop's wait, once per second at most.
+    #[tokio::test]
+    async fn a_probe_during_a_failing_spell_wakes_the_loop_at_most_once_a_second() {
+        let beat = Heartbeat::default();
+        let woken = || tokio::time::timeout(Duration::from_millis(50), beat.database_answered());
+        beat.probed_while_failing(10_000);
+        assert!(woken().await.is_ok(), "the first probe wakes the loop");
+        beat.probed_while_failing(10_500);
+        assert!(
+            woken().await.is_err(),
+            "a second probe within the second does not"
+        );
+        beat.probed_while_failing(11_000);
+        assert!(woken().await.is_ok(), "a probe a second later does");
     }
 
     #[test]

@@ -403,6 +403,8 @@ async fn health(State(probes): State<Probes>) -> Response {
 async fn ready(State(probes): State<Probes>) -> Response {
     // Ticks failing on a server that answers: not ready, whatever the database says to the check below.
     if let Some(failing) = probes.heartbeat.failing(unix_now_ms()) {
+        // The loop's next attempt comes now rather than after its backoff: the next probe sees whether it worked.
+        probes.heartbeat.probed_while_failing(unix_now_ms());
         return reply(StatusCode::SERVICE_UNAVAILABLE, TEXT, format!("{failing}\n"));
     }
     let outage = probes.heartbeat.outage_since();

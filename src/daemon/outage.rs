@@ -6,6 +6,7 @@ use std::{sync::atomic::Ordering, time::Duration};
 
 use super::{Daemon, TickError, TICK_BACKOFF};
 use crate::{
+    health::TickFailure,
     jobs::RunReport,
     metrics::unix_now_ms,
     schedule::scheduler::Tick,
@@ -132,9 +133,13 @@ impl Daemon {
                     if outage.is_none() {
                         outage = Some(self.outage_began(&e, &tick));
                     }
-                    // Drop every connection and look for a server again (the next qualifying host, if the URL
-                    // lists several).
-                    let wait = self.reconnect(failures).await;
+                    // An outage: drop every connection and look for a server again (the next qualifying host,
+                    // if the URL lists several). A failure on a server that answers is no reason to leave it:
+                    // back off (a readiness probe ends the wait, see `Heartbeat::probed_while_failing`).
+                    let wait = match e.liveness() {
+                        TickFailure::Outage => self.reconnect(failures).await,
+                        TickFailure::Error(_) => TICK_BACKOFF.delay(failures),
+                    };
                     tracing::debug!(error = %e, attempt = failures, backoff_ms = wait.as_millis() as u64, "tick failed");
                     self.nap(wait).await;
                     if self.shutdown.is_cancelled() {

@@ -194,3 +194,58 @@ async fn ticks_failing_on_a_server_that_answers_fail_readyz_then_healthz_until_o
     let log = log.finish();
     assert!(log.contains("statement timeout"), "{log}");
 }
+
+/// The replica's tick errors so far, from its `/metrics`.
+async fn tick_errors(port: u16) -> u64 {
+    let (_, body) = http_get(port, "/metrics").await;
+    body.lines()
+        .filter(|l| l.starts_with("fine_settler_tick_errors_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Ticks failing on a server that answers back off up to 30 s between attempts; once the cause is gone, a
+/// readiness probe ends the wait (at most once a second), so `/readyz` is green again within about a probe
+/// period — it used to stay 503 for the rest of the backoff, up to 30 s, with nothing wrong any more.
+#[sqlx::test(fixtures("default_policy"))]
+async fn once_a_failing_tick_s_cause_is_gone_the_next_probe_brings_the_replica_back(pool: PgPool) {
+    let url = database_url(&pool);
+    let port = free_port();
+    let mut replica = replica_process(
+        &url,
+        0,
+        1,
+        &[("FINE_SETTLER__HTTP__LISTEN", &format!("127.0.0.1:{port}"))],
+    );
+    let log = StderrLog::collect(&mut replica);
+    wait_until("ready", Duration::from_secs(20), || async {
+        http_get(port, "/readyz").await.0 == 200
+    })
+    .await;
+    let mut lock = pool.begin().await.expect("begin");
+    sqlx::query("lock table job_runs in access exclusive mode")
+        .execute(&mut *lock)
+        .await
+        .expect("lock");
+    // Seven failed attempts (each a 1 s statement timeout, then 250 ms, 500 ms, … 8 s of backoff): the wait
+    // after the seventh is 16 s.
+    wait_until("seven failed ticks", Duration::from_secs(60), || async {
+        tick_errors(port).await >= 7
+    })
+    .await;
+    lock.rollback().await.expect("unlock");
+    let released = Instant::now();
+    wait_until("/readyz green again", Duration::from_secs(40), || async {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        http_get(port, "/readyz").await.0 == 200
+    })
+    .await;
+    let took = released.elapsed();
+    eprintln!("/readyz green {took:?} after the cause of the failing ticks went");
+    assert!(
+        took < Duration::from_secs(5),
+        "green only {took:?} after the cause went"
+    );
+    assert_eq!(stop(replica).await.0, Some(0));
+    drop(log);
+}

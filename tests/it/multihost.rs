@@ -1,6 +1,6 @@
 //! libpq's multi-host `database.url` against a real server: every command accepts it and works through its first
-//! host (the one `connect_options()` names), `check-config` shows it redacted, and a bad list is one line naming
-//! the bad part, exit 2, nothing written.
+//! host (the one `connect_options()` names), `check-config` shows it redacted, a bad list is one line naming
+//! the bad part, exit 2, nothing written, and ticks failing on a server that answers do not leave it.
 
 use sqlx::PgPool;
 
@@ -101,4 +101,55 @@ async fn a_bad_host_list_is_one_line_exit_2_and_nothing_written(pool: PgPool) {
     .await
     .expect("counts");
     assert_eq!((runs, settled), (0, 0));
+}
+
+/// The backend pids of the replica's connections.
+async fn replica_backends(pool: &PgPool) -> std::collections::BTreeSet<i32> {
+    sqlx::query_scalar("select pid from pg_stat_activity where application_name like 'fine-settler run%'")
+        .fetch_all(pool)
+        .await
+        .expect("pg_stat_activity")
+        .into_iter()
+        .collect()
+}
+
+/// Ticks failing on a server that answers (here: a statement timeout on a locked `job_runs`) keep the replica on
+/// that server and back off as with one host: the connections stay, no host is searched. They used to be handled
+/// as an outage, dropping every connection and searching the hosts again about every second.
+#[sqlx::test(fixtures("default_policy"))]
+async fn ticks_failing_on_a_server_that_answers_keep_its_connections_and_back_off(pool: PgPool) {
+    let url = multi_host(&pool);
+    let port = free_port();
+    let mut replica = crate::helpers::daemon(
+        &url,
+        0,
+        1,
+        &[("FINE_SETTLER__HTTP__LISTEN", &format!("127.0.0.1:{port}"))],
+    );
+    let log = crate::helpers::StderrLog::collect(&mut replica);
+    crate::helpers::wait_until("ready", std::time::Duration::from_secs(20), || async {
+        crate::daemon::http_get(port, "/readyz").await.0 == 200
+    })
+    .await;
+    let mut lock = pool.begin().await.expect("begin");
+    sqlx::query("lock table job_runs in access exclusive mode")
+        .execute(&mut *lock)
+        .await
+        .expect("lock");
+    crate::helpers::wait_until("a failed tick", std::time::Duration::from_secs(20), || async {
+        log.contains("tick failed on a server that answers")
+    })
+    .await;
+    let before = replica_backends(&pool).await;
+    // Four attempts more: 1 s statement timeouts with 500 ms, 1 s, 2 s and 4 s of backoff between.
+    tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+    let after = replica_backends(&pool).await;
+    lock.rollback().await.expect("unlock");
+    assert!(!before.is_empty(), "no connection of the replica's seen");
+    assert_eq!(
+        before, after,
+        "the replica dropped its connections to a server that answers"
+    );
+    assert_eq!(crate::helpers::stop(replica).await.0, Some(0));
+    drop(log);
 }
