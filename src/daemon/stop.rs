@@ -24,14 +24,15 @@ const PROBE_EVERY: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DatabaseGone(pub String);
 
-/// Once the replica is told to stop, while it runs keys (`in_pass`): returns as soon as a fresh connection to the
-/// pool's host fails for want of a server (refused, reset, or no answer within `connect_timeout`). Never returns
-/// while the server answers, or once no key is being run (the replica then stops by itself).
+/// Once the replica is told to stop, while it is past a tick's status statement (`in_pass`): returns as soon as
+/// a fresh connection to the pool's host cannot run `select 1` for want of a server (refused, reset, or no answer
+/// within `connect_timeout`) — a query, not only a connection: a pooler in front (PgBouncer) accepts connections
+/// with its server gone. Never returns while the server answers, or once the pass is over (the replica then stops
+/// by itself).
 pub async fn database_gone(pool: &Db, in_pass: &Arc<AtomicBool>, connect_timeout: Duration) -> DatabaseGone {
     loop {
         if in_pass.load(Ordering::SeqCst) {
-            let options = pool.current_options();
-            match tokio::time::timeout(connect_timeout, PgConnection::connect_with(&options)).await {
+            match tokio::time::timeout(connect_timeout, answers(pool)).await {
                 Err(_) => {
                     return DatabaseGone(format!(
                         "{} did not answer within {}",
@@ -42,12 +43,18 @@ pub async fn database_gone(pool: &Db, in_pass: &Arc<AtomicBool>, connect_timeout
                 Ok(Err(e)) if store::classify(&e) == DbFailure::ConnectionLost => {
                     return DatabaseGone(store::StoreError::from(e).to_string())
                 }
-                Ok(Err(_)) => {}
-                Ok(Ok(conn)) => {
-                    let _ = conn.close().await;
-                }
+                Ok(_) => {}
             }
         }
         tokio::time::sleep(PROBE_EVERY).await;
     }
+}
+
+/// Whether a fresh connection to the pool's host runs `select 1` (a connection of its own: the pool's may all be
+/// busy with the batch in flight).
+async fn answers(pool: &Db) -> Result<(), sqlx::Error> {
+    let mut conn = PgConnection::connect_with(&pool.current_options()).await?;
+    let answered = sqlx::query("select 1").execute(&mut conn).await.map(|_| ());
+    let _ = conn.close().await;
+    answered
 }

@@ -12,7 +12,7 @@ use sqlx::{postgres::PgPoolOptions, PgPool};
 
 use crate::helpers::{
     daemon, due_now, exit_of, fine_settler, insert, loan, migrate, signal, slow_down, spawn, wait_until,
-    Cluster, StderrLog,
+    Cluster, PgBouncer, PoolMode, StderrLog,
 };
 
 /// `n` servers that accept a connection and never answer (the kernel completes the handshake for the listen
@@ -60,9 +60,27 @@ async fn a_sigterm_during_a_search_of_hung_hosts_exits_0_at_once_holding_no_key(
 
 #[tokio::test]
 async fn a_sigterm_after_the_server_died_mid_run_says_the_key_could_not_be_handed_back() {
+    server_dies_mid_run(None).await;
+}
+
+/// The same behind a transaction-mode PgBouncer, which goes on accepting connections with its server gone: the
+/// stop asks a question of the server, not only for a connection (it used to wait out the drain timeout).
+#[tokio::test]
+async fn behind_pgbouncer_a_sigterm_after_the_server_died_mid_run_says_the_key_could_not_be_handed_back() {
+    server_dies_mid_run(Some(PoolMode::Transaction)).await;
+}
+
+/// A replica reaching the server directly or through a PgBouncer in `front` of it; the server dies mid-run, then
+/// the replica is told to stop.
+async fn server_dies_mid_run(front: Option<PoolMode>) {
     let primary = Cluster::primary_with_libraryd().await;
     let url = primary.url("libraryd");
     migrate(&url);
+    let bouncer = match front {
+        Some(mode) => Some(PgBouncer::start_in_front_of(&primary.url("postgres"), mode).await),
+        None => None,
+    };
+    let replica_url = bouncer.as_ref().map_or(url.clone(), |b| b.url_for(&url));
     let pool: PgPool = PgPoolOptions::new()
         .max_connections(1)
         .connect(&url)
@@ -76,7 +94,20 @@ async fn a_sigterm_after_the_server_died_mid_run_says_the_key_could_not_be_hande
     insert(&pool, &loans).await;
     // Batches of 25 at 20 ms a row: half a second each, so the run is mid-way when the server dies.
     slow_down(&pool, "update on loans", 0.02).await;
-    let mut replica = daemon(&url, 0, 1, &[("FINE_SETTLER__DATABASE__CONNECT_TIMEOUT", "10s")]);
+    let pooler = match front {
+        Some(PoolMode::Transaction) => "transaction",
+        Some(PoolMode::Session) => "session",
+        None => "none",
+    };
+    let mut replica = daemon(
+        &replica_url,
+        0,
+        1,
+        &[
+            ("FINE_SETTLER__DATABASE__CONNECT_TIMEOUT", "10s"),
+            ("FINE_SETTLER__DATABASE__POOLER", pooler),
+        ],
+    );
     let log = StderrLog::collect(&mut replica);
     wait_until("a key claimed", Duration::from_secs(20), || async {
         sqlx::query_scalar::<_, i64>("select count(*) from job_runs where status = 'RUNNING' and scanned > 0")
