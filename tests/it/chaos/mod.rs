@@ -114,6 +114,7 @@ async fn chaos() {
     );
     let broken = verdict.broken();
     if !broken.is_empty() {
+        oracle::diagnose(&pool, &oracle).await;
         eprintln!("chaos: replica errors, most frequent first:");
         for (n, what) in fleet.errors().iter().take(8) {
             eprintln!("    {n:>5} x {what}");

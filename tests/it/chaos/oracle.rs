@@ -430,3 +430,37 @@ impl Figures {
         }
     }
 }
+
+/// What a failed run needs to be understood, on stderr: the keys of the final count not SUCCESS with their
+/// history, and the (loan, day) nets that differ from the sequential run's, by day and shard.
+pub async fn diagnose(pool: &PgPool, oracle: &Oracle) {
+    let keys: Vec<String> = sqlx::query_scalar(&format!(
+        "select format('%s %s shard %s: %s epoch %s owner %s lease_until %s cursor %s last_error %s; history: %s',
+                       k.job_name, k.business_date, k.shard, k.status, k.epoch, k.owner, k.lease_until,
+                       k.cursor, k.last_error,
+                       (select string_agg(a.event || '@' || a.epoch || ' ' || a.at::time || coalesce(' ' || a.error, ''), ', ' order by a.id)
+                        from job_run_attempts a
+                        where (a.job_name, a.business_date, a.shards, a.shard)
+                            = (k.job_name, k.business_date, k.shards, k.shard)))
+         from job_runs k where k.shards = {FINAL_SHARDS} and k.status <> 'SUCCESS' order by 1"
+    ))
+    .fetch_all(pool)
+    .await
+    .unwrap_or_else(|e| vec![format!("cannot read job_runs: {e}")]);
+    for key in keys {
+        eprintln!("chaos: key not SUCCESS: {key}");
+    }
+    let days: Vec<String> = sqlx::query_scalar(&format!(
+        "select format('%s shard %s: %s (loan, day) differ, want %s have %s, e.g. loans %s',
+                       d.accrual_date, mod(d.loan_id, {FINAL_SHARDS}), count(*), sum(d.want), sum(d.have),
+                       (array_agg(d.loan_id order by d.loan_id))[1:5])
+         from ({}) d group by d.accrual_date, mod(d.loan_id, {FINAL_SHARDS}) order by 1",
+        oracle.ledger_diff("true")
+    ))
+    .fetch_all(pool)
+    .await
+    .unwrap_or_else(|e| vec![format!("cannot compare the ledger: {e}")]);
+    for day in days {
+        eprintln!("chaos: ledger differs on {day}");
+    }
+}
