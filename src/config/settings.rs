@@ -51,6 +51,14 @@ pub struct DatabaseSettings {
     pub pooler: Pooler,
 }
 
+impl DatabaseSettings {
+    /// How long a connection to one host is waited for: the URL's `connect_timeout` (libpq's per-host limit),
+    /// else `database.connect_timeout`.
+    pub fn host_timeout(&self) -> Duration {
+        self.url.host_timeout().unwrap_or(self.connect_timeout)
+    }
+}
+
 /// What sits between fine-settler and PostgreSQL (`database.pooler`), which decides how a connection gets its
 /// session settings and whether it may keep prepared statements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -108,7 +108,7 @@ pub enum StartError {
 /// its port is free again.
 pub async fn run(settings: Settings, control: Control) -> Result<Stopped, StartError> {
     let drain_timeout = settings.schedule.drain_timeout;
-    let connect_timeout = settings.database.connect_timeout;
+    let connect_timeout = settings.database.host_timeout();
     let http_listen = settings.http_listen;
     let health_window = due::health_window(&settings, Utc::now());
     let status_settings = settings.clone();

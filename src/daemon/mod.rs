@@ -158,8 +158,8 @@ impl Daemon {
         let session = Session::new(
             &pool,
             &format!("{app} tick"),
-            settings.database.connect_timeout,
-            settings.claim.lease.batch_timeout() + settings.database.connect_timeout,
+            settings.database.host_timeout(),
+            settings.claim.lease.batch_timeout() + settings.database.host_timeout(),
         );
         let metrics = Arc::new(Metrics::new(settings.instance.to_string()).with_watched_series_at_zero());
         let heartbeat = Arc::new(Heartbeat::exporting(metrics.last_progress()));
@@ -323,6 +323,26 @@ mod tests {
             !shown.contains("hunter2") && !shown.contains("hunter3") && shown.contains("u:***@h/db"),
             "{shown}"
         );
+    }
+
+    /// The tick's own connection waits for a host as long as the pool does: the URL's `connect_timeout` when it
+    /// has one (it used to wait `database.connect_timeout`, 10 s by default, for a host the URL gives 2 s).
+    #[tokio::test]
+    async fn the_tick_s_session_waits_for_a_host_as_the_url_says() {
+        let env = crate::testing::env(&[
+            ("DATABASE_URL", "postgres://u@h1,h2/db?connect_timeout=2"),
+            ("FINE_SETTLER__DATABASE__CONNECT_TIMEOUT", "10s"),
+        ]);
+        let settings = crate::config::load(None, &env)
+            .and_then(|raw| raw.validate(&env))
+            .expect("valid");
+        let daemon = Daemon::new(
+            settings,
+            Arc::new(crate::schedule::SystemWall),
+            CancellationToken::new(),
+            Arc::new(Notify::new()),
+        );
+        assert_eq!(daemon.session.connect_timeout(), Duration::from_secs(2));
     }
 
     #[test]

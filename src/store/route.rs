@@ -83,7 +83,7 @@ impl Route {
         Route {
             hosts,
             target: db.url.target(),
-            host_timeout: db.url.host_timeout().unwrap_or(db.connect_timeout),
+            host_timeout: db.host_timeout(),
             after_connect,
             fresh_since: Mutex::new(Instant::now()),
             generation: AtomicU64::new(0),

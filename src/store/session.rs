@@ -156,6 +156,11 @@ impl Session {
         }
     }
 
+    /// How long the session waits for a connection to its host.
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
     /// The database clock, this shard's recent `job_runs` rows and due pending charges (see
     /// [`job_runs::tick_status`]). `Err` (see [`read_only`](super::read_only)) if the server cannot write.
     pub async fn tick_status(
