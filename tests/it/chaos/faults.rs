@@ -50,11 +50,11 @@ fn schedule(mode: &Mode, rng: &mut SplitMix64) -> Vec<(Duration, Fault)> {
         (Fault::Edit, mode.edit_rounds),
     ] {
         for _ in 0..n {
-            // Zombies land in the first quarter, restarts in the first third, while work is certainly in flight
-            // (the short mode's first pass is over after about 22 s; a zombie in the first half, up to 28 s, found
-            // no claim to freeze once in seven runs); zombies after the shard-count change, so that their peers
-            // keep running.
-            let at = if matches!(fault, Fault::Zombie | Fault::Restart) {
+            // Zombies land in the first quarter, restarts and cuts in the first third, while work is certainly in
+            // flight (the short mode's first pass is over after about 22 s: a zombie up to 28 s found no claim to
+            // freeze, and three cuts spread over the whole window none mid-run, each once in seven runs); zombies
+            // after the shard-count change, so that their peers keep running.
+            let at = if matches!(fault, Fault::Zombie | Fault::Restart | Fault::Cut) {
                 let (start, part) = if fault == Fault::Zombie {
                     (mode.reshard_at + Duration::from_secs(1), 4)
                 } else {
@@ -349,8 +349,11 @@ impl<'a> Faults<'a> {
         loop {
             fleet.restart_due();
             self.progress().await;
-            let done =
-                finished(pool, &world.months, &world.days).await.unwrap_or(false) && fleet.all_running();
+            // A manual run still going may yet force a key (a slow start) or fail it: the end is when none is left
+            // and the replicas have finished what any of them left.
+            let done = self.manual_runs_ended()
+                && finished(pool, &world.months, &world.days).await.unwrap_or(false)
+                && fleet.all_running();
             if done && last_round.is_none() {
                 assert!(self.late.inject(pool, &mut self.rng, 4, world).await);
                 eprintln!(
@@ -392,6 +395,13 @@ impl<'a> Faults<'a> {
     }
 
     /// Waits for the manual runs, each of which must exit 0 or 1 with a report; their outcomes, counted.
+    /// Whether every manual run has exited.
+    fn manual_runs_ended(&mut self) -> bool {
+        self.manual
+            .iter_mut()
+            .all(|(_, child)| matches!(child.try_wait(), Ok(Some(_))))
+    }
+
     pub fn manual_outcomes(&mut self) -> BTreeMap<String, u64> {
         let mut outcomes: BTreeMap<String, u64> = BTreeMap::new();
         for (what, child) in self.manual.drain(..) {

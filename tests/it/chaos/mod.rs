@@ -183,7 +183,7 @@ impl Mode {
                 name: "short",
                 loans_per_month: 2_500,
                 accrual_days: 10,
-                seconds_per_row: 0.015,
+                seconds_per_row: 0.025,
                 kills: 6,
                 zombies: 1,
                 restarts: 2,
