@@ -144,11 +144,12 @@ impl Heartbeat {
     }
 
     /// Notes that a tick read its status now (host clock): the database answered the tick's status statement
-    /// (which fails on a read-only server), so an outage is over — the tick goes on to its pass, however long
-    /// that takes (a catch-up after the outage).
+    /// (which fails on a read-only server, and is the statement whose failure makes a failing spell), so an
+    /// outage or a failing spell is over — the tick goes on to its pass, however long that takes (a catch-up).
     pub fn ticked_now(&self) {
         self.tick.advance_to(unix_now_ms());
         *lock(&self.outage) = None;
+        *self.spell() = None;
     }
 
     /// Unix time in ms of the last tick that read its status (0: none yet).

@@ -5,8 +5,8 @@
 //!   at least every `window`, and its ticks have not been failing for longer than `window` for a reason other
 //!   than an outage; 503 with the reason otherwise (see [`crate::health`]).
 //! - `/readyz` (readiness): 200 when the replica's ticks are not failing, the database answers and every
-//!   migration this binary knows is applied, and no outage is in progress for the work loop (ready only when a
-//!   tick can succeed: after an outage, once one has); 503 with the reason otherwise.
+//!   migration this binary knows is applied, and the work loop is not waiting for the database (at start, or
+//!   in an outage: ready again once a tick has read its status); 503 with the reason otherwise.
 //! - `/metrics`: the Prometheus text format (see [`crate::metrics`]).
 //! - `/status` (HTML) and `/status.json`: where every shard of every job stands (see [`crate::status`]); 503
 //!   with the reason when the database cannot be read within a few seconds, or at once when
@@ -409,8 +409,8 @@ async fn ready(State(probes): State<Probes>) -> Response {
     }
     let outage = probes.heartbeat.outage_since();
     match crate::store::readiness(&probes.pool).await {
-        // The work loop has not succeeded a tick since the outage began: ready only once it does (it retries at
-        // once, now that the database answers).
+        // The work loop is waiting for the database (at start, or in an outage): ready once a tick has read its
+        // status (the loop retries at once, now that the database answers).
         Ok(()) if outage.is_some() => {
             probes.heartbeat.database_answers();
             let since = outage.map_or(0, |since| unix_now_ms().saturating_sub(since));
@@ -418,7 +418,7 @@ async fn ready(State(probes): State<Probes>) -> Response {
                 StatusCode::SERVICE_UNAVAILABLE,
                 TEXT,
                 format!(
-                    "database reachable again; no tick has succeeded since the outage began {since} ms ago\n"
+                    "database reachable again; the replica has not read its status since it began waiting {since} ms ago\n"
                 ),
             )
         }

@@ -305,6 +305,7 @@ pub fn assemble(
     replica: ReplicaStatus,
 ) -> Status {
     let today = calendar::local_date(rows.now, settings.zone);
+    let busy = fleet::busy_shards(settings.instance, &rows.keys);
     let jobs = [
         (
             JobName::FineSettlement,
@@ -331,6 +332,7 @@ pub fn assemble(
             settings.instance,
             due::unclaimed_grace(settings, rows.now),
             pauses,
+            &busy,
         );
         status
     })
@@ -782,7 +784,7 @@ mod tests {
         };
         let keys = vec![
             of("2026-11-30", 0, RunStatus::Success, 0.0),
-            of("2026-11-30", 1, RunStatus::Running, 30.0),
+            of("2026-11-30", 1, RunStatus::Running, -3600.0),
             of("2026-10-31", 0, RunStatus::Success, 0.0),
             of("2026-10-31", 1, RunStatus::Running, -3600.0),
             // This shard has no row of the month: it has not claimed it yet, so neither is anyone else's missing.
@@ -815,6 +817,7 @@ mod tests {
         assert_eq!(
             unclaimed,
             [
+                ("2026-11-30".into(), 1),
                 ("2026-11-30".into(), 2),
                 ("2026-10-31".into(), 1),
                 ("2026-10-31".into(), 2),
@@ -826,6 +829,46 @@ mod tests {
         assert!(
             page.contains(r#"<td id="fine-settlement-2026-11-30-3-2" class="key absent unclaimed">"#),
             "{page}"
+        );
+    }
+
+    /// The page counts as the metric does: a shard whose replica runs a key right now (a long catch-up run of an
+    /// older month) is not one nobody runs, though it has not claimed the newer keys yet.
+    #[test]
+    fn a_shard_running_another_key_has_no_unclaimed_key() {
+        let env = crate::testing::env(&[
+            ("DATABASE_URL", "postgres://u@h/db"),
+            ("FINE_SETTLER__INSTANCE__SHARD", "0"),
+            ("FINE_SETTLER__INSTANCE__SHARDS", "2"),
+        ]);
+        let settings = crate::config::load(None, &env)
+            .and_then(|raw| raw.validate(&env))
+            .expect("valid");
+        let of = |date: &str, shard: i32, status: RunStatus, lease_left_s: f64| KeyRow {
+            shards: 2,
+            shard,
+            lease_left_s,
+            lease_ended_s: 0.0,
+            ..row(date, status, "a", None)
+        };
+        let keys = vec![
+            of("2026-11-30", 0, RunStatus::Success, 0.0),
+            of("2026-10-31", 0, RunStatus::Success, 0.0),
+            of("2026-09-30", 0, RunStatus::Success, 0.0),
+            of("2026-09-30", 1, RunStatus::Running, 30.0),
+        ];
+        let rows = rows::StatusRows {
+            now: "2026-12-01T04:00:00Z".parse().expect("time"),
+            keys,
+            pending: 0,
+            pending_due: 0,
+            dead: 0,
+        };
+        let s = assemble(&settings, rows, Vec::new(), &[], replica("a"));
+        assert!(
+            s.jobs[0].keys.iter().all(|k| !k.unclaimed),
+            "{:?}",
+            s.jobs[0].unclaimed_shards
         );
     }
 

@@ -165,7 +165,7 @@ async fn until_stopped(
     let drain_expired = async {
         control.shutdown.cancelled().await;
         tokio::time::sleep(drain_timeout).await;
-        held.count()
+        (held.running(), held.count())
     };
     let gone = async {
         control.shutdown.cancelled().await;
@@ -187,11 +187,17 @@ async fn until_stopped(
                 Stopped::Drained
             }
         }
-        held_keys = drain_expired => {
-            if held_keys > 0 {
+        (running, held_keys) = drain_expired => {
+            if running > 0 {
                 tracing::error!(
                     drain_timeout_ms = duration_ms(drain_timeout),
                     "drain timeout: exiting with a batch in flight; its key is taken over when the lease expires"
+                );
+                Stopped::DrainTimeout
+            } else if held_keys > 0 {
+                tracing::error!(
+                    drain_timeout_ms = duration_ms(drain_timeout),
+                    "drain timeout: could not hand the key back; its lease frees it for a peer"
                 );
                 Stopped::DrainTimeout
             } else {

@@ -297,6 +297,7 @@ impl Daemon {
             }
             scheduler.finished();
         }
+        self.hand_back_leftovers().await;
         self.pool.close().await;
         tracing::info!(stats = ?scheduler.stats(), "replica stopped");
     }

@@ -89,6 +89,10 @@ impl Daemon {
                 }
                 Err(reason) => {
                     failures += 1;
+                    // Not ready until a tick reads its status: a `/readyz` that finds the database ready meanwhile
+                    // says so, and ends this wait (see `Heartbeat::database_answers`).
+                    self.heartbeat
+                        .tick_failed(unix_now_ms(), crate::health::TickFailure::Outage);
                     // A connection that found the server read-only (or broken) is not asked again: the next
                     // attempt opens new ones, on the next qualifying host if the URL lists several.
                     let wait = self.reconnect(failures).await;

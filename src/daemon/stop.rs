@@ -15,10 +15,18 @@ use std::{
 
 use sqlx::{Connection, PgConnection};
 
-use crate::store::{self, Db, DbFailure};
+use super::Daemon;
+use crate::store::{self, job_runs, Db, DbFailure};
 
 /// How often a stop in progress asks whether the database is still there.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// The longest a stop's question may go unanswered before the database counts as gone (less when the host's
+/// connect timeout is shorter): a frozen server (a paused VM, SIGSTOP) never refuses the connection, and a stop
+/// that waited out `database.connect_timeout` for it — or the drain timeout, when that is shorter — was neither
+/// prompt nor, at the drain timeout, truthful about what it held. A server that cannot answer `select 1` to a
+/// fresh connection in this time cannot commit a batch or a hand-back in it either.
+pub const PROBE_WITHIN: Duration = Duration::from_secs(3);
 
 /// Why a stop does not wait for the drain.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,18 +34,19 @@ pub struct DatabaseGone(pub String);
 
 /// Once the replica is told to stop, while it is past a tick's status statement (`in_pass`): returns as soon as
 /// a fresh connection to the pool's host cannot run `select 1` for want of a server (refused, reset, or no answer
-/// within `connect_timeout`) — a query, not only a connection: a pooler in front (PgBouncer) accepts connections
+/// within `connect_timeout` or [`PROBE_WITHIN`], whichever is shorter) — a query, not only a connection: a pooler in front (PgBouncer) accepts connections
 /// with its server gone. Never returns while the server answers, or once the pass is over (the replica then stops
 /// by itself).
 pub async fn database_gone(pool: &Db, in_pass: &Arc<AtomicBool>, connect_timeout: Duration) -> DatabaseGone {
+    let within = connect_timeout.min(PROBE_WITHIN);
     loop {
         if in_pass.load(Ordering::SeqCst) {
-            match tokio::time::timeout(connect_timeout, answers(pool)).await {
+            match tokio::time::timeout(within, answers(pool)).await {
                 Err(_) => {
                     return DatabaseGone(format!(
                         "{} did not answer within {}",
                         pool.host(),
-                        humantime::format_duration(connect_timeout)
+                        humantime::format_duration(within)
                     ))
                 }
                 Ok(Err(e)) if store::classify(&e) == DbFailure::ConnectionLost => {
@@ -57,4 +66,35 @@ async fn answers(pool: &Db) -> Result<(), sqlx::Error> {
     let answered = sqlx::query("select 1").execute(&mut conn).await.map(|_| ());
     let _ = conn.close().await;
     answered
+}
+
+/// The longest a clean stop spends handing back keys left `RUNNING` under its name.
+const LEFTOVERS_WITHIN: Duration = Duration::from_secs(2);
+
+/// The `last_error` of a key handed back at a clean stop.
+const LEFT_OVER: &str = "left RUNNING by a claim whose answer was lost; handed back when the replica stopped";
+
+impl Daemon {
+    /// At a clean stop the replica runs nothing: a key still `RUNNING` under its owner is a claim whose answer was
+    /// lost with its connection (it committed after the replica had given up on it). Hands such keys back, so that
+    /// a peer takes them over at once rather than after their lease; within [`LEFTOVERS_WITHIN`], and a failure
+    /// only logged (their lease frees them).
+    pub(super) async fn hand_back_leftovers(&self) {
+        let handed_back = tokio::time::timeout(
+            LEFTOVERS_WITHIN,
+            job_runs::hand_back_all_of(&self.pool, &self.owner, LEFT_OVER),
+        )
+        .await;
+        match handed_back {
+            Ok(Ok(0)) => {}
+            Ok(Ok(n)) => tracing::warn!(
+                keys = n,
+                "handed back keys left RUNNING by claims whose answer was lost"
+            ),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %store::StoreError::from(e), "could not look for keys left RUNNING")
+            }
+            Err(_) => tracing::debug!("could not look for keys left RUNNING within 2 s"),
+        }
+    }
 }

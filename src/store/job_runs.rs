@@ -32,7 +32,9 @@ pub use self::{
     claim::{claim, Claim, ClaimKind, ClaimMode, Holder},
     claimed::{Claimed, ClaimedRun, Covered, LostRun, RunEnd},
     fence::{advance, renew, Fence, Progress},
-    finish::{finish, record_lease_lost, release, Ending, Released},
+    finish::{
+        finish, hand_back_all_of, hand_back_unanswered_claim, record_lease_lost, release, Ending, Released,
+    },
     history::{history, list, prune_history, range, Attempt, JobRun, RangeKey},
     tick::{tick_status, Action, DueKeys, KeyState, LateProbe, TickStatus, Unclaimed},
 };

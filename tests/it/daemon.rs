@@ -691,6 +691,40 @@ async fn readiness_fails_until_the_database_is_migrated(pool: PgPool) {
     assert_eq!(stop(replica).await.0, Some(0));
 }
 
+/// A replica waiting at start (here for `migrate`) is ready when its work loop is, not when the database is: the
+/// first `/readyz` that finds the database ready ends the loop's backoff (grown to 16 s here), says it is not
+/// ready yet, and the loop's first tick makes it ready. It used to answer 200 at once while the loop slept out
+/// the rest of its backoff, up to 30 s, without ticking.
+#[sqlx::test(migrations = false)]
+async fn readiness_at_start_waits_for_the_work_loop_not_only_for_the_database(pool: PgPool) {
+    let url = database_url(&pool);
+    let port = free_port();
+    let mut replica = daemon(
+        &url,
+        0,
+        1,
+        &[("FINE_SETTLER__HTTP__LISTEN", &format!("127.0.0.1:{port}"))],
+    );
+    let log = StderrLog::collect(&mut replica);
+    // Attempts at 0, 0.25, 0.75, 1.75, 3.75, 7.75 and 15.75 s; the next one would be at 31.75 s.
+    tokio::time::sleep(Duration::from_secs(17)).await;
+    migrate(&url);
+    let migrated = std::time::Instant::now();
+    wait_until("ready after migrate", Duration::from_secs(30), || async {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        http_get(port, "/readyz").await.0 == 200
+    })
+    .await;
+    let took = migrated.elapsed();
+    assert!(
+        log.contains("database ready"),
+        "/readyz said ready {took:?} after migrate, before the work loop was"
+    );
+    assert!(took < Duration::from_secs(5), "ready only {took:?} after migrate");
+    assert_eq!(stop(replica).await.0, Some(0));
+    drop(log);
+}
+
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_replica_whose_log_reader_went_away_still_stops_on_sigterm(pool: PgPool) {
     let url = database_url(&pool);

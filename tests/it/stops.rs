@@ -207,6 +207,24 @@ async fn a_settle_whose_server_freezes_mid_run_ends_by_itself() {
 /// back, and exit 1, whenever the database was gone after the tick's status statement.
 #[tokio::test]
 async fn a_sigterm_during_a_compensation_pass_with_the_server_gone_exits_0_holding_no_key() {
+    stop_during_a_compensation_pass(Gone::Dead).await;
+}
+
+/// The same with the server frozen (a paused VM: connections are accepted by the kernel, nothing answers): the
+/// stop's question goes unanswered for 3 s at most, not the 10 s connect timeout it used to wait.
+#[tokio::test]
+async fn a_sigterm_during_a_compensation_pass_with_the_server_frozen_exits_0_within_seconds() {
+    stop_during_a_compensation_pass(Gone::Frozen).await;
+}
+
+/// How the server goes away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gone {
+    Dead,
+    Frozen,
+}
+
+async fn stop_during_a_compensation_pass(gone: Gone) {
     let primary = Cluster::primary_with_libraryd().await;
     let url = primary.url("libraryd");
     migrate(&url);
@@ -256,16 +274,114 @@ async fn a_sigterm_during_a_compensation_pass_with_the_server_gone_exits_0_holdi
         .expect("running keys");
     assert_eq!(held, 0, "the replica holds a key during its compensation pass");
     pool.close().await;
-    primary.stop_immediate().await;
+    match gone {
+        Gone::Dead => primary.stop_immediate().await,
+        Gone::Frozen => primary.freeze(),
+    }
     let stopped_at = Instant::now();
     signal(&replica, "TERM");
     let (code, _) = exit_of(replica, Duration::from_secs(20)).await;
     let took = stopped_at.elapsed();
+    if gone == Gone::Frozen {
+        primary.thaw();
+    }
     let stderr = log.finish();
-    eprintln!("stopped {took:?} after SIGTERM during a compensation pass with the server gone");
+    eprintln!("stopped {took:?} after SIGTERM during a compensation pass with the server {gone:?}");
     assert!(took < Duration::from_secs(5), "stopped after {took:?}: {stderr}");
     assert_eq!(code, Some(0), "{stderr}");
     assert!(stderr.contains("held no key"), "{stderr}");
     assert!(!stderr.contains("could not hand the key back"), "{stderr}");
     assert!(!stderr.contains("batch in flight"), "{stderr}");
+}
+
+/// A claim whose answer is lost with its connection (it committed; the reply never came) leaves the key RUNNING
+/// under the replica's own owner with nobody running it: the replica hands it back (FAILED, lease ended) if it
+/// has committed by then, and its next tick takes it over as its own either way and settles the month. It used
+/// to leave the key to its lease (here a minute) — and a stop meanwhile exited 0 saying it held no key.
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_claim_whose_answer_was_lost_is_handed_back_at_once(pool: PgPool) {
+    let proxy = crate::chaos::proxy::Proxy::start(pool.connect_options().get_port()).await;
+    let url = proxy.route(&crate::helpers::database_url(&pool));
+    let month = due_now(&pool, 1).await[0];
+    let first = month.with_day(1).expect("first day").to_string();
+    insert(&pool, &[loan(1, &first, Some(&month.to_string()))]).await;
+    // The first claim sleeps 0.8 s before it commits (within the 1 s statement timeout): long enough to cut its
+    // connection meanwhile.
+    sqlx::raw_sql(
+        "create table claim_slept (done boolean);
+         create function slow_first_claim() returns trigger language plpgsql as $$
+         begin
+             if new.job_name = 'fine-settlement' and not exists (select 1 from claim_slept) then
+                 insert into claim_slept values (true);
+                 perform pg_sleep(0.8);
+             end if;
+             return new;
+         end $$;
+         create trigger slow_first_claim before insert on job_runs for each row execute function slow_first_claim();",
+    )
+    .execute(&pool)
+    .await
+    .expect("slow claim");
+    let mut replica = daemon(
+        &url,
+        0,
+        1,
+        &[
+            ("FINE_SETTLER__ACCRUAL__ENABLED", "false"),
+            ("FINE_SETTLER__CLAIM__LEASE", "60s"),
+        ],
+    );
+    let log = StderrLog::collect(&mut replica);
+    wait_until("the claim sleeping", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from pg_stat_activity where wait_event = 'PgSleep'")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+            > 0
+    })
+    .await;
+    proxy.cut_all();
+    let cut = Instant::now();
+    while cut.elapsed() < Duration::from_secs(20) {
+        let settled = sqlx::query_scalar::<_, bool>(
+            "select count(*) = 3 and bool_and(status = 'SUCCESS') from job_runs",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap_or(false);
+        if settled {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = cut.elapsed();
+    signal(&replica, "TERM");
+    let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
+    let stderr = log.finish();
+    let history: Vec<String> = sqlx::query_scalar(
+        "select business_date || ' ' || event || ' ' || epoch || ' ' || owner || ' ' || coalesce(error, '')
+         from job_run_attempts order by id",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("history");
+    let stderr = format!("{stderr}\nhistory: {history:#?}");
+    eprintln!("the month settled {took:?} after the claim's answer was lost");
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        took < Duration::from_secs(10),
+        "settled only {took:?} after the cut: {stderr}"
+    );
+    // The first claim, of the oldest month due, is the one cut: handed back (if it had committed by then) or
+    // taken over by the replica's next tick, as its own.
+    let recovered: i64 = sqlx::query_scalar(
+        "select count(*) from job_run_attempts a
+         where a.business_date = (select min(business_date) from job_runs)
+           and ((a.event = 'failed' and a.error like 'the claim''s answer was lost%')
+                or (a.event = 'takeover' and a.epoch = 2))",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("history");
+    assert!(recovered >= 1, "{stderr}");
 }

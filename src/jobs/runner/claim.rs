@@ -1,12 +1,15 @@
 //! The run's first step: claim the key, and decide whether a SUCCESS key is re-opened. Its end is the run's
 //! handle, or the report of a run that does not start (skipped, or the claim failed).
 
-use super::{held::Holding, BatchJob, JobError, Runner};
+use super::{held::Holding, retry::retrying, transient, BatchJob, JobError, Runner};
 use crate::{
     jobs::{Outcome, RunKey, RunReport},
     metrics::ClaimResult,
-    store::job_runs::{ClaimMode, Claimed, ClaimedRun, Holder, RunStatus},
+    store::job_runs::{self, ClaimMode, Claimed, ClaimedRun, Holder, RunStatus},
 };
+
+/// The `last_error` of a key handed back because its claim's answer was lost.
+const UNANSWERED_CLAIM: &str = "the claim's answer was lost with its connection; handed back for a peer";
 
 /// How the claim step ended.
 pub(super) enum Start {
@@ -55,7 +58,34 @@ impl Runner {
                 Start::Run(run, holding)
             }
             Ok(Claimed::Skipped(holder)) => Start::Ended(self.skipped(key, holder)),
-            Err(e) => Start::Ended(failed(key, e)),
+            Err(e) => {
+                if transient(&e) {
+                    self.hand_back_unanswered(key).await;
+                }
+                Start::Ended(failed(key, e))
+            }
+        }
+    }
+
+    /// The claim's connection failed with the statement sent: it may have committed, leaving the key RUNNING
+    /// under this process's owner with nobody running it. Hands it back (retried for a few seconds), so that the
+    /// next tick takes it over at once; if that cannot be recorded either, the key is counted as stranded until
+    /// its lease ends (what a stop then says).
+    async fn hand_back_unanswered(&self, key: RunKey) {
+        let handed_back = retrying("hand back a claim whose answer was lost", &self.pool, || {
+            job_runs::hand_back_unanswered_claim(&self.pool, &key, &self.owner, UNANSWERED_CLAIM)
+        })
+        .await;
+        match handed_back {
+            Ok(true) => {
+                tracing::warn!("the claim's answer was lost, but it had been recorded: handed the key back")
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::error!(error = %JobError::from(e),
+                    "the claim's answer was lost and the key cannot be handed back; its lease frees it for a peer");
+                self.held.strand(self.lease.duration());
+            }
         }
     }
 

@@ -64,8 +64,10 @@ impl Runner {
             Ok(false) => self.lease_lost(end.lost(), tally).await,
             Err(e) => {
                 // The key stays RUNNING; its lease expires and a peer takes over and resumes from the cursor.
+                // Until then the replica still holds it (what a stop says).
                 let e = JobError::from(e);
                 tracing::error!(error = %e, "could not record the end of the run; the lease will expire");
+                self.held.strand(self.lease.duration());
                 let report = tally.report(Outcome::Failed).failed_by(&e);
                 match &stop {
                     // The run's own error is the one to report; the finish's adds what it says of the server.

@@ -86,6 +86,65 @@ pub async fn finish(
     Ok(now)
 }
 
+/// Hands back whatever claim of `key` the process `owner` holds — a claim whose answer was lost with its
+/// connection may have committed: FAILED with the lease ended and `last_error = error`, recorded in the history,
+/// so that a peer (or this replica's next tick) takes it over at once instead of after the lease. Owners are
+/// unique per process, so no other process's claim can match. Returns whether a claim was handed back; safe to
+/// retry.
+pub async fn hand_back_unanswered_claim(
+    pool: &Db,
+    key: &RunKey,
+    owner: &str,
+    error: &str,
+) -> Result<bool, sqlx::Error> {
+    let handed_back = sqlx::query_scalar!(
+        r#"with done as (
+               update job_runs set status = 'FAILED', last_error = $6, finished_at = now(), heartbeat_at = now(),
+                                   lease_until = now()
+               where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
+                 and status = 'RUNNING' and owner = $5
+               returning job_name, business_date, shards, shard, epoch, owner
+           ), history as (
+               insert into job_run_attempts (job_name, business_date, shards, shard, epoch, owner, event,
+                                             scanned, updated, error)
+               select job_name, business_date, shards, shard, epoch, owner, 'failed', 0, 0, $6 from done
+           )
+           select count(*) as "handed_back!" from done"#,
+        key.job.as_str(),
+        key.business_date,
+        key.shard.shards(),
+        key.shard.shard(),
+        owner,
+        error,
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(handed_back > 0)
+}
+
+/// Hands back every key the process `owner` left RUNNING (what [`hand_back_unanswered_claim`] does for one key),
+/// when it stops running keys: at a clean stop nothing of its own is running, so any such row is a claim whose
+/// answer was lost. Returns how many were handed back.
+pub async fn hand_back_all_of(pool: &Db, owner: &str, error: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"with done as (
+               update job_runs set status = 'FAILED', last_error = $2, finished_at = now(), heartbeat_at = now(),
+                                   lease_until = now()
+               where status = 'RUNNING' and owner = $1
+               returning job_name, business_date, shards, shard, epoch, owner
+           ), history as (
+               insert into job_run_attempts (job_name, business_date, shards, shard, epoch, owner, event,
+                                             scanned, updated, error)
+               select job_name, business_date, shards, shard, epoch, owner, 'failed', 0, 0, $2 from done
+           )
+           select count(*) as "handed_back!" from done"#,
+        owner,
+        error,
+    )
+    .fetch_one(pool)
+    .await
+}
+
 /// Appends a `lease_lost` history row: this replica found its epoch superseded. History only; the key's row
 /// belongs to the new owner and is not touched.
 pub async fn record_lease_lost(

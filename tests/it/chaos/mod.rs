@@ -19,7 +19,7 @@ mod faults;
 mod history;
 mod late;
 mod oracle;
-mod proxy;
+pub(crate) mod proxy;
 mod replica;
 
 use std::{
