@@ -173,7 +173,16 @@ async fn until_stopped(
         (gone, held.count())
     };
     tokio::select! {
-        () = daemon.run() => Stopped::Drained,
+        () = daemon.run() => {
+            // Drained; a key the replica could not hand back (its claim's answer lost, the database gone since)
+            // is said, as when the database is found gone.
+            if held.count() > 0 {
+                tracing::error!("could not hand the key back; its lease frees it for a peer");
+                Stopped::DatabaseGone
+            } else {
+                Stopped::Drained
+            }
+        }
         () = control.hard_stop.cancelled() => Stopped::HardStop,
         (stop::DatabaseGone(reason), held_keys) = gone => {
             if held_keys > 0 {

@@ -85,6 +85,9 @@ impl Daemon {
             job_runs::hand_back_all_of(&self.pool, &self.owner, LEFT_OVER),
         )
         .await;
+        if matches!(handed_back, Ok(Ok(_))) {
+            self.held.all_recovered();
+        }
         match handed_back {
             Ok(Ok(0)) => {}
             Ok(Ok(n)) => tracing::warn!(

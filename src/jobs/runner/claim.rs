@@ -50,10 +50,18 @@ impl Runner {
                     }
                 }
             }
+            // A key RUNNING under this process's own name, which runs a key once at a time: a claim of its own
+            // whose answer was lost. Handed back (as `release` would) and claimed again.
+            Ok(Claimed::Skipped(holder))
+                if holder.status == RunStatus::Running && holder.owner == self.owner =>
+            {
+                self.reclaim_own(key, mode).await
+            }
             claimed => claimed,
         };
         match claimed {
             Ok(Claimed::Won(run)) => {
+                self.held.recovered(&key);
                 self.won(&run, span);
                 Start::Run(run, holding)
             }
@@ -69,8 +77,9 @@ impl Runner {
 
     /// The claim's connection failed with the statement sent: it may have committed, leaving the key RUNNING
     /// under this process's owner with nobody running it. Hands it back (retried for a few seconds), so that the
-    /// next tick takes it over at once; if that cannot be recorded either, the key is counted as stranded until
-    /// its lease ends (what a stop then says).
+    /// next tick takes it over at once; if it is not recorded yet or cannot be handed back, the key is counted as
+    /// stranded (what a stop then says) until the next claim of it finds it this process's own (and hands it
+    /// back), or its lease ends.
     async fn hand_back_unanswered(&self, key: RunKey) {
         let handed_back = retrying("hand back a claim whose answer was lost", &self.pool, || {
             job_runs::hand_back_unanswered_claim(&self.pool, &key, &self.owner, UNANSWERED_CLAIM)
@@ -78,15 +87,28 @@ impl Runner {
         .await;
         match handed_back {
             Ok(true) => {
-                tracing::warn!("the claim's answer was lost, but it had been recorded: handed the key back")
+                tracing::warn!("the claim's answer was lost, but it had been recorded: handed the key back");
+                self.held.recovered(&key);
             }
-            Ok(false) => {}
+            // Not recorded yet: it may still commit (the server finishing the statement), so the key is counted
+            // until this replica claims it again (and finds it its own) or its lease ends.
+            Ok(false) => self.held.strand(key, self.lease.duration()),
             Err(e) => {
                 tracing::error!(error = %JobError::from(e),
                     "the claim's answer was lost and the key cannot be handed back; its lease frees it for a peer");
-                self.held.strand(self.lease.duration());
+                self.held.strand(key, self.lease.duration());
             }
         }
+    }
+
+    /// Hands back `key`, found RUNNING under this process's own name, and claims it again in `mode`.
+    async fn reclaim_own(&self, key: RunKey, mode: ClaimMode) -> Result<Claimed, sqlx::Error> {
+        job_runs::hand_back_unanswered_claim(&self.pool, &key, &self.owner, UNANSWERED_CLAIM).await?;
+        tracing::warn!(
+            "the key was RUNNING under this replica's own name (a claim whose answer was lost): handed back and \
+             claimed again"
+        );
+        self.claim_as(key, mode).await
     }
 
     async fn claim_as(&self, key: RunKey, mode: ClaimMode) -> Result<Claimed, sqlx::Error> {

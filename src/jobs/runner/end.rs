@@ -67,7 +67,7 @@ impl Runner {
                 // Until then the replica still holds it (what a stop says).
                 let e = JobError::from(e);
                 tracing::error!(error = %e, "could not record the end of the run; the lease will expire");
-                self.held.strand(self.lease.duration());
+                self.held.strand(tally.key, self.lease.duration());
                 let report = tally.report(Outcome::Failed).failed_by(&e);
                 match &stop {
                     // The run's own error is the one to report; the finish's adds what it says of the server.

@@ -3,34 +3,48 @@
 //! (the compensation pass, the re-check, the status statement) holds nothing, says so and exits 0.
 
 use std::{
+    collections::HashMap,
     sync::{
         atomic::{AtomicUsize, Ordering},
-        Arc, Mutex,
+        Arc, Mutex, MutexGuard,
     },
     time::Duration,
 };
 
 use tokio::time::Instant;
 
+use crate::jobs::RunKey;
+
 /// The keys held by the runs sharing it, counted from the moment a claim has a connection to be sent on (its
 /// answer may be lost after it committed) to the end of the run (finished, handed back, or lost).
 ///
-/// A key whose claim or end could not be recorded for want of a server (the claim's answer lost, its hand-back
-/// refused) stays RUNNING under this process's owner until its lease ends: it is counted as *stranded* until then.
+/// A key that may be RUNNING under this process's owner with no run of it going on — a claim whose answer was
+/// lost (it may commit after the replica gave up on it), an end that could not be recorded — is counted as
+/// *stranded* until its lease ends, or until this process claims it again, hands it back, or hands back all of
+/// its keys.
 #[derive(Debug, Default)]
 pub struct HeldKeys {
     running: AtomicUsize,
     /// When the leases of stranded keys end.
-    stranded: Mutex<Vec<Instant>>,
+    stranded: Mutex<HashMap<RunKey, Instant>>,
 }
 
 impl HeldKeys {
     /// How many keys are held now: by a run, or stranded with a lease that may still be live.
     pub fn count(&self) -> usize {
+        self.running.load(Ordering::SeqCst) + self.stranded_now().len()
+    }
+
+    /// How many keys are stranded now.
+    pub fn stranded(&self) -> usize {
+        self.stranded_now().len()
+    }
+
+    fn stranded_now(&self) -> MutexGuard<'_, HashMap<RunKey, Instant>> {
         let now = Instant::now();
         let mut stranded = self.stranded.lock().unwrap_or_else(|e| e.into_inner());
-        stranded.retain(|until| *until > now);
-        self.running.load(Ordering::SeqCst) + stranded.len()
+        stranded.retain(|_, until| *until > now);
+        stranded
     }
 
     /// How many keys runs hold now (claimed, a batch possibly in flight), stranded keys aside.
@@ -44,10 +58,19 @@ impl HeldKeys {
         Holding(self.clone())
     }
 
-    /// Counts a key left RUNNING under this process's owner for `lease` from now.
-    pub(super) fn strand(&self, lease: Duration) {
-        let mut stranded = self.stranded.lock().unwrap_or_else(|e| e.into_inner());
-        stranded.push(Instant::now() + lease);
+    /// Counts `key`, maybe left RUNNING under this process's owner, for `lease` from now.
+    pub(super) fn strand(&self, key: RunKey, lease: Duration) {
+        self.stranded_now().insert(key, Instant::now() + lease);
+    }
+
+    /// `key` is this process's own again (claimed) or handed back: not stranded.
+    pub(super) fn recovered(&self, key: &RunKey) {
+        self.stranded_now().remove(key);
+    }
+
+    /// Every key of this process was handed back.
+    pub fn all_recovered(&self) {
+        self.stranded_now().clear();
     }
 }
 
@@ -78,13 +101,22 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_stranded_key_is_counted_until_its_lease_ends() {
+    async fn a_stranded_key_is_counted_until_its_lease_ends_or_it_is_recovered() {
+        let key = |day: u32| RunKey {
+            job: crate::jobs::JobName::FineSettlement,
+            business_date: chrono::NaiveDate::from_ymd_opt(2026, 10, day).expect("date"),
+            shard: crate::shard::ShardSpec::new(0, 1).expect("shard"),
+        };
         let held = Arc::new(HeldKeys::default());
-        held.strand(Duration::from_secs(3));
-        assert_eq!(held.count(), 1);
-        tokio::time::advance(Duration::from_secs(2)).await;
-        assert_eq!(held.count(), 1);
-        tokio::time::advance(Duration::from_secs(2)).await;
-        assert_eq!(held.count(), 0);
+        held.strand(key(31), Duration::from_secs(3));
+        held.strand(key(30), Duration::from_secs(60));
+        assert_eq!((held.count(), held.stranded()), (2, 2));
+        tokio::time::advance(Duration::from_secs(4)).await;
+        assert_eq!(held.count(), 1, "the first lease ended");
+        held.recovered(&key(30));
+        assert_eq!(held.count(), 0, "claimed again");
+        held.strand(key(30), Duration::from_secs(60));
+        held.all_recovered();
+        assert_eq!(held.count(), 0, "every key handed back");
     }
 }

@@ -147,10 +147,7 @@ async fn insert(pool: &Db, key: &RunKey, owner: &str, lease: Duration) -> Result
 /// The second step, once the row exists (a conflicting insert in flight is waited for, so it is committed by
 /// now): take it over if it failed or its lease expired; re-open and force also take a SUCCESS row and walk it
 /// from the beginning (a re-open finds only the rows still to do and keeps the key's counters; a forced run
-/// resets them). A live RUNNING owner is never displaced, not even by force — unless it is this process itself
-/// (owners are unique per process, and a process runs a key once at a time): a claim of its own that it is not
-/// running, whose answer was lost with its connection after it committed, is taken over at once, under a new
-/// epoch. `prior` reads the row as it was
+/// resets them). A live RUNNING owner is never displaced, not even by force. `prior` reads the row as it was
 /// before the update, to say who holds it when we skip and which kind of claim this was; the kind is decided
 /// once, as the history event, and returned.
 async fn take_over(
@@ -174,7 +171,7 @@ async fn take_over(
                    updated = case when $8 then 0 else updated end
                where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
                  and (status = 'FAILED'
-                      or (status = 'RUNNING' and (lease_until < now() or owner = $5))
+                      or (status = 'RUNNING' and lease_until < now())
                       or ($7 and status = 'SUCCESS'))
                returning job_name, business_date, shards, shard, epoch, owner, cursor,
                          case when $8 then 'forced'
