@@ -77,9 +77,14 @@ const LEFT_OVER: &str = "left RUNNING by a claim whose answer was lost; handed b
 impl Daemon {
     /// At a clean stop the replica runs nothing: a key still `RUNNING` under its owner is a claim whose answer was
     /// lost with its connection (it committed after the replica had given up on it). Hands such keys back, so that
-    /// a peer takes them over at once rather than after their lease; within [`LEFTOVERS_WITHIN`], and a failure
-    /// only logged (their lease frees them).
+    /// a peer takes them over at once rather than after their lease — once every claim given up on has ended on
+    /// the server (within the batch timeout of being sent) — within [`LEFTOVERS_WITHIN`], and a failure only
+    /// logged (their lease frees them, and the stop says it could not hand a key back).
     pub(super) async fn hand_back_leftovers(&self) {
+        // A claim given up on may still commit: its statement ends within the batch timeout of being sent.
+        if let Some(by) = self.held.claims_end_by() {
+            tokio::time::sleep_until(by).await;
+        }
         let handed_back = tokio::time::timeout(
             LEFTOVERS_WITHIN,
             job_runs::hand_back_all_of(&self.pool, &self.owner, LEFT_OVER),

@@ -305,23 +305,7 @@ async fn a_claim_whose_answer_was_lost_is_handed_back_at_once(pool: PgPool) {
     let month = due_now(&pool, 1).await[0];
     let first = month.with_day(1).expect("first day").to_string();
     insert(&pool, &[loan(1, &first, Some(&month.to_string()))]).await;
-    // The first claim sleeps 0.8 s before it commits (within the 1 s statement timeout): long enough to cut its
-    // connection meanwhile.
-    sqlx::raw_sql(
-        "create table claim_slept (done boolean);
-         create function slow_first_claim() returns trigger language plpgsql as $$
-         begin
-             if new.job_name = 'fine-settlement' and not exists (select 1 from claim_slept) then
-                 insert into claim_slept values (true);
-                 perform pg_sleep(0.8);
-             end if;
-             return new;
-         end $$;
-         create trigger slow_first_claim before insert on job_runs for each row execute function slow_first_claim();",
-    )
-    .execute(&pool)
-    .await
-    .expect("slow claim");
+    slow_first_claim(&pool).await;
     let mut replica = daemon(
         &url,
         0,
@@ -384,4 +368,121 @@ async fn a_claim_whose_answer_was_lost_is_handed_back_at_once(pool: PgPool) {
     .await
     .expect("history");
     assert!(recovered >= 1, "{stderr}");
+}
+
+/// The first claim sleeps 0.8 s before it commits (within the tests' 1 s statement timeout): long enough to cut
+/// its connection meanwhile.
+async fn slow_first_claim(pool: &PgPool) {
+    sqlx::raw_sql(
+        "create table claim_slept (done boolean);
+         create function slow_first_claim() returns trigger language plpgsql as $$
+         begin
+             if new.job_name = 'fine-settlement' and not exists (select 1 from claim_slept) then
+                 insert into claim_slept values (true);
+                 perform pg_sleep(0.8);
+             end if;
+             return new;
+         end $$;
+         create trigger slow_first_claim before insert on job_runs for each row execute function slow_first_claim();",
+    )
+    .execute(pool)
+    .await
+    .expect("slow claim");
+}
+
+/// A replica told to stop just after its claim's connection was cut, before the claim has committed on the server:
+/// the stop waits for the claim's statement to end (its statement timeout), then hands the key back. It used to
+/// look at once, find nothing, exit 0 — and the claim committed a moment later, leaving the key RUNNING for its
+/// whole lease under a process that was gone.
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_stop_right_after_a_claim_s_answer_was_lost_leaves_no_key_running(pool: PgPool) {
+    let proxy = crate::chaos::proxy::Proxy::start(pool.connect_options().get_port()).await;
+    let url = proxy.route(&crate::helpers::database_url(&pool));
+    let month = due_now(&pool, 1).await[0];
+    let first = month.with_day(1).expect("first day").to_string();
+    insert(&pool, &[loan(1, &first, Some(&month.to_string()))]).await;
+    slow_first_claim(&pool).await;
+    let mut replica = daemon(
+        &url,
+        0,
+        1,
+        &[
+            ("FINE_SETTLER__ACCRUAL__ENABLED", "false"),
+            ("FINE_SETTLER__CLAIM__LEASE", "60s"),
+        ],
+    );
+    let log = StderrLog::collect(&mut replica);
+    wait_until("the claim sleeping", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from pg_stat_activity where wait_event = 'PgSleep'")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+            > 0
+    })
+    .await;
+    proxy.cut_all();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    signal(&replica, "TERM");
+    let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
+    let stderr = log.finish();
+    // Whatever the claim did has ended by now (its statement timeout is 1 s).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let running: i64 =
+        sqlx::query_scalar("select count(*) from job_runs where status = 'RUNNING' and lease_until > now()")
+            .fetch_one(&pool)
+            .await
+            .expect("job_runs");
+    assert_eq!(running, 0, "a key left RUNNING by a stopped replica: {stderr}");
+    assert_eq!(code, Some(0), "{stderr}");
+}
+
+/// A claim whose connection black-holes its answer (a lost route: the socket stays open, nothing arrives) fails
+/// after the batch timeout and a second, and is handed back: the month settles within seconds. It used to wait
+/// for the answer for ever, the replica wedged with its key RUNNING.
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_claim_whose_answer_never_arrives_gives_up_and_is_handed_back(pool: PgPool) {
+    let proxy = crate::chaos::proxy::Proxy::start(pool.connect_options().get_port()).await;
+    let url = proxy.route(&crate::helpers::database_url(&pool));
+    let month = due_now(&pool, 1).await[0];
+    let first = month.with_day(1).expect("first day").to_string();
+    insert(&pool, &[loan(1, &first, Some(&month.to_string()))]).await;
+    slow_first_claim(&pool).await;
+    let mut replica = daemon(
+        &url,
+        0,
+        1,
+        &[
+            ("FINE_SETTLER__ACCRUAL__ENABLED", "false"),
+            ("FINE_SETTLER__CLAIM__LEASE", "60s"),
+        ],
+    );
+    let log = StderrLog::collect(&mut replica);
+    wait_until("the claim sleeping", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from pg_stat_activity where wait_event = 'PgSleep'")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+            > 0
+    })
+    .await;
+    proxy.freeze_all();
+    let frozen = Instant::now();
+    let mut settled = false;
+    while frozen.elapsed() < Duration::from_secs(20) && !settled {
+        settled = sqlx::query_scalar::<_, bool>(
+            "select count(*) = 3 and bool_and(status = 'SUCCESS') from job_runs",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap_or(false);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = frozen.elapsed();
+    proxy.cut_all();
+    signal(&replica, "TERM");
+    let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
+    let stderr = log.finish();
+    eprintln!("settled {took:?} after the claim's connection was black-holed");
+    assert!(settled, "not settled {took:?} after the black hole: {stderr}");
+    assert_eq!(code, Some(0), "{stderr}");
 }

@@ -1,6 +1,10 @@
 //! The run's first step: claim the key, and decide whether a SUCCESS key is re-opened. Its end is the run's
 //! handle, or the report of a run that does not start (skipped, or the claim failed).
 
+use std::time::Duration;
+
+use tokio::time::Instant;
+
 use super::{held::Holding, retry::retrying, transient, BatchJob, JobError, Runner};
 use crate::{
     jobs::{Outcome, RunKey, RunReport},
@@ -35,7 +39,7 @@ impl Runner {
             return Start::Ended(failed(key, e));
         }
         let holding = self.held.hold();
-        let claimed = match self.claim_as(key, mode).await {
+        let claimed = match self.claim_within(key, mode).await {
             // The re-open decision: a SUCCESS key a free claim skipped is claimed again as a re-open if the job
             // finds rows still to do in it (`Reopen` and `Force` take SUCCESS keys anyway).
             Ok(Claimed::Skipped(holder))
@@ -81,6 +85,9 @@ impl Runner {
     /// stranded (what a stop then says) until the next claim of it finds it this process's own (and hands it
     /// back), or its lease ends.
     async fn hand_back_unanswered(&self, key: RunKey) {
+        // The statement ends on the server within its statement timeout (the batch timeout) of being sent.
+        self.held
+            .unresolved_until(Instant::now() + self.lease.batch_timeout());
         let handed_back = retrying("hand back a claim whose answer was lost", &self.pool, || {
             job_runs::hand_back_unanswered_claim(&self.pool, &key, &self.owner, UNANSWERED_CLAIM)
         })
@@ -109,6 +116,23 @@ impl Runner {
              claimed again"
         );
         self.claim_as(key, mode).await
+    }
+
+    /// [`Runner::claim_as`] with a client-side limit: a connection that black-holes its answer (a lost route;
+    /// the server's `statement_timeout` cannot end a wait for bytes that never arrive) fails the claim as a lost
+    /// connection after the batch timeout and a second, instead of holding the replica for ever.
+    async fn claim_within(&self, key: RunKey, mode: ClaimMode) -> Result<Claimed, sqlx::Error> {
+        let limit = self.lease.batch_timeout() + Duration::from_secs(1);
+        match tokio::time::timeout(limit, self.claim_as(key, mode)).await {
+            Ok(claimed) => claimed,
+            Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the claim got no answer within {}",
+                    humantime::format_duration(limit)
+                ),
+            ))),
+        }
     }
 
     async fn claim_as(&self, key: RunKey, mode: ClaimMode) -> Result<Claimed, sqlx::Error> {

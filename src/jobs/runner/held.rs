@@ -27,6 +27,10 @@ pub struct HeldKeys {
     running: AtomicUsize,
     /// When the leases of stranded keys end.
     stranded: Mutex<HashMap<RunKey, Instant>>,
+    /// By when every claim statement given up on has ended on the server (committed or not): its
+    /// `statement_timeout`, the batch timeout, after it was sent. A hand-back before then may find nothing that
+    /// the claim commits a moment later.
+    unresolved_until: Mutex<Option<Instant>>,
 }
 
 impl HeldKeys {
@@ -61,6 +65,18 @@ impl HeldKeys {
     /// Counts `key`, maybe left RUNNING under this process's owner, for `lease` from now.
     pub(super) fn strand(&self, key: RunKey, lease: Duration) {
         self.stranded_now().insert(key, Instant::now() + lease);
+    }
+
+    /// Notes that a claim statement given up on ends on the server by `until` at the latest.
+    pub(super) fn unresolved_until(&self, until: Instant) {
+        let mut latest = self.unresolved_until.lock().unwrap_or_else(|e| e.into_inner());
+        *latest = Some(latest.map_or(until, |t| t.max(until)));
+    }
+
+    /// By when every claim statement given up on has ended on the server, if one may not have.
+    pub fn claims_end_by(&self) -> Option<Instant> {
+        let latest = *self.unresolved_until.lock().unwrap_or_else(|e| e.into_inner());
+        latest.filter(|t| *t > Instant::now())
     }
 
     /// `key` is this process's own again (claimed) or handed back: not stranded.

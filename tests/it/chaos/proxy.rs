@@ -11,6 +11,7 @@ pub struct Proxy {
     port: u16,
     upstream: u16,
     cut: tokio::sync::watch::Sender<u64>,
+    frozen: tokio::sync::watch::Sender<u64>,
     active: Arc<AtomicU64>,
 }
 
@@ -20,11 +21,13 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let port = listener.local_addr().expect("addr").port();
         let (cut, _) = tokio::sync::watch::channel(0u64);
+        let (frozen, _) = tokio::sync::watch::channel(0u64);
         let active = Arc::new(AtomicU64::new(0));
-        let (tx, count) = (cut.clone(), active.clone());
+        let (tx, freeze, count) = (cut.clone(), frozen.clone(), active.clone());
         tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
                 let mut cut = tx.subscribe();
+                let mut frozen = freeze.subscribe();
                 let count = count.clone();
                 tokio::spawn(async move {
                     let Ok(mut server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
@@ -34,6 +37,8 @@ impl Proxy {
                     tokio::select! {
                         _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
                         _ = cut.changed() => {}
+                        // Black-holed: both sockets stay open, nothing more is relayed, until a cut.
+                        _ = frozen.changed() => { let _ = cut.changed().await; }
                     }
                     count.fetch_sub(1, Ordering::SeqCst);
                     // Both sockets drop here: the replica and the server each see their connection end,
@@ -45,6 +50,7 @@ impl Proxy {
             port,
             upstream,
             cut,
+            frozen,
             active,
         }
     }
@@ -52,6 +58,12 @@ impl Proxy {
     /// `url` (of the upstream server) rewritten to go through the proxy.
     pub fn route(&self, url: &str) -> String {
         url.replace(&format!(":{}/", self.upstream), &format!(":{}/", self.port))
+    }
+
+    /// Black-holes every connection open now (a lost route: the sockets stay open, no byte gets through either
+    /// way) until the next cut; connections opened later are relayed.
+    pub fn freeze_all(&self) {
+        self.frozen.send_modify(|g| *g += 1);
     }
 
     /// Cuts every connection open now; returns how many.
