@@ -300,45 +300,9 @@ async fn stop_during_a_compensation_pass(gone: Gone) {
 /// to leave the key to its lease (here a minute) — and a stop meanwhile exited 0 saying it held no key.
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_claim_whose_answer_was_lost_is_handed_back_at_once(pool: PgPool) {
-    let proxy = crate::chaos::proxy::Proxy::start(pool.connect_options().get_port()).await;
-    let url = proxy.route(&crate::helpers::database_url(&pool));
-    let month = due_now(&pool, 1).await[0];
-    let first = month.with_day(1).expect("first day").to_string();
-    insert(&pool, &[loan(1, &first, Some(&month.to_string()))]).await;
-    slow_first_claim(&pool).await;
-    let mut replica = daemon(
-        &url,
-        0,
-        1,
-        &[
-            ("FINE_SETTLER__ACCRUAL__ENABLED", "false"),
-            ("FINE_SETTLER__CLAIM__LEASE", "60s"),
-        ],
-    );
-    let log = StderrLog::collect(&mut replica);
-    wait_until("the claim sleeping", Duration::from_secs(20), || async {
-        sqlx::query_scalar::<_, i64>("select count(*) from pg_stat_activity where wait_event = 'PgSleep'")
-            .fetch_one(&pool)
-            .await
-            .unwrap_or(0)
-            > 0
-    })
-    .await;
+    let ClaimInFlight { proxy, replica, log } = claim_in_flight(&pool).await;
     proxy.cut_all();
-    let cut = Instant::now();
-    while cut.elapsed() < Duration::from_secs(20) {
-        let settled = sqlx::query_scalar::<_, bool>(
-            "select count(*) = 3 and bool_and(status = 'SUCCESS') from job_runs",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap_or(false);
-        if settled {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let took = cut.elapsed();
+    let (_, took) = every_month_settled_within(&pool, Duration::from_secs(20)).await;
     signal(&replica, "TERM");
     let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
     let stderr = log.finish();
@@ -370,6 +334,59 @@ async fn a_claim_whose_answer_was_lost_is_handed_back_at_once(pool: PgPool) {
     assert!(recovered >= 1, "{stderr}");
 }
 
+/// A replica (settlement only, a one-minute lease) reaching the server through a proxy the test can cut, whose
+/// first claim is sleeping in its trigger (see [`slow_first_claim`]); one loan due in the latest month.
+struct ClaimInFlight {
+    proxy: crate::chaos::proxy::Proxy,
+    replica: crate::helpers::Running,
+    log: StderrLog,
+}
+
+async fn claim_in_flight(pool: &PgPool) -> ClaimInFlight {
+    let proxy = crate::chaos::proxy::Proxy::start(pool.connect_options().get_port()).await;
+    let url = proxy.route(&crate::helpers::database_url(pool));
+    let month = due_now(pool, 1).await[0];
+    let first = month.with_day(1).expect("first day").to_string();
+    insert(pool, &[loan(1, &first, Some(&month.to_string()))]).await;
+    slow_first_claim(pool).await;
+    let mut replica = daemon(
+        &url,
+        0,
+        1,
+        &[
+            ("FINE_SETTLER__ACCRUAL__ENABLED", "false"),
+            ("FINE_SETTLER__CLAIM__LEASE", "60s"),
+        ],
+    );
+    let log = StderrLog::collect(&mut replica);
+    wait_until("the claim sleeping", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from pg_stat_activity where wait_event = 'PgSleep'")
+            .fetch_one(pool)
+            .await
+            .unwrap_or(0)
+            > 0
+    })
+    .await;
+    ClaimInFlight { proxy, replica, log }
+}
+
+/// Polls until the three due months' keys are SUCCESS or `limit` has passed: whether they were, and when.
+async fn every_month_settled_within(pool: &PgPool, limit: Duration) -> (bool, Duration) {
+    let started = Instant::now();
+    loop {
+        let settled = sqlx::query_scalar::<_, bool>(
+            "select count(*) = 3 and bool_and(status = 'SUCCESS') from job_runs",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap_or(false);
+        if settled || started.elapsed() >= limit {
+            return (settled, started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// The first claim sleeps 0.8 s before it commits (within the tests' 1 s statement timeout): long enough to cut
 /// its connection meanwhile.
 async fn slow_first_claim(pool: &PgPool) {
@@ -396,30 +413,7 @@ async fn slow_first_claim(pool: &PgPool) {
 /// whole lease under a process that was gone.
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_stop_right_after_a_claim_s_answer_was_lost_leaves_no_key_running(pool: PgPool) {
-    let proxy = crate::chaos::proxy::Proxy::start(pool.connect_options().get_port()).await;
-    let url = proxy.route(&crate::helpers::database_url(&pool));
-    let month = due_now(&pool, 1).await[0];
-    let first = month.with_day(1).expect("first day").to_string();
-    insert(&pool, &[loan(1, &first, Some(&month.to_string()))]).await;
-    slow_first_claim(&pool).await;
-    let mut replica = daemon(
-        &url,
-        0,
-        1,
-        &[
-            ("FINE_SETTLER__ACCRUAL__ENABLED", "false"),
-            ("FINE_SETTLER__CLAIM__LEASE", "60s"),
-        ],
-    );
-    let log = StderrLog::collect(&mut replica);
-    wait_until("the claim sleeping", Duration::from_secs(20), || async {
-        sqlx::query_scalar::<_, i64>("select count(*) from pg_stat_activity where wait_event = 'PgSleep'")
-            .fetch_one(&pool)
-            .await
-            .unwrap_or(0)
-            > 0
-    })
-    .await;
+    let ClaimInFlight { proxy, replica, log } = claim_in_flight(&pool).await;
     proxy.cut_all();
     tokio::time::sleep(Duration::from_millis(50)).await;
     signal(&replica, "TERM");
@@ -441,43 +435,9 @@ async fn a_stop_right_after_a_claim_s_answer_was_lost_leaves_no_key_running(pool
 /// for the answer for ever, the replica wedged with its key RUNNING.
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_claim_whose_answer_never_arrives_gives_up_and_is_handed_back(pool: PgPool) {
-    let proxy = crate::chaos::proxy::Proxy::start(pool.connect_options().get_port()).await;
-    let url = proxy.route(&crate::helpers::database_url(&pool));
-    let month = due_now(&pool, 1).await[0];
-    let first = month.with_day(1).expect("first day").to_string();
-    insert(&pool, &[loan(1, &first, Some(&month.to_string()))]).await;
-    slow_first_claim(&pool).await;
-    let mut replica = daemon(
-        &url,
-        0,
-        1,
-        &[
-            ("FINE_SETTLER__ACCRUAL__ENABLED", "false"),
-            ("FINE_SETTLER__CLAIM__LEASE", "60s"),
-        ],
-    );
-    let log = StderrLog::collect(&mut replica);
-    wait_until("the claim sleeping", Duration::from_secs(20), || async {
-        sqlx::query_scalar::<_, i64>("select count(*) from pg_stat_activity where wait_event = 'PgSleep'")
-            .fetch_one(&pool)
-            .await
-            .unwrap_or(0)
-            > 0
-    })
-    .await;
+    let ClaimInFlight { proxy, replica, log } = claim_in_flight(&pool).await;
     proxy.freeze_all();
-    let frozen = Instant::now();
-    let mut settled = false;
-    while frozen.elapsed() < Duration::from_secs(20) && !settled {
-        settled = sqlx::query_scalar::<_, bool>(
-            "select count(*) = 3 and bool_and(status = 'SUCCESS') from job_runs",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap_or(false);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let took = frozen.elapsed();
+    let (settled, took) = every_month_settled_within(&pool, Duration::from_secs(20)).await;
     proxy.cut_all();
     signal(&replica, "TERM");
     let (code, _) = exit_of(replica, Duration::from_secs(10)).await;
