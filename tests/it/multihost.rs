@@ -105,12 +105,16 @@ async fn a_bad_host_list_is_one_line_exit_2_and_nothing_written(pool: PgPool) {
 
 /// The backend pids of the replica's connections.
 async fn replica_backends(pool: &PgPool) -> std::collections::BTreeSet<i32> {
-    sqlx::query_scalar("select pid from pg_stat_activity where application_name like 'fine-settler run%'")
-        .fetch_all(pool)
-        .await
-        .expect("pg_stat_activity")
-        .into_iter()
-        .collect()
+    // Of this test's database only: other tests' replicas run on the same server at the same time.
+    sqlx::query_scalar(
+        "select pid from pg_stat_activity
+         where datname = current_database() and application_name like 'fine-settler run%'",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("pg_stat_activity")
+    .into_iter()
+    .collect()
 }
 
 /// Ticks failing on a server that answers (here: a statement timeout on a locked `job_runs`) keep the replica on
