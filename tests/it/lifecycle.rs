@@ -146,10 +146,25 @@ async fn ticks_failing_on_a_server_that_answers_fail_readyz_then_healthz_until_o
         &[("FINE_SETTLER__HTTP__LISTEN", &format!("127.0.0.1:{port}"))],
     );
     let log = StderrLog::collect(&mut replica);
+    // No spell was in progress when a probe, sent at `ready_at`, found the replica ready: the spell that follows
+    // starts after it. (It may start before the lock below is granted: the replica's statements queue behind the
+    // lock request, and time out there, while it waits for the replica's own transaction to end.)
+    let ready_at = Instant::now();
     wait_until("ready", Duration::from_secs(20), || async {
         http_get(port, "/readyz").await.0 == 200
     })
     .await;
+    let ready_at = loop {
+        let asked_at = Instant::now();
+        if http_get(port, "/readyz").await.0 == 200 {
+            break asked_at;
+        }
+        assert!(
+            ready_at.elapsed() < Duration::from_secs(40),
+            "never ready twice in a row"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(http_get(port, "/healthz").await.0, 200);
 
     let mut lock = pool.begin().await.expect("begin");
@@ -157,7 +172,6 @@ async fn ticks_failing_on_a_server_that_answers_fail_readyz_then_healthz_until_o
         .execute(&mut *lock)
         .await
         .expect("lock");
-    let failing_since = Instant::now();
     wait_until("/readyz fails", Duration::from_secs(20), || async {
         http_get(port, "/readyz").await.0 == 503
     })
@@ -173,7 +187,7 @@ async fn ticks_failing_on_a_server_that_answers_fail_readyz_then_healthz_until_o
         http_get(port, "/healthz").await.0 == 503
     })
     .await;
-    let took = failing_since.elapsed();
+    let took = ready_at.elapsed();
     let (code, body) = http_get(port, "/healthz").await;
     assert_eq!(code, 503, "{body}");
     assert!(
