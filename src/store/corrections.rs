@@ -117,7 +117,14 @@ pub async fn correct(
                                       - coalesce((select sum(y.amount_cents) from fine_ledger_corrections y
                                                   where y.loan_id = f.loan_id), 0))
                       end as delta
-               from fine_ledger f
+               -- Each loan's charge by its key (tested against the list instead, as `f.loan_id = any($2)`,
+               -- the day's charges were planned on statistics from before them as a filter of the day's
+               -- index: every charge of the day compared with every id of the batch, 1.7 s a batch of
+               -- 10,000 on a day of 20,000 charges).
+               from unnest($2::bigint[]) as b (id)
+               cross join lateral (select f.loan_id, f.accrual_date, f.amount_cents, f.charged_at
+                                   from fine_ledger f
+                                   where f.loan_id = b.id and f.accrual_date = $1 offset 0) f
                -- The loan by its key for each charge (a join, planned on a ledger whose statistics
                -- predate the day's charges, scanned the whole loans table for each).
                cross join lateral (select l.id, l.due_on, l.returned_on, l.fine_class from loans l
@@ -130,8 +137,7 @@ pub async fn correct(
                                           coalesce(max(c.seq), 0) + 1 as seq
                                    from fine_ledger_corrections c
                                    where c.loan_id = f.loan_id and c.accrual_date = f.accrual_date) n
-               where f.accrual_date = $1 and f.loan_id = any($2::bigint[])
-                 and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
+               where isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)
                offset 0
            ), written as (
                insert into fine_ledger_corrections (loan_id, accrual_date, seq, amount_cents, reason,

@@ -30,7 +30,15 @@ pub struct SettleBatch {
 ///
 /// `fine_settled_at is null` is the marker, never `fine_cents = 0`: an on-time return is settled with a fine of
 /// zero and must not be picked up again. The predicate matches the partial index `loans_unsettled_returned_idx`
-/// (`(id, returned_on) include (due_on)`), so this is an index-only scan that reads no table page.
+/// (`(id, returned_on) include (due_on)`): the batch is a walk of it in id order from `from_id`, which stops at
+/// the `limit`-th match, so a month's batches read the index once between them.
+///
+/// The walk is written as a subquery kept apart (`offset 0`) that only orders the unsettled loans by id, the
+/// month, finiteness and shard tests applied outside it. Written as one query, the planner estimates the shard
+/// test at its default selectivity for a function (0.5 %), believes that fewer rows than `limit` match, and
+/// reads all of the month's unsettled loans through `loans_unsettled_by_return_idx` (or the table) to sort
+/// them — at every batch, so a month's cost grew with the square of its size: measured on 1,000,000 loans
+/// (288,169 returned in the month), 100–250 ms a batch against 8–20 ms for the walk.
 pub async fn next_batch(
     pool: &Db,
     (first, last): (NaiveDate, NaiveDate),
@@ -40,12 +48,14 @@ pub async fn next_batch(
 ) -> Result<Option<SettleBatch>, sqlx::Error> {
     let row = sqlx::query!(
         r#"select max(id) as last_id, count(*) as "count!"
-           from (select id
-                 from loans
-                 where fine_settled_at is null and returned_on is not null
-                   and returned_on between $1 and $2 and isfinite(due_on)
-                   and id >= $3 and fine_settler_shard_of(id, $4) = $5
-                 order by id
+           from (select u.id
+                 from (select id, returned_on, due_on
+                       from loans
+                       where fine_settled_at is null and returned_on is not null and id >= $3
+                       order by id
+                       offset 0) u
+                 where u.returned_on between $1 and $2 and isfinite(u.due_on)
+                   and fine_settler_shard_of(u.id, $4) = $5
                  limit $6) batch"#,
         first,
         last,

@@ -30,8 +30,9 @@ impl Gucs {
     /// workers (and a parallel scan plus sort) for every batch query, several times slower than the index walk.
     /// With custom plans (PostgreSQL's default for a statement's first five executions), the literal month made
     /// the planner read the month's whole range from the index ordered by return date, or the whole table, and
-    /// sort it for each batch, 80–150 ms each; the generic plan walks the id-ordered index, as a keyset batch
-    /// should (measured with auto_explain; see bench/RESULTS.md).
+    /// sort it for each batch, 80–150 ms each. A generic plan did not always walk the id-ordered index either
+    /// (on a table rewritten by `vacuum full` it chose the month's range again): the settlement batch's walk is
+    /// now written so that no plan can do otherwise ([`crate::store::loans::next_batch`]).
     ///
     /// A generic plan is costed without its parameters, so on a large `loans` table the planner's estimate of
     /// statements that read a few rows (the accrual re-check with nothing queued, a batch scan) passes
@@ -44,7 +45,9 @@ impl Gucs {
     /// today" was planned as a sequential scan of `fine_ledger` — and after a few batches had charged 10,000
     /// loans each, every probe read them all: a batch of 1,000,000 loans took 20 s instead of 0.13 s and the run
     /// failed at its batch timeout (measured with auto_explain). Every job statement reads by a key or walks an
-    /// index; a table with no index for a statement is still scanned.
+    /// index; a table with no index for a statement is still scanned. Where two indexes could serve a key and
+    /// an empty table makes them cost the same, the kept plan can still pick the wrong one: an accrual batch
+    /// has its statements planned afresh ([`crate::store::ledger::lock_loans`]).
     pub(super) fn jobs(batch_timeout: Duration) -> Self {
         let timeout = batch_timeout.as_millis().max(1).to_string();
         Gucs(vec![
