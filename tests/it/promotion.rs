@@ -1,7 +1,7 @@
 //! A failover measured: the primary killed while a key is RUNNING, the standby promoted only 12 s later (long
 //! enough for an outage backoff to have grown past the promise), and the replica resumes on the promoted
-//! standby within `connect_timeout + lease` plus one period of the promotion; meanwhile `/readyz` says ready
-//! only once a tick has succeeded again.
+//! standby within `connect_timeout + lease` plus one period of the promotion; `/readyz` says not ready through the
+//! outage and ready once work has resumed.
 
 use std::time::{Duration, Instant};
 
@@ -71,30 +71,26 @@ async fn after_a_late_promotion_work_resumes_within_connect_timeout_plus_lease_p
     tokio::time::sleep(Duration::from_secs(12)).await;
     let (status, body) = http_get(port, "/readyz").await;
     assert_eq!(status, 503, "during the outage: {body}");
+    // What the standby holds of the replica's work before it is promoted: read-only until then, so any later
+    // stamp is the replica's, on the promoted server (one host clock for both servers).
+    let last_stamp = |url: String| async move {
+        let mut conn = PgConnection::connect(&url).await.expect("connect");
+        sqlx::query_scalar::<_, Option<chrono::DateTime<chrono::Utc>>>(
+            "select max(greatest(heartbeat_at, finished_at)) from job_runs",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .expect("job_runs")
+    };
+    let before = last_stamp(standby.url("libraryd"))
+        .await
+        .expect("the key's heartbeat reached the standby");
     standby.promote().await;
     let promoted = Instant::now();
-    let mut conn = PgConnection::connect(&standby.url("libraryd"))
-        .await
-        .expect("promoted");
-    let promoted_at: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("select now()")
-        .fetch_one(&mut conn)
-        .await
-        .expect("now");
-    // Resumed: a batch committed (or the key finished) on the promoted server after the promotion.
-    let mut ready_before_resumed = None;
+    // Resumed: a batch committed, the key was taken over or it finished, on the promoted server.
     loop {
-        let resumed: i64 = sqlx::query_scalar(
-            "select count(*) from job_runs where greatest(heartbeat_at, finished_at) > $1",
-        )
-        .bind(promoted_at)
-        .fetch_one(&mut conn)
-        .await
-        .expect("job_runs");
-        if resumed > 0 {
+        if last_stamp(standby.url("libraryd")).await > Some(before) {
             break;
-        }
-        if ready_before_resumed.is_none() && http_get(port, "/readyz").await.0 == 200 {
-            ready_before_resumed = Some(promoted.elapsed());
         }
         assert!(promoted.elapsed() < Duration::from_secs(60), "never resumed");
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -107,10 +103,12 @@ async fn after_a_late_promotion_work_resumes_within_connect_timeout_plus_lease_p
         took <= promise,
         "resumed {took:?} after the promotion (promise {promise:?})"
     );
-    assert_eq!(
-        ready_before_resumed, None,
-        "/readyz said ready before a tick succeeded"
-    );
+    // Ready once a tick has read its status on the promoted server, which comes before its first commit (the
+    // tick's status read, then its pass): by now, or within a period.
+    wait_until("/readyz says ready", Duration::from_secs(5), || async {
+        http_get(port, "/readyz").await.0 == 200
+    })
+    .await;
     let (code, stderr) = stop(replica).await;
     assert_eq!(code, Some(0), "{stderr}");
 }
