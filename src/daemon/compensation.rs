@@ -1,9 +1,13 @@
 //! The tick's compensation pass: the shard's due pending charges retried within a time budget, a failing pass
-//! logged once per episode and never stopping the tick.
+//! logged once per episode and never stopping the tick, and no pass while a standby lags past
+//! `throttle.max_replica_lag` (or its lag is not known yet): the charges stay due for a later tick.
 
 use super::Daemon;
 use crate::{
-    jobs::accrual::{self, Accrual},
+    jobs::{
+        accrual::{self, Accrual},
+        throttle::Verdict,
+    },
     shard::ShardSpec,
     store::StoreError,
 };
@@ -14,6 +18,9 @@ impl Daemon {
     /// grant on `fine_pending`, the connection — never stops the tick: settlement and accrual go on, the error
     /// is logged once per episode (and when it ends) and counted, and the next tick tries again.
     pub(super) async fn compensate(&mut self, shard: ShardSpec) {
+        if self.held_by_a_standby().await {
+            return;
+        }
         let accrual = Accrual::from_settings(&self.settings);
         let max_attempts = self.settings.accrual.max_attempts;
         let limits = accrual::PassLimits {
@@ -47,5 +54,30 @@ impl Daemon {
                 }
             }
         }
+    }
+
+    /// Whether the lag limit holds this tick's compensation pass: a standby lags past `throttle.max_replica_lag`,
+    /// or its lag is not known yet. Logged once per episode; a look that fails holds nothing (as before a batch).
+    async fn held_by_a_standby(&mut self) -> bool {
+        let verdict = match self.throttle.lagging(&self.pool).await {
+            Ok(verdict) => verdict,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read pg_stat_replication; the compensation pass goes on");
+                Verdict::Clear
+            }
+        };
+        let held = verdict.holds();
+        if held && !std::mem::replace(&mut self.compensation_held, true) {
+            match &verdict {
+                Verdict::Lagging(lagging) => tracing::warn!(standby = %lagging.standby,
+                    "compensation pass waits: a standby lags more than throttle.max_replica_lag ({lagging})"),
+                Verdict::Unknown(unknown) => tracing::info!(standby = %unknown.standby,
+                    "compensation pass waits: a standby's lag is not known yet ({unknown})"),
+                Verdict::Clear => {}
+            }
+        } else if !held && std::mem::take(&mut self.compensation_held) {
+            tracing::info!("compensation pass resumes: no standby lags more than throttle.max_replica_lag");
+        }
+        held
     }
 }

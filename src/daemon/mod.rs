@@ -129,6 +129,8 @@ pub struct Daemon {
     notifier: Option<Arc<Notifier>>,
     /// The compensation pass is failing (logged once per episode, like an outage).
     compensation_failing: bool,
+    /// The compensation pass waits for a lagging standby (logged once per episode).
+    compensation_held: bool,
     /// Keys already reported as abandoned by this process (each is logged and counted once).
     abandoned: HashSet<(String, NaiveDate)>,
     /// The accrual re-check's schedule, episode and findings.
@@ -178,6 +180,7 @@ impl Daemon {
             heartbeat,
             notifier: None,
             compensation_failing: false,
+            compensation_held: false,
             abandoned: HashSet::new(),
             rechecks: recheck::Rechecks::default(),
             paused: Vec::new(),

@@ -276,7 +276,8 @@ impl Runner {
         report
     }
 
-    /// The run's steps: claim the key (or report why not), walk its batches, end the run.
+    /// The run's steps: note the primary's WAL position for the lag limit, claim the key (or report why not),
+    /// walk its batches, end the run.
     async fn claim_and_run<J: BatchJob>(
         &self,
         job: &J,
@@ -284,6 +285,7 @@ impl Runner {
         mode: ClaimMode,
         span: &tracing::Span,
     ) -> RunReport {
+        self.throttle.note_position(&self.pool).await;
         let (mut run, _holding) = match self.claim(job, key, mode, span).await {
             Start::Run(run, holding) => (run, holding),
             Start::Ended(report) => return report,

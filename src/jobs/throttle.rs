@@ -15,9 +15,19 @@
 //! never invent one; a stuck standby's lag grows with each of its reports (every WAL arrival, or every status
 //! interval); once it catches up, its next report releases the batches. The lag is the standby's clock against
 //! the primary's: keep them synchronised (NTP); a skew adds to or takes from it.
+//!
+//! **Before the evidence is in.** The rule dates unreplayed WAL only from positions this process noted. A
+//! standby that had not replayed even the oldest of them (a process that just started, a run's first batch, a
+//! standby paused before the run) may lag by far more than the rule can show yet: its lag is *unknown*, and
+//! batches wait as they do for a lagging standby, until its reports settle it — it replays past a noted
+//! position (its lag is dated, and judged by the rule), or it reports later than the limit after the oldest
+//! noted position without having replayed it (it lags). A quiet standby reports every `wal_receiver_status_interval`
+//! (10 s by default), so the first batch of a run may wait that long for the report that clears it; one that
+//! sends no report for [`unknown_wait`] (a longer interval, or none) is warned about once and judged by the rule
+//! from then on.
 
 use std::{
-    collections::VecDeque,
+    collections::{HashMap, VecDeque},
     fmt,
     sync::{Arc, Mutex},
     time::Duration,
@@ -81,6 +91,58 @@ impl fmt::Display for Lagging {
     }
 }
 
+/// A standby whose lag is not known yet: it had not replayed the oldest position this process noted when it last
+/// reported (see the module's rule).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Unknown {
+    pub standby: String,
+    /// WAL bytes the primary has that it had not replayed at its last report.
+    pub unreplayed_bytes: i64,
+    /// How long batches may wait for its reports to settle its lag ([`unknown_wait`]).
+    pub at_most: Duration,
+}
+
+impl fmt::Display for Unknown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: had not replayed WAL written before this process first looked ({} bytes not replayed); \
+             waiting for a report that shows its lag, at most {}",
+            self.standby,
+            self.unreplayed_bytes,
+            humantime::format_duration(whole_millis(self.at_most))
+        )
+    }
+}
+
+/// What one look says of the standbys.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// No standby is known or suspected to lag more than the limit: a batch may start.
+    Clear,
+    /// A standby lags more than the limit.
+    Lagging(Lagging),
+    /// A standby's lag is not known yet (and none is known to lag).
+    Unknown(Unknown),
+}
+
+impl Verdict {
+    /// Whether a batch must wait.
+    pub fn holds(&self) -> bool {
+        !matches!(self, Verdict::Clear)
+    }
+}
+
+/// PostgreSQL's default `wal_receiver_status_interval`: how often a quiet standby reports.
+pub const DEFAULT_STATUS_INTERVAL: Duration = Duration::from_secs(10);
+
+/// How long batches wait for a standby of unknown lag: the limit and two default status intervals — by then a
+/// standby reporting at the default has either replayed past a noted position or reported later than the limit
+/// after it. One that has not is judged by the rule alone from then on (a warning says so once).
+pub fn unknown_wait(limit: Duration) -> Duration {
+    limit + DEFAULT_STATUS_INTERVAL * 2
+}
+
 fn whole_millis(d: Duration) -> Duration {
     Duration::from_millis(d.as_millis().min(u128::from(u64::MAX)) as u64)
 }
@@ -100,6 +162,9 @@ pub struct WalHistory {
     /// The server the samples are from (address, port and timeline): another one's positions say nothing of
     /// this one's standbys.
     server: String,
+    /// Standbys whose lag is unknown (by name), since when (the primary's clock), and whether the wait for them
+    /// has run out (warned once).
+    unknown: HashMap<String, (DateTime<Utc>, bool)>,
 }
 
 impl WalHistory {
@@ -125,6 +190,7 @@ impl WalHistory {
                 .is_some_and(|last| sample.lsn < last.lsn && sample.at >= last.at)
         {
             self.samples.clear();
+            self.unknown.clear();
             self.server = server.to_string();
         }
         if self
@@ -155,6 +221,12 @@ impl WalHistory {
             .unwrap_or_default()
     }
 
+    /// Whether what a standby that had replayed up to `replay_lsn` had not replayed is dated by the noted
+    /// positions: it had replayed a noted position (or every one), so all it had not was written after that one.
+    pub fn dated(&self, replay_lsn: i64) -> bool {
+        self.samples.front().is_none_or(|oldest| oldest.lsn <= replay_lsn)
+    }
+
     pub fn len(&self) -> usize {
         self.samples.len()
     }
@@ -165,31 +237,57 @@ impl WalHistory {
 }
 
 /// Judges one look at the primary against `limit`, after noting its position in `history`: the first standby
-/// that lags more than the limit.
-pub fn judge(history: &mut WalHistory, look: &Replication, limit: Duration) -> Option<Lagging> {
+/// that lags more than the limit, else the first whose lag is not known yet (within [`unknown_wait`] of when it
+/// was first seen so), else clear.
+pub fn judge(history: &mut WalHistory, look: &Replication, limit: Duration) -> Verdict {
     let (Some(lsn), Some(server)) = (look.lsn, look.server.as_deref()) else {
-        return None;
+        return Verdict::Clear;
     };
     history.note(server, WalSample { at: look.at, lsn }, WalHistory::horizon(limit));
-    let mut first = None;
+    let at_most = unknown_wait(limit);
+    let mut lagging = None;
+    let mut unknown = None;
+    let mut still_unknown = HashMap::new();
     for s in &look.standbys {
         let (Some(replay), Some(reply_time)) = (s.replay_lsn, s.reply_time) else {
             continue;
         };
+        let unreplayed_bytes = lsn.saturating_sub(replay).max(0);
         let behind = history.behind(replay, reply_time);
-        if first.is_none() && behind > limit {
-            first = Some(Lagging {
+        if behind > limit {
+            lagging.get_or_insert_with(|| Lagging {
                 standby: s.name.clone(),
                 behind,
-                unreplayed_bytes: lsn.saturating_sub(replay).max(0),
+                unreplayed_bytes,
                 replay_lag: s
                     .replay_lag_seconds
                     .filter(|l| l.is_finite() && *l >= 0.0)
                     .map(Duration::from_secs_f64),
             });
+        } else if !history.dated(replay) {
+            let (since, gave_up) = history.unknown.get(&s.name).copied().unwrap_or((look.at, false));
+            let waited = (look.at - since).to_std().unwrap_or_default();
+            if waited <= at_most {
+                unknown.get_or_insert_with(|| Unknown {
+                    standby: s.name.clone(),
+                    unreplayed_bytes,
+                    at_most,
+                });
+            } else if !gave_up {
+                tracing::warn!(standby = %s.name, unreplayed_bytes, waited_ms = waited.as_millis() as u64,
+                    "no report from this standby settled its lag within {} (is its wal_receiver_status_interval \
+                     longer than 10 s, or 0?); batches go on, judging it by its reports from now",
+                    humantime::format_duration(whole_millis(at_most)));
+            }
+            still_unknown.insert(s.name.clone(), (since, gave_up || waited > at_most));
         }
     }
-    first
+    history.unknown = still_unknown;
+    match (lagging, unknown) {
+        (Some(lagging), _) => Verdict::Lagging(lagging),
+        (None, Some(unknown)) => Verdict::Unknown(unknown),
+        (None, None) => Verdict::Clear,
+    }
 }
 
 /// The throttle of one process, shared by all its runs (the daemon's, a backfill's concurrent keys): the pace and
@@ -308,18 +406,27 @@ impl Throttle {
             .copied()
     }
 
-    /// The first standby that lags more than `throttle.max_replica_lag` (see the module's rule); `None` when none
-    /// does, or the limit is off or cannot be read.
-    pub async fn lagging(&self, pool: &Db) -> Result<Option<Lagging>, sqlx::Error> {
+    /// Whether a standby lags more than `throttle.max_replica_lag`, or may (see the module's rules); clear when
+    /// the limit is off or cannot be read.
+    pub async fn lagging(&self, pool: &Db) -> Result<Verdict, sqlx::Error> {
         let Some(limit) = self.settings.max_replica_lag else {
-            return Ok(None);
+            return Ok(Verdict::Clear);
         };
         if !self.prepare(pool).await? {
-            return Ok(None);
+            return Ok(Verdict::Clear);
         }
         let mut history = self.history.lock().await;
         let look = replication::look(pool, &self.settings.standbys).await?;
         Ok(judge(&mut history, &look, limit))
+    }
+
+    /// Notes the primary's WAL position before a run writes anything (its claim), when the lag limit is on: a
+    /// standby that had replayed it when it last reported is dated by it, so a quiet, caught-up standby does not
+    /// hold the run's first batch until its next status report. Advisory: a failure is only logged.
+    pub async fn note_position(&self, pool: &Db) {
+        if let Err(e) = self.lagging(pool).await {
+            tracing::debug!(error = %e, "could not note the WAL position before the run");
+        }
     }
 }
 
@@ -406,10 +513,12 @@ mod tests {
         let mut history = WalHistory::default();
         looks
             .iter()
-            .map(|l| {
-                judge(&mut history, l, Duration::from_millis(limit_ms))
-                    .map(|lagging| lagging.behind.as_millis() as u64)
-            })
+            .map(
+                |l| match judge(&mut history, l, Duration::from_millis(limit_ms)) {
+                    Verdict::Lagging(lagging) => Some(lagging.behind.as_millis() as u64),
+                    _ => None,
+                },
+            )
             .collect()
     }
 
@@ -429,7 +538,9 @@ mod tests {
         for l in &stuck[..4] {
             judge(&mut history, l, Duration::from_secs(1));
         }
-        let lagging = judge(&mut history, &stuck[4], Duration::from_secs(1)).expect("lags");
+        let Verdict::Lagging(lagging) = judge(&mut history, &stuck[4], Duration::from_secs(1)) else {
+            panic!("lags")
+        };
         assert_eq!(
             lagging.to_string(),
             "standby0 at 127.0.0.1 (pid 100): WAL written 1s 150ms before its last report was not replayed by it, \
@@ -501,16 +612,21 @@ mod tests {
             limit,
         );
         let promoted = on("db timeline 2", look(5_000, 3_000, &[(2_500, 4_990)]));
-        assert_eq!(judge(&mut history, &promoted, limit), None);
+        assert!(matches!(
+            judge(&mut history, &promoted, limit),
+            Verdict::Unknown(_)
+        ));
         assert_eq!(history.len(), 1);
+        let replayed = on("db timeline 2", look(5_100, 3_000, &[(3_000, 5_050)]));
+        assert_eq!(judge(&mut history, &replayed, limit), Verdict::Clear);
         // A position lower than the last one noted, later: another server that the identity did not tell.
         let mut same = WalHistory::default();
         judge(&mut same, &look(0, 1_000, &[(900, 0)]), limit);
         judge(&mut same, &look(100, 2_000, &[(900, 90)]), limit);
-        assert_eq!(
+        assert!(matches!(
             judge(&mut same, &look(5_000, 1_500, &[(1_200, 4_990)]), limit),
-            None
-        );
+            Verdict::Unknown(_)
+        ));
         assert_eq!(same.len(), 1);
     }
 
@@ -530,9 +646,9 @@ mod tests {
         // Run B's look (taken later) is noted before run A's: A's older sample is left out, not a failover.
         let b = look(11_000, 14_000, &[(1_000, 10_990)]);
         let a = look(10_900, 13_500, &[(1_000, 10_890)]);
-        assert!(judge(&mut history, &b, limit).is_some());
+        assert!(judge(&mut history, &b, limit).holds());
         assert!(
-            judge(&mut history, &a, limit).is_some(),
+            judge(&mut history, &a, limit).holds(),
             "the stuck standby is still held"
         );
         assert!(history.len() > 5);
@@ -582,6 +698,70 @@ mod tests {
         h.note("db", WalSample { at: t(900), lsn: 5 }, horizon);
         assert_eq!(h.behind(4, t(1_000)), Duration::from_millis(1_000));
         assert!(!h.is_empty());
+    }
+
+    #[test]
+    fn a_standby_behind_wal_older_than_the_first_look_holds_until_its_reports_settle_its_lag() {
+        let limit = Duration::from_secs(1);
+        let verdicts = |looks: &[Replication]| -> Vec<&'static str> {
+            let mut history = WalHistory::default();
+            looks
+                .iter()
+                .map(|l| match judge(&mut history, l, limit) {
+                    Verdict::Clear => "clear",
+                    Verdict::Lagging(_) => "lagging",
+                    Verdict::Unknown(_) => "unknown",
+                })
+                .collect()
+        };
+        // Replay paused before the process started, WAL waiting since long before its first look (at 0): each
+        // report earlier than the limit after that look proves nothing; the first later one proves a lag.
+        let paused = [
+            look(0, 50_000, &[(1_000, -200)]),
+            look(250, 50_000, &[(1_000, 200)]),
+            look(900, 50_000, &[(1_000, 850)]),
+            look(1_300, 50_000, &[(1_000, 1_250)]),
+            look(9_000, 50_000, &[(50_000, 8_950)]),
+        ];
+        assert_eq!(
+            verdicts(&paused),
+            ["unknown", "unknown", "unknown", "lagging", "clear"]
+        );
+        // A quiet standby that reports every 10 s: it replayed the last WAL but has not said so yet. It is
+        // cleared by its next report, which shows it past the first look's position.
+        let quiet = [
+            look(0, 5_000, &[(4_000, -3_000)]),
+            look(4_000, 5_000, &[(4_000, -3_000)]),
+            look(7_000, 5_000, &[(5_000, 6_990)]),
+        ];
+        assert_eq!(verdicts(&quiet), ["unknown", "unknown", "clear"]);
+        // Caught up at the first look, or replaying a little behind a busy primary: no wait, or a short one.
+        assert_eq!(verdicts(&[look(0, 5_000, &[(5_000, -9_000)])]), ["clear"]);
+        let busy = [look(0, 5_000, &[(4_900, -10)]), look(250, 6_000, &[(5_500, 240)])];
+        assert_eq!(verdicts(&busy), ["unknown", "clear"]);
+    }
+
+    #[test]
+    fn a_standby_that_never_reports_is_waited_for_at_most_the_unknown_wait_then_judged_by_the_rule() {
+        let limit = Duration::from_secs(1);
+        let at_most = unknown_wait(limit).as_millis() as i64;
+        assert_eq!(at_most, 21_000);
+        let mut history = WalHistory::default();
+        // Its last report is from before the first look, and none comes after it.
+        let silent = |at: i64| look(at, 5_000 + at, &[(4_000, -1_000)]);
+        for at in [0, 10_000, at_most] {
+            assert!(
+                matches!(judge(&mut history, &silent(at), limit), Verdict::Unknown(_)),
+                "{at}"
+            );
+        }
+        assert_eq!(judge(&mut history, &silent(at_most + 1), limit), Verdict::Clear);
+        assert_eq!(judge(&mut history, &silent(at_most + 500), limit), Verdict::Clear);
+        // It reports at last, stuck: the rule holds it.
+        assert!(matches!(
+            judge(&mut history, &look(30_000, 40_000, &[(4_000, 29_990)]), limit),
+            Verdict::Lagging(_)
+        ));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! `[throttle]` on real servers: the rows-per-second cap (in-process and through the `settle` command), batches
 //! shrunk to `throttle.batch_duration` under a slowed trigger, and the replica lag limit against a real streaming
-//! standby whose replay is paused — no batch commits while it lags, the run renews its lease while it waits and
-//! finishes soon after replay resumes.
+//! standby whose replay is paused — no batch commits while it lags or its lag is not known yet (also a run's only
+//! batch, against lag from before the run), nor does the daemon's compensation pass; the run renews its lease
+//! while it waits and finishes soon after replay resumes.
 
 use std::{
     process::Stdio,
@@ -159,7 +160,9 @@ async fn batches_shrink_to_the_target_duration_under_a_slow_trigger(pool: PgPool
 }
 
 /// Settles 6,000 loans on `primary` with the `settle` command under a lag limit of 1 s while `standby`'s replay is
-/// paused; a short lease (6 s) so that the wait outlasts it.
+/// paused; a short lease (6 s) so that the wait outlasts it. Replay is paused before the run starts, so the run's
+/// claim is WAL the standby has not replayed: its lag is unknown at the first batch, then known to pass the limit
+/// — no batch commits until replay resumes.
 #[tokio::test]
 async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
     let (primary, url, pool) = primary_with_october(6_000).await;
@@ -199,20 +202,6 @@ async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
         || async { log.contains("throttled: a standby lags") },
     )
     .await;
-    let started: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("select min(at) from batch_rows")
-        .fetch_one(&pool)
-        .await
-        .expect("first batch");
-    let held_at: (i64, Option<i64>) = sqlx::query_as(
-        "select (select count(*) from batch_rows), cursor from job_runs where job_name = 'fine-settlement'",
-    )
-    .fetch_one(&pool)
-    .await
-    .expect("progress");
-    assert!(
-        held_at.0 < 6_000,
-        "the run finished before the standby was seen lagging"
-    );
 
     // Held for longer than the lease: nothing commits, and the key stays RUNNING with a live lease.
     let mut expired = 0;
@@ -228,19 +217,13 @@ async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
         expired += i32::from(!live);
     }
     assert_eq!(expired, 0, "the waiting run let its lease expire");
-    let still: (i64, Option<i64>) = sqlx::query_as(
-        "select (select count(*) from batch_rows), cursor from job_runs where job_name = 'fine-settlement'",
-    )
-    .fetch_one(&pool)
-    .await
-    .expect("progress");
-    assert_eq!(still, held_at, "a batch committed while the standby lagged");
-
-    let resumed_at = Instant::now();
-    let resumed: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("select now()")
+    let written: i64 = sqlx::query_scalar("select count(*) from batch_rows")
         .fetch_one(&pool)
         .await
-        .expect("now");
+        .expect("batch rows");
+    assert_eq!(written, 0, "a batch committed while the standby lagged");
+
+    let resumed_at = Instant::now();
     standby.resume_replay().await;
     let (code, _) = crate::helpers::exit_of(child, Duration::from_secs(60)).await;
     let stderr = log.finish();
@@ -250,24 +233,17 @@ async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
         settled(&pool, "2026-10-31").await,
         oracle(&pool, "2026-10-31").await
     );
-    // The rest of the work is about 2 s; the standby reports its replay every second.
+    // The work is about 3 s; the standby reports its replay every second.
     assert!(
-        after_resume < Duration::from_secs(10),
+        after_resume < Duration::from_secs(12),
         "the run took {after_resume:?} after replay resumed"
     );
-    // Before the resume, batches committed only in the first moments of the run: replay was paused before it
-    // started, so the standby's lag is the time since the run's first write. One batch and one standby report
-    // (at most a second apart here) may pass after the lag crosses the limit before a batch sees it.
-    let last_before: chrono::DateTime<chrono::Utc> =
-        sqlx::query_scalar("select max(at) from batch_rows where at < $1")
-            .bind(resumed)
-            .fetch_one(&pool)
-            .await
-            .expect("last batch before the resume");
-    let span = (last_before - started).to_std().expect("ordered");
-    assert!(
-        span < Duration::from_millis(2_500),
-        "batches committed for {span:?} after the first one while replay was paused"
+    assert_eq!(
+        stderr
+            .matches("throttled: a standby's lag is not known yet")
+            .count(),
+        1,
+        "{stderr}"
     );
     assert_eq!(stderr.matches("throttled: a standby lags").count(), 1, "{stderr}");
     assert!(stderr.contains("lease renewed while throttled"), "{stderr}");
@@ -278,6 +254,159 @@ async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
             .await
             .expect("expired keys");
     assert_eq!(left, 0);
+    pool.close().await;
+}
+
+/// Lag that existed before the run: replay paused and 200,000 rows of WAL left unreplayed for 3 s, then a run that
+/// fits in one batch, the standby reporting at PostgreSQL's default 10 s. The first batch waits (the standby's lag
+/// is not known: it had not replayed the run's first noted position) until a report later than the limit proves
+/// the lag, and the run writes nothing until replay resumes.
+#[tokio::test]
+async fn wal_left_unreplayed_before_a_run_holds_its_only_batch_at_the_default_status_interval() {
+    let (primary, url, pool) = primary_with_october(300).await;
+    let standby = primary.standby().await;
+    let mut s = standby.connect().await;
+    for sql in [
+        "alter system set wal_receiver_status_interval = '10s'",
+        "select pg_reload_conf()",
+    ] {
+        sqlx::query(sql)
+            .execute(&mut s)
+            .await
+            .expect("the default status interval on the standby");
+    }
+    standby.wait_replayed(&primary).await;
+    standby.pause_replay().await;
+    sqlx::query("create table libraryd_traffic as select g, repeat('x', 100) as pad from generate_series(1, 200000) g")
+        .execute(&pool)
+        .await
+        .expect("WAL the standby does not replay");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let mut cmd = fine_settler(&url);
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "1000")
+        .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "1s")
+        .args(["settle", "--business-date", "2026-10-31"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = spawn(&mut cmd);
+    let log = StderrLog::collect(&mut child);
+    // The standby's next report comes within its 10 s interval, later than the limit after the first look.
+    wait_until(
+        "the run is held for the lagging standby",
+        Duration::from_secs(40),
+        || async { log.contains("throttled: a standby lags") },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        settled(&pool, "2026-10-31").await,
+        (0, 0),
+        "the run's only batch committed while the standby lagged"
+    );
+    standby.resume_replay().await;
+    let (code, _) = crate::helpers::exit_of(child, Duration::from_secs(60)).await;
+    let stderr = log.finish();
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(
+        settled(&pool, "2026-10-31").await,
+        oracle(&pool, "2026-10-31").await
+    );
+    assert_eq!(
+        stderr
+            .matches("throttled: a standby's lag is not known yet")
+            .count(),
+        1,
+        "{stderr}"
+    );
+    assert_eq!(stderr.matches("throttled: a standby lags").count(), 1, "{stderr}");
+    assert!(stderr.contains("throttle released"), "{stderr}");
+    pool.close().await;
+}
+
+/// Between runs, the daemon's compensation pass writes charges too: while a standby's lag is unknown or past the
+/// limit, the tick leaves its due pending charges for a later tick (and its runs wait, as every run does); once
+/// the standby has caught up, the next tick charges them.
+#[tokio::test]
+async fn the_compensation_pass_waits_for_a_lagging_standby() {
+    let (primary, url, pool) = primary_with_october(0).await;
+    let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("select now()")
+        .fetch_one(&pool)
+        .await
+        .expect("now");
+    let today = fine_settler::calendar::local_date(now, chrono_tz::Asia::Shanghai);
+    let long_ago = (today - chrono::Duration::days(40)).to_string();
+    insert(
+        &pool,
+        &(1..=20).map(|id| loan(id, &long_ago, None)).collect::<Vec<_>>(),
+    )
+    .await;
+    let old_day = today - chrono::Duration::days(20);
+    sqlx::query(
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
+         values (1, $1, 100, 1, 'lock timeout', now() - interval '1 second')",
+    )
+    .bind(old_day)
+    .execute(&pool)
+    .await
+    .expect("pending");
+    let standby = primary.standby().await;
+    standby.wait_replayed(&primary).await;
+    standby.pause_replay().await;
+    sqlx::query("create table libraryd_traffic as select g from generate_series(1, 50000) g")
+        .execute(&pool)
+        .await
+        .expect("WAL the standby does not replay");
+    let tick = || {
+        let mut cmd = fine_settler(&url);
+        cmd.env("FINE_SETTLER__ACCRUAL__ENABLED", "true")
+            .env("FINE_SETTLER__SETTLEMENT__ENABLED", "false")
+            .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "1s")
+            .args(["run", "--once"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    };
+    let pending = || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from fine_pending where status = 'PENDING'")
+            .fetch_one(&pool)
+            .await
+            .expect("pending")
+    };
+    let mut child = spawn(&mut tick());
+    let log = StderrLog::collect(&mut child);
+    wait_until(
+        "the tick's runs wait for the standby",
+        Duration::from_secs(40),
+        || async { log.contains("throttled: a standby lags") },
+    )
+    .await;
+    let charged: i64 = sqlx::query_scalar("select count(*) from fine_ledger")
+        .fetch_one(&pool)
+        .await
+        .expect("ledger");
+    assert_eq!(charged, 0, "charged while the standby lagged");
+    standby.resume_replay().await;
+    let (code, _) = crate::helpers::exit_of(child, Duration::from_secs(60)).await;
+    let stderr = log.finish();
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stderr.contains("compensation pass waits: a standby's lag is not known yet"),
+        "{stderr}"
+    );
+    assert_eq!(pending().await, 1, "the held pass charged the pending day");
+    // Caught up: the next tick retries the pending charge.
+    standby.wait_replayed(&primary).await;
+    let out = output(tick());
+    crate::helpers::assert_success(&out);
+    assert_eq!(pending().await, 0, "{}", String::from_utf8_lossy(&out.stderr));
+    let day: i64 =
+        sqlx::query_scalar("select count(*) from fine_ledger where loan_id = 1 and accrual_date = $1")
+            .bind(old_day)
+            .fetch_one(&pool)
+            .await
+            .expect("charged");
+    assert_eq!(day, 1);
     pool.close().await;
 }
 

@@ -13,7 +13,7 @@ use super::{
 };
 use crate::{
     jobs::{
-        throttle::{Lagging, Reason},
+        throttle::{Lagging, Reason, Unknown, Verdict},
         RunKey,
     },
     store::{
@@ -69,17 +69,21 @@ impl Runner {
         }
     }
 
-    /// Whether a standby lags more than `throttle.max_replica_lag` now. The check is advisory: if it cannot be
-    /// read (the statement fails), the batch goes on, and a broken connection fails that batch as it would have
-    /// anyway.
+    /// Whether a batch must wait for a standby: one lags more than `throttle.max_replica_lag` now, or its lag is
+    /// not known yet (see [`crate::jobs::throttle`]). The check is advisory: if it cannot be read (the statement
+    /// fails), the batch goes on, and a broken connection fails that batch as it would have anyway.
     async fn lagging(&self, episodes: &mut Episodes) -> bool {
         match self.throttle.lagging(&self.pool).await {
-            Ok(Some(lagging)) => {
+            Ok(Verdict::Lagging(lagging)) => {
                 let limit = self.throttle.settings().max_replica_lag.unwrap_or_default();
                 episodes.lag_start(&lagging, limit);
                 true
             }
-            Ok(None) => {
+            Ok(Verdict::Unknown(unknown)) => {
+                episodes.unknown_start(&unknown);
+                true
+            }
+            Ok(Verdict::Clear) => {
                 episodes.lag_end("no standby lags more than throttle.max_replica_lag");
                 false
             }
@@ -147,7 +151,11 @@ const LAG_POLL: Duration = Duration::from_millis(250);
 #[derive(Debug, Default)]
 pub(super) struct Episodes {
     rate: Option<(Instant, Duration)>,
+    /// A wait for the standbys is in progress, since then.
     lag: Option<Instant>,
+    /// In this wait, a standby was said to lag; a standby's lag was said to be unknown.
+    lag_said: bool,
+    unknown_said: bool,
     /// The lag check failed in this run (said once).
     lag_unreadable: bool,
 }
@@ -173,14 +181,25 @@ impl Episodes {
     }
 
     fn lag_start(&mut self, lagging: &Lagging, limit: Duration) {
-        if self.lag.is_none() {
+        self.lag.get_or_insert_with(Instant::now);
+        if !self.lag_said {
+            self.lag_said = true;
             tracing::warn!(reason = Reason::ReplicaLag.as_str(), standby = %lagging.standby,
                 unreplayed_bytes = lagging.unreplayed_bytes,
                 replay_lag_ms = lagging.replay_lag.map(|l| l.as_millis() as u64),
                 behind_ms = lagging.behind.as_millis() as u64,
                 max_replica_lag = %humantime::format_duration(limit),
                 "throttled: a standby lags more than throttle.max_replica_lag; batches wait ({lagging})");
-            self.lag = Some(Instant::now());
+        }
+    }
+
+    fn unknown_start(&mut self, unknown: &Unknown) {
+        self.lag.get_or_insert_with(Instant::now);
+        if !self.unknown_said && !self.lag_said {
+            self.unknown_said = true;
+            tracing::info!(reason = Reason::ReplicaLag.as_str(), standby = %unknown.standby,
+                unreplayed_bytes = unknown.unreplayed_bytes,
+                "throttled: a standby's lag is not known yet; batches wait ({unknown})");
         }
     }
 
@@ -192,6 +211,8 @@ impl Episodes {
     }
 
     fn lag_end(&mut self, why: &str) {
+        self.lag_said = false;
+        self.unknown_said = false;
         if let Some(started) = self.lag.take() {
             tracing::info!(
                 reason = Reason::ReplicaLag.as_str(),
