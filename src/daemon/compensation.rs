@@ -1,6 +1,7 @@
 //! The tick's compensation pass: the shard's due pending charges retried within a time budget, a failing pass
 //! logged once per episode and never stopping the tick, and no pass while a standby lags past
-//! `throttle.max_replica_lag` (or its lag is not known yet): the charges stay due for a later tick.
+//! `throttle.max_replica_lag` (a standby whose lag is not known yet is waited for, bounded): the charges stay
+//! due for a later tick.
 
 use super::Daemon;
 use crate::{
@@ -56,23 +57,22 @@ impl Daemon {
         }
     }
 
-    /// Whether the lag limit holds this tick's compensation pass: a standby lags past `throttle.max_replica_lag`,
-    /// or its lag is not known yet. Logged once per episode; a look that fails holds nothing (as before a batch).
+    /// Whether the lag limit holds this tick's compensation pass: a standby lags past `throttle.max_replica_lag`
+    /// (the pass is left for a later tick), or its lag is not known yet (the tick waits for its reports to settle
+    /// it, bounded as before a batch). Logged once per episode, with the verdict that held it.
     async fn held_by_a_standby(&mut self) -> bool {
-        let verdict = match self.throttle.lagging(&self.pool).await {
-            Ok(verdict) => verdict,
-            Err(e) => {
-                tracing::debug!(error = %e, "cannot read pg_stat_replication; the compensation pass goes on");
-                Verdict::Clear
-            }
-        };
+        let verdict = self
+            .throttle
+            .settled_verdict(&self.pool, &self.shutdown, false, |_| {})
+            .await;
         let held = verdict.holds();
         if held && !std::mem::replace(&mut self.compensation_held, true) {
             match &verdict {
                 Verdict::Lagging(lagging) => tracing::warn!(standby = %lagging.standby,
-                    "compensation pass waits: a standby lags more than throttle.max_replica_lag ({lagging})"),
+                    "compensation pass left for a later tick: a standby lags more than throttle.max_replica_lag \
+                     ({lagging})"),
                 Verdict::Unknown(unknown) => tracing::info!(standby = %unknown.standby,
-                    "compensation pass waits: a standby's lag is not known yet ({unknown})"),
+                    "compensation pass left for a later tick: a standby's lag is not known yet ({unknown})"),
                 Verdict::Clear => {}
             }
         } else if !held && std::mem::take(&mut self.compensation_held) {

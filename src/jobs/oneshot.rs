@@ -16,6 +16,7 @@ use super::{
     backfill::Job,
     runner::{process_owner, Runner},
     settlement::Settlement,
+    throttle::Throttle,
     JobName, Outcome, RunKey, RunReport,
 };
 use crate::{
@@ -80,7 +81,7 @@ async fn one_shot_runner(
     }
     Ok(
         Runner::new(pool, process_owner(), &settings.claim, batch_size, shutdown)
-            .with_throttle(super::throttle::Throttle::new(settings.throttle.clone())),
+            .with_throttle(Throttle::new(settings.throttle.clone())),
     )
 }
 
@@ -249,6 +250,11 @@ pub async fn accrue(settings: &Settings, key: RunKey, options: Options) -> Resul
     };
     let job = Accrual::from_settings(settings);
     let max_attempts = settings.accrual.max_attempts;
+    // The pass writes charges: not while a standby lags (as a batch would wait).
+    runner
+        .throttle
+        .before_compensation(&runner.pool, &runner.cancel)
+        .await;
     // A failing compensation pass (a missing grant, a broken trigger) does not keep the day from being accrued.
     let compensation = compensate(&runner.pool, &job, Some(key.shard), true, max_attempts)
         .await
@@ -338,6 +344,9 @@ pub async fn retry_pending(
     } else {
         None
     };
+    Throttle::new(settings.throttle.clone())
+        .before_compensation(pool, &shutdown)
+        .await;
     let limits = PassLimits {
         cancel: Some(shutdown.clone()),
         progress: bar.as_ref().map(Bar::rows_hook),

@@ -23,11 +23,12 @@
 //! position (its lag is dated, and judged by the rule), or it reports later than the limit after the oldest
 //! noted position without having replayed it (it lags). A quiet standby reports every `wal_receiver_status_interval`
 //! (10 s by default), so the first batch of a run may wait that long for the report that clears it; one that
-//! sends no report for [`unknown_wait`] (a longer interval, or none) is warned about once and judged by the rule
-//! from then on.
+//! sends no report settling its lag within [`unknown_wait`] of the oldest kept position (a longer interval, or
+//! none) is warned about once and judged by the rule alone while it stays so. Writes outside the batches — a
+//! compensation pass — ask the same verdict ([`Throttle::settled_verdict`]).
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::{HashSet, VecDeque},
     fmt,
     sync::{Arc, Mutex},
     time::Duration,
@@ -35,6 +36,7 @@ use std::{
 
 use chrono::{DateTime, Utc};
 use tokio::{sync::OnceCell, time::Instant};
+use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::ThrottleSettings,
@@ -106,8 +108,8 @@ impl fmt::Display for Unknown {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{}: had not replayed WAL written before this process first looked ({} bytes not replayed); \
-             waiting for a report that shows its lag, at most {}",
+            "{}: had not replayed WAL older than the oldest position this process keeps ({} bytes not \
+             replayed); waiting for a report that shows its lag, at most {} from that position",
             self.standby,
             self.unreplayed_bytes,
             humantime::format_duration(whole_millis(self.at_most))
@@ -126,12 +128,25 @@ pub enum Verdict {
     Unknown(Unknown),
 }
 
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Verdict::Clear => write!(f, "no standby lags more than throttle.max_replica_lag"),
+            Verdict::Lagging(l) => write!(f, "a standby lags more than throttle.max_replica_lag ({l})"),
+            Verdict::Unknown(u) => write!(f, "a standby's lag is not known yet ({u})"),
+        }
+    }
+}
+
 impl Verdict {
     /// Whether a batch must wait.
     pub fn holds(&self) -> bool {
         !matches!(self, Verdict::Clear)
     }
 }
+
+/// How often a wait for the standbys looks again.
+pub const LAG_POLL: Duration = Duration::from_millis(250);
 
 /// PostgreSQL's default `wal_receiver_status_interval`: how often a quiet standby reports.
 pub const DEFAULT_STATUS_INTERVAL: Duration = Duration::from_secs(10);
@@ -162,9 +177,9 @@ pub struct WalHistory {
     /// The server the samples are from (address, port and timeline): another one's positions say nothing of
     /// this one's standbys.
     server: String,
-    /// Standbys whose lag is unknown (by name), since when (the primary's clock), and whether the wait for them
-    /// has run out (warned once).
-    unknown: HashMap<String, (DateTime<Utc>, bool)>,
+    /// Standbys (by name) whose lag is still unknown after [`unknown_wait`] from the oldest noted position:
+    /// warned about once, judged by the rule alone while they stay so.
+    gave_up: HashSet<String>,
 }
 
 impl WalHistory {
@@ -190,7 +205,7 @@ impl WalHistory {
                 .is_some_and(|last| sample.lsn < last.lsn && sample.at >= last.at)
         {
             self.samples.clear();
-            self.unknown.clear();
+            self.gave_up.clear();
             self.server = server.to_string();
         }
         if self
@@ -227,6 +242,11 @@ impl WalHistory {
         self.samples.front().is_none_or(|oldest| oldest.lsn <= replay_lsn)
     }
 
+    /// When the oldest kept position was noted.
+    fn oldest_at(&self) -> Option<DateTime<Utc>> {
+        self.samples.front().map(|s| s.at)
+    }
+
     pub fn len(&self) -> usize {
         self.samples.len()
     }
@@ -237,17 +257,22 @@ impl WalHistory {
 }
 
 /// Judges one look at the primary against `limit`, after noting its position in `history`: the first standby
-/// that lags more than the limit, else the first whose lag is not known yet (within [`unknown_wait`] of when it
-/// was first seen so), else clear.
+/// that lags more than the limit, else the first whose lag is not known yet, else clear. A standby stays unknown
+/// until a report settles it, or until [`unknown_wait`] has passed since the oldest noted position without one —
+/// a report later than the limit after that position would have proved a lag — and is then judged by the rule.
 pub fn judge(history: &mut WalHistory, look: &Replication, limit: Duration) -> Verdict {
     let (Some(lsn), Some(server)) = (look.lsn, look.server.as_deref()) else {
         return Verdict::Clear;
     };
     history.note(server, WalSample { at: look.at, lsn }, WalHistory::horizon(limit));
     let at_most = unknown_wait(limit);
+    let waited = history
+        .oldest_at()
+        .and_then(|oldest| (look.at - oldest).to_std().ok())
+        .unwrap_or_default();
     let mut lagging = None;
     let mut unknown = None;
-    let mut still_unknown = HashMap::new();
+    let mut undated = HashSet::new();
     for s in &look.standbys {
         let (Some(replay), Some(reply_time)) = (s.replay_lsn, s.reply_time) else {
             continue;
@@ -265,24 +290,26 @@ pub fn judge(history: &mut WalHistory, look: &Replication, limit: Duration) -> V
                     .map(Duration::from_secs_f64),
             });
         } else if !history.dated(replay) {
-            let (since, gave_up) = history.unknown.get(&s.name).copied().unwrap_or((look.at, false));
-            let waited = (look.at - since).to_std().unwrap_or_default();
+            undated.insert(s.name.clone());
+            if history.gave_up.contains(&s.name) {
+                continue;
+            }
             if waited <= at_most {
                 unknown.get_or_insert_with(|| Unknown {
                     standby: s.name.clone(),
                     unreplayed_bytes,
                     at_most,
                 });
-            } else if !gave_up {
+            } else {
                 tracing::warn!(standby = %s.name, unreplayed_bytes, waited_ms = waited.as_millis() as u64,
                     "no report from this standby settled its lag within {} (is its wal_receiver_status_interval \
-                     longer than 10 s, or 0?); batches go on, judging it by its reports from now",
+                     longer than 10 s, or 0?); batches go on, judging it by its reports alone while it stays so",
                     humantime::format_duration(whole_millis(at_most)));
+                history.gave_up.insert(s.name.clone());
             }
-            still_unknown.insert(s.name.clone(), (since, gave_up || waited > at_most));
         }
     }
-    history.unknown = still_unknown;
+    history.gave_up.retain(|name| undated.contains(name));
     match (lagging, unknown) {
         (Some(lagging), _) => Verdict::Lagging(lagging),
         (None, Some(unknown)) => Verdict::Unknown(unknown),
@@ -418,6 +445,67 @@ impl Throttle {
         let mut history = self.history.lock().await;
         let look = replication::look(pool, &self.settings.standbys).await?;
         Ok(judge(&mut history, &look, limit))
+    }
+
+    /// The verdict for writes outside the batches (a compensation pass), once settled: looks again every
+    /// [`LAG_POLL`] while a standby's lag is unknown — and, with `while_lagging`, while one lags — and returns
+    /// the verdict that ended the wait: `Clear` when the pass may go on. `first_wait` is told the first verdict
+    /// that made it wait; a shutdown ends the wait with the last verdict. A look that fails is `Clear`: the
+    /// check is advisory, as before a batch.
+    pub async fn settled_verdict(
+        &self,
+        pool: &Db,
+        cancel: &CancellationToken,
+        while_lagging: bool,
+        first_wait: impl FnOnce(&Verdict),
+    ) -> Verdict {
+        let mut first_wait = Some(first_wait);
+        loop {
+            let verdict = match self.lagging(pool).await {
+                Ok(verdict) => verdict,
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot read pg_stat_replication; writing without the lag limit");
+                    return Verdict::Clear;
+                }
+            };
+            let waits = match &verdict {
+                Verdict::Clear => false,
+                Verdict::Unknown(_) => true,
+                Verdict::Lagging(_) => while_lagging,
+            };
+            if !waits {
+                return verdict;
+            }
+            if let Some(told) = first_wait.take() {
+                told(&verdict);
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return verdict,
+                _ = tokio::time::sleep(LAG_POLL) => {}
+            }
+        }
+    }
+
+    /// Waits before a one-shot command's compensation pass while a standby lags more than the limit or its lag
+    /// is not known yet, as a batch would (said once, at its start and its end), or until `cancel` fires.
+    pub async fn before_compensation(&self, pool: &Db, cancel: &CancellationToken) {
+        let waited = Instant::now();
+        let mut said = false;
+        self.settled_verdict(pool, cancel, true, |verdict| {
+            tracing::info!(
+                reason = Reason::ReplicaLag.as_str(),
+                "compensation pass waits: {verdict}"
+            );
+            said = true;
+        })
+        .await;
+        if said {
+            tracing::info!(
+                reason = Reason::ReplicaLag.as_str(),
+                waited_ms = waited.elapsed().as_millis() as u64,
+                "compensation pass resumes"
+            );
+        }
     }
 
     /// Notes the primary's WAL position before a run writes anything (its claim), when the lag limit is on: a
@@ -762,6 +850,27 @@ mod tests {
             judge(&mut history, &look(30_000, 40_000, &[(4_000, 29_990)]), limit),
             Verdict::Lagging(_)
         ));
+    }
+
+    #[test]
+    fn looks_further_apart_than_the_horizon_never_give_up_on_a_stuck_standby() {
+        // A daemon between runs looks once a tick, 61 s apart: each look forgets the last (past the one-minute
+        // horizon). The wait is counted from the oldest kept position, so a standby stuck at 4000 and reporting
+        // every 10 s is unknown at each look, never cleared; within the tick, its next report proves the lag.
+        let limit = Duration::from_secs(1);
+        let mut history = WalHistory::default();
+        for tick in 0..4 {
+            let at = tick * 61_000;
+            let verdict = judge(
+                &mut history,
+                &look(at, 10_000 + at, &[(4_000, at - 5_000)]),
+                limit,
+            );
+            assert!(matches!(verdict, Verdict::Unknown(_)), "tick {tick}: {verdict:?}");
+            assert_eq!(history.len(), 1);
+        }
+        let next_report = judge(&mut history, &look(188_500, 200_000, &[(4_000, 188_000)]), limit);
+        assert!(matches!(next_report, Verdict::Lagging(_)), "{next_report:?}");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use super::{
 };
 use crate::{
     jobs::{
-        throttle::{Lagging, Reason, Unknown, Verdict},
+        throttle::{Lagging, Reason, Unknown, Verdict, LAG_POLL},
         RunKey,
     },
     store::{
@@ -142,9 +142,6 @@ impl Runner {
         Ok(None)
     }
 }
-
-/// How often a run waiting for a lagging standby looks again.
-const LAG_POLL: Duration = Duration::from_millis(250);
 
 /// The throttle waits of one run, so that each episode is logged once: its start with the reason, its end with
 /// how long it lasted. Waits for the pace follow every batch, so the pace's episode is the whole run.
