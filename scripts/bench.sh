@@ -20,6 +20,8 @@
 #                              (the other sections' figures kept; its header says which sections were measured when)
 #   scripts/bench.sh --rules   the fine rules section alone (settlement and an accrual day under versioned policies,
 #                              item classes and closed days; a loan's cost by its overdue span), merged likewise
+#   scripts/bench.sh --indexes what fine-settler's four indexes on loans cost libraryd's checkouts and returns (all,
+#                              none, each left out) and what each buys settlement and accrual, merged likewise
 #   scripts/bench.sh ARGS...   any fine-settler-bench arguments (see --help)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -50,13 +52,16 @@ if [ "${1:-}" = "--quick" ]; then
   exec target/release/fine-settler-bench --loans 20000 --sweep 1000,5000 "${pooler[@]}" "${load[@]}" \
     --idle-secs 3 --warmup-secs 1 --cooldown-secs 1 "${before[@]}" --accrual-loans 20000 --accrual-rounds 1 \
     --recheck-returns 200 --recheck-loans 20000 --recheck-changed 100 --tick-secs 2 --rules-loans 20000 \
-    --rules-rounds 1 --out target/bench-smoke.md
+    --rules-rounds 1 --index-loans 20000 --index-ops 200 --out target/bench-smoke.md
 elif [ "${1:-}" = "--accrual" ]; then
   shift
   exec target/release/fine-settler-bench --accrual-only "${before[@]}" --merge-into bench/RESULTS.md "$@"
 elif [ "${1:-}" = "--rules" ]; then
   shift
   exec target/release/fine-settler-bench --rules-only --merge-into bench/RESULTS.md "$@"
+elif [ "${1:-}" = "--indexes" ]; then
+  shift
+  exec target/release/fine-settler-bench --indexes-only --merge-into bench/RESULTS.md "$@"
 elif [ $# -eq 0 ]; then
   exec target/release/fine-settler-bench --scaling --drift "${pooler[@]}" "${load[@]}" "${before[@]}" \
     --out bench/RESULTS.md

@@ -30,6 +30,7 @@ use sqlx::{
 
 mod accrual;
 mod impact;
+mod indexes;
 mod rules;
 
 /// The month the generated loans cluster around (`fine-settler demo-data --month`), and its last day.
@@ -103,7 +104,7 @@ struct Args {
     /// Measure the accrual section alone (no settlement template, no other section).
     #[arg(long)]
     accrual_only: bool,
-    /// With `--accrual-only` or `--rules-only`: put the section into this report in place of its own, keeping
+    /// With `--accrual-only`, `--rules-only` or `--indexes-only`: put the section into this report in place of its own, keeping
     /// every other section, and say in its header which sections were measured when.
     #[arg(long)]
     merge_into: Option<PathBuf>,
@@ -117,6 +118,19 @@ struct Args {
     /// Loans of the fine rules section.
     #[arg(long, default_value_t = 1_000_000)]
     rules_loans: u64,
+    /// Leave out the section on fine-settler's indexes on `loans`.
+    #[arg(long, conflicts_with = "indexes_only")]
+    no_indexes: bool,
+    /// Measure the section on fine-settler's indexes alone (what they cost libraryd's checkouts and returns,
+    /// with all four, none and each left out; what each buys settlement and accrual).
+    #[arg(long, conflicts_with_all = ["accrual_only", "rules_only"])]
+    indexes_only: bool,
+    /// Loans of the indexes section's template.
+    #[arg(long, default_value_t = 1_000_000)]
+    index_loans: u64,
+    /// Checkouts and returns timed on each copy of the indexes section.
+    #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(1..))]
+    index_ops: u64,
     /// Rounds of the fine rules section (each way on a fresh copy in each); the report takes the medians.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
     rules_rounds: u32,
@@ -769,8 +783,11 @@ async fn main() -> Result<(), Error> {
     if args.rules_only {
         return rules_only(&bench, &args).await;
     }
+    if args.indexes_only {
+        return indexes_only(&bench, &args).await;
+    }
     if args.merge_into.is_some() {
-        return Err("--merge-into needs --accrual-only or --rules-only".into());
+        return Err("--merge-into needs --accrual-only, --rules-only or --indexes-only".into());
     }
 
     let (main, settled_db) = measure(&bench, args.loans, args.batch_size).await?;
@@ -873,6 +890,12 @@ async fn main() -> Result<(), Error> {
                 .rules(args.rules_loans, args.rules_rounds, args.batch_size)
                 .await?,
         )
+    };
+    let indexes_section = if args.no_indexes {
+        None
+    } else {
+        eprintln!("   indexes");
+        Some(bench.indexes(args.index_loans, args.index_ops as usize).await?)
     };
 
     // ---- the report ----
@@ -1129,6 +1152,19 @@ async fn main() -> Result<(), Error> {
         }
     }
 
+    match &indexes_section {
+        Some(section) => {
+            r.push_str(&section.report());
+            r.push('\n');
+        }
+        None => {
+            let _ = writeln!(
+                r,
+                "## fine-settler's indexes on libraryd's loans\n\nNot measured: `--no-indexes`.\n"
+            );
+        }
+    }
+
     let _ = writeln!(r, "## Targets\n");
     let _ = writeln!(r, "| target | measured | |");
     let _ = writeln!(r, "| --- | --- | --- |");
@@ -1231,6 +1267,30 @@ async fn rules_only(bench: &Bench, args: &Args) -> Result<(), Error> {
         );
         std::fs::write(path, rules::merge(&existing, &section, &measured))?;
         eprintln!("merged the fine rules section into {}", path.display());
+    }
+    if let Some(path) = &args.out {
+        std::fs::write(path, &section)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// `--indexes-only`: the indexes section alone, printed, and written to `--out` or merged into `--merge-into`.
+async fn indexes_only(bench: &Bench, args: &Args) -> Result<(), Error> {
+    let section = bench
+        .indexes(args.index_loans, args.index_ops as usize)
+        .await?
+        .report();
+    print!("{section}");
+    if let Some(path) = &args.merge_into {
+        let existing =
+            std::fs::read_to_string(path).map_err(|e| format!("--merge-into {}: {e}", path.display()))?;
+        let measured = indexes::measured(
+            &sh("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]),
+            &sh("git", &["rev-parse", "--short", "HEAD"]),
+        );
+        std::fs::write(path, indexes::merge(&existing, &section, &measured))?;
+        eprintln!("merged the indexes section into {}", path.display());
     }
     if let Some(path) = &args.out {
         std::fs::write(path, &section)?;

@@ -1,0 +1,363 @@
+//! What fine-settler's four partial indexes on libraryd's `loans` cost libraryd's own writes, and what each buys
+//! fine-settler. On copies of the settlement template, with all four, with none, and with each left out in turn:
+//! libraryd's checkouts (`insert` of a new loan) and returns (`update loans set returned_on` of a loan still out),
+//! one session, each statement its own transaction, timed one by one and their WAL counted; then, on the same
+//! copy, the work the indexes serve — the month's settlement and its rerun (which asks for late rows), an accrual
+//! day and its rerun (the late-row question of an accrual day).
+
+use std::{fmt::Write as _, time::Instant};
+
+use sqlx::PgPool;
+
+use crate::{binary, Bench, Error, MONTH_END};
+
+/// fine-settler's indexes on `loans`, in the order of their migrations, with what reads them.
+pub(crate) const INDEXES: [(&str, &str); 4] = [
+    (
+        "loans_unsettled_returned_idx",
+        "settlement's batch walk (unsettled returned loans by id)",
+    ),
+    (
+        "loans_unsettled_by_return_idx",
+        "settlement's month probe (is any loan of the month unsettled?), its rerun's late-row question",
+    ),
+    (
+        "loans_open_by_due_idx",
+        "accrual's open overdue loans (the day's walk and its late-row question), the audit",
+    ),
+    (
+        "loans_returned_late_idx",
+        "accrual's loans returned late (the day's walk and its late-row question), the audit",
+    ),
+];
+
+/// The accrual day measured: loans of the generated month still out or returned on or after it.
+const DAY: &str = "2026-10-20";
+
+/// Which of the indexes a copy keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kept {
+    All,
+    None,
+    AllBut(usize),
+}
+
+impl Kept {
+    fn sets() -> Vec<Kept> {
+        let mut sets = vec![Kept::All, Kept::None];
+        sets.extend((0..INDEXES.len()).map(Kept::AllBut));
+        sets
+    }
+
+    fn dropped(self) -> Vec<&'static str> {
+        INDEXES
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| match self {
+                Kept::All => false,
+                Kept::None => true,
+                Kept::AllBut(d) => d == *i,
+            })
+            .map(|(_, (name, _))| *name)
+            .collect()
+    }
+
+    fn label(self) -> String {
+        match self {
+            Kept::All => "all four (as migrated)".into(),
+            Kept::None => "none".into(),
+            Kept::AllBut(i) => format!("all but `{}`", INDEXES[i].0),
+        }
+    }
+}
+
+/// One kind of libraryd write, as timed: statements, their median and p99 in µs, WAL bytes, records and full
+/// page images per statement.
+#[derive(Debug, Clone, Copy, Default)]
+struct Writes {
+    n: usize,
+    p50_us: f64,
+    p99_us: f64,
+    wal_per_op: f64,
+    records_per_op: f64,
+    fpi_per_op: f64,
+}
+
+/// The WAL statistics of the server (`pg_stat_wal`), after the session's own were flushed to them.
+async fn wal_stats(conn: &mut sqlx::PgConnection) -> Result<(i64, i64), Error> {
+    sqlx::query("select pg_stat_force_next_flush()")
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query("select pg_stat_clear_snapshot()")
+        .execute(&mut *conn)
+        .await?;
+    Ok(sqlx::query_as("select wal_records, wal_fpi from pg_stat_wal")
+        .fetch_one(&mut *conn)
+        .await?)
+}
+
+/// One copy's figures.
+#[derive(Debug, Clone)]
+struct Row {
+    kept: Kept,
+    inserts: Writes,
+    returns: Writes,
+    /// `returns` that were HOT updates (no index entry written), from `pg_stat_user_tables`.
+    hot_share: f64,
+    settle_ms: u64,
+    settle_rerun_ms: u64,
+    accrue_ms: u64,
+    accrue_rerun_ms: u64,
+}
+
+/// What the section measured.
+#[derive(Debug, Clone)]
+pub(crate) struct IndexLeg {
+    loans: u64,
+    rows: Vec<Row>,
+}
+
+impl Bench {
+    /// The section on `loans` generated loans, `ops` checkouts and `ops` returns per copy.
+    pub(crate) async fn indexes(&self, loans: u64, ops: usize) -> Result<IndexLeg, Error> {
+        let template = self.template(loans).await?;
+        let mut rows = Vec::new();
+        for kept in Kept::sets() {
+            eprintln!("   indexes: {}", kept.label());
+            let db = self.copy(&template, "fsb_indexes").await?;
+            let pool = self.pool(&db, 1).await?;
+            for name in kept.dropped() {
+                sqlx::raw_sql(&format!("drop index {name}"))
+                    .execute(&pool)
+                    .await?;
+            }
+            sqlx::raw_sql("checkpoint").execute(&pool).await?;
+            let first: i64 = sqlx::query_scalar("select max(id) + 1 from loans")
+                .fetch_one(&pool)
+                .await?;
+            let inserts = checkouts(&pool, ops, first).await?;
+            let (returns, hot_share) = returns(&pool, ops, first).await?;
+            pool.close().await;
+            let settle_ms = self
+                .command(&db, &["settle", "--business-date", MONTH_END], "settled")
+                .await?;
+            let settle_rerun_ms = self
+                .command(&db, &["settle", "--business-date", MONTH_END], "skipped")
+                .await?;
+            let accrue_ms = self.command(&db, &["accrue", "--date", DAY], "settled").await?;
+            let accrue_rerun_ms = self.command(&db, &["accrue", "--date", DAY], "skipped").await?;
+            self.drop_db(&db).await?;
+            rows.push(Row {
+                kept,
+                inserts,
+                returns,
+                hot_share,
+                settle_ms,
+                settle_rerun_ms,
+                accrue_ms,
+                accrue_rerun_ms,
+            });
+        }
+        self.drop_db(&template).await?;
+        Ok(IndexLeg { loans, rows })
+    }
+
+    /// `fine-settler ARGS` on `db`: its report's `elapsed_ms`, once its outcome is `outcome`.
+    async fn command(&self, db: &str, args: &[&str], outcome: &str) -> Result<u64, Error> {
+        let out = std::process::Command::new(binary()?)
+            .args(args)
+            .env("DATABASE_URL", format!("{}/{db}", self.server))
+            .env("FINE_SETTLER__LOG__LEVEL", "warn")
+            .output()?;
+        let line = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let report: serde_json::Value = serde_json::from_str(&line)
+            .map_err(|e| format!("fine-settler {}: {e}: {line:?}", args.join(" ")))?;
+        if report["outcome"].as_str() != Some(outcome) {
+            return Err(format!("fine-settler {}: expected {outcome}, got {line}", args.join(" ")).into());
+        }
+        Ok(report["elapsed_ms"].as_u64().unwrap_or(0))
+    }
+}
+
+/// The WAL insert position, in bytes.
+async fn wal(conn: &mut sqlx::PgConnection) -> Result<i64, Error> {
+    Ok(
+        sqlx::query_scalar("select pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint")
+            .fetch_one(conn)
+            .await?,
+    )
+}
+
+/// Times `ops` statements, each its own transaction, `statement(i)` binding the i-th's values.
+async fn timed<F>(pool: &PgPool, ops: usize, statement: F) -> Result<Writes, Error>
+where
+    F: Fn(usize) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>,
+{
+    let mut conn = pool.acquire().await?;
+    let stats_before = wal_stats(&mut conn).await?;
+    let before = wal(&mut conn).await?;
+    let mut us = Vec::with_capacity(ops);
+    for i in 0..ops {
+        let started = Instant::now();
+        let done = statement(i).execute(&mut *conn).await?;
+        us.push(started.elapsed().as_secs_f64() * 1e6);
+        if done.rows_affected() != 1 {
+            return Err(format!("a libraryd write touched {} rows", done.rows_affected()).into());
+        }
+    }
+    let after = wal(&mut conn).await?;
+    let stats_after = wal_stats(&mut conn).await?;
+    drop(conn);
+    us.sort_by(f64::total_cmp);
+    let at = |q: f64| us[((us.len() as f64 * q).ceil() as usize).clamp(1, us.len()) - 1];
+    Ok(Writes {
+        n: ops,
+        p50_us: at(0.5),
+        p99_us: at(0.99),
+        wal_per_op: (after - before) as f64 / ops as f64,
+        // Less the two statements that read the position (no WAL of their own).
+        records_per_op: (stats_after.0 - stats_before.0) as f64 / ops as f64,
+        fpi_per_op: (stats_after.1 - stats_before.1) as f64 / ops as f64,
+    })
+}
+
+/// `ops` checkouts: new loans, due in three weeks, ids from `first`.
+async fn checkouts(pool: &PgPool, ops: usize, first: i64) -> Result<Writes, Error> {
+    timed(pool, ops, move |i| {
+        let id = first + i as i64;
+        sqlx::query(
+            "insert into loans (id, member_id, book_id, borrowed_on, due_on)
+             values ($1, $2, $3, date '2026-11-20', date '2026-12-11')",
+        )
+        .bind(id)
+        .bind(id % 50_000)
+        .bind(id % 200_000)
+    })
+    .await
+}
+
+/// `ops` returns of the template's loans still out (ids below `below`, spread over them), on 15 November, and the
+/// share of them that were HOT updates.
+async fn returns(pool: &PgPool, ops: usize, below: i64) -> Result<(Writes, f64), Error> {
+    let ids: Vec<i64> =
+        sqlx::query_scalar("select id from loans where returned_on is null and id < $1 order by id")
+            .bind(below)
+            .fetch_all(pool)
+            .await?;
+    if ids.len() < ops {
+        return Err(format!("{} loans still out, fewer than {ops}", ids.len()).into());
+    }
+    let step = ids.len() / ops;
+    let picked: Vec<i64> = (0..ops).map(|i| ids[i * step]).collect();
+    let hot = || async {
+        let mut conn = pool.acquire().await?;
+        sqlx::query("select pg_stat_force_next_flush()")
+            .execute(&mut *conn)
+            .await?;
+        sqlx::query("select pg_stat_clear_snapshot()")
+            .execute(&mut *conn)
+            .await?;
+        let hot: i64 =
+            sqlx::query_scalar("select n_tup_hot_upd from pg_stat_user_tables where relname = 'loans'")
+                .fetch_one(&mut *conn)
+                .await?;
+        Ok::<i64, Error>(hot)
+    };
+    let hot_before = hot().await?;
+    let writes = timed(pool, ops, move |i| {
+        sqlx::query("update loans set returned_on = date '2026-11-15' where id = $1 and returned_on is null")
+            .bind(picked[i])
+    })
+    .await?;
+    let hot_after = hot().await?;
+    Ok((writes, (hot_after - hot_before) as f64 / ops as f64))
+}
+
+/// The section's heading, as [`IndexLeg::report`] writes it.
+const HEADING: &str = "## fine-settler's indexes on libraryd's loans";
+/// The report header line that says when the section was measured.
+const MEASURED: &str = "- indexes measured:";
+
+/// The header line for a section measured at `date`, commit `commit`.
+pub(crate) fn measured(date: &str, commit: &str) -> String {
+    format!("{MEASURED} {date} at commit {commit}")
+}
+
+/// `existing` with its indexes section replaced by `section` and its header line by `measured`.
+pub(crate) fn merge(existing: &str, section: &str, measured: &str) -> String {
+    crate::accrual::merge_section(existing, (HEADING, section), (MEASURED, measured))
+}
+
+impl IndexLeg {
+    pub(crate) fn report(&self) -> String {
+        let mut r = String::new();
+        let _ = writeln!(r, "{HEADING}\n");
+        let _ = writeln!(
+            r,
+            "fine-settler adds four partial indexes to libraryd's `loans`. Each row is a fresh copy of the {}-loan \
+             template keeping the indexes it names (the others dropped), on which, in order: libraryd's checkouts \
+             (`insert` of a new loan, due in three weeks) and returns (`update loans set returned_on` of a loan \
+             still out), {} each, one session, each statement its own transaction (committed with \
+             `synchronous_commit = on`), timed one by one, with the WAL they wrote (`pg_current_wal_insert_lsn()` \
+             before and after; records and full-page images from `pg_stat_wal` — the copy starts after a \
+             checkpoint, so the first change to each page writes its image, as libraryd's writes do after each \
+             checkpoint) and the share of returns that were HOT updates (`pg_stat_user_tables`); then \
+             `settle` of the month ending {MONTH_END} and its rerun, `accrue` of {DAY} and its rerun (a rerun \
+             finds the key done and asks whether late rows re-open it), each the report's `elapsed_ms`. \
+             The template's own indexes besides these: the primary key.\n",
+            self.loans,
+            self.rows.first().map_or(0, |r| r.inserts.n)
+        );
+        let _ = writeln!(
+            r,
+            "| indexes kept | checkout p50 | checkout p99 | checkout WAL (records, images) | return p50 | return p99 | \
+             return WAL (records, images) | returns HOT | settle | settle rerun | accrue | accrue rerun |"
+        );
+        let _ = writeln!(
+            r,
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        );
+        for row in &self.rows {
+            let _ = writeln!(
+                r,
+                "| {} | {:.0} µs | {:.0} µs | {:.0} B ({:.2}, {:.2}) | {:.0} µs | {:.0} µs | {:.0} B ({:.2}, {:.2}) | {:.0} % | {} ms | {} ms | {} ms | {} ms |",
+                row.kept.label(),
+                row.inserts.p50_us,
+                row.inserts.p99_us,
+                row.inserts.wal_per_op,
+                row.inserts.records_per_op,
+                row.inserts.fpi_per_op,
+                row.returns.p50_us,
+                row.returns.p99_us,
+                row.returns.wal_per_op,
+                row.returns.records_per_op,
+                row.returns.fpi_per_op,
+                row.hot_share * 100.0,
+                row.settle_ms,
+                row.settle_rerun_ms,
+                row.accrue_ms,
+                row.accrue_rerun_ms
+            );
+        }
+        let _ = writeln!(r);
+        let _ = writeln!(r, "What reads each index:\n");
+        for (name, what) in INDEXES {
+            let _ = writeln!(r, "- `{name}`: {what}.");
+        }
+        if let (Some(all), Some(none)) = (
+            self.rows.iter().find(|r| r.kept == Kept::All),
+            self.rows.iter().find(|r| r.kept == Kept::None),
+        ) {
+            let _ = writeln!(
+                r,
+                "\nAll four against none: a checkout {:.2}× the time (p50) and {:.2}× the WAL; a return {:.2}× the \
+                 time and {:.2}× the WAL.",
+                all.inserts.p50_us / none.inserts.p50_us,
+                all.inserts.wal_per_op / none.inserts.wal_per_op,
+                all.returns.p50_us / none.returns.p50_us,
+                all.returns.wal_per_op / none.returns.wal_per_op
+            );
+        }
+        r
+    }
+}
