@@ -269,17 +269,8 @@ async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
 #[tokio::test]
 async fn wal_left_unreplayed_before_a_run_holds_its_only_batch_at_the_default_status_interval() {
     let (primary, url, pool) = primary_with_october(300).await;
-    let standby = primary.standby().await;
+    let standby = primary.standby_with("wal_receiver_status_interval = '10s'").await;
     let mut s = standby.connect().await;
-    for sql in [
-        "alter system set wal_receiver_status_interval = '10s'",
-        "select pg_reload_conf()",
-    ] {
-        sqlx::query(sql)
-            .execute(&mut s)
-            .await
-            .expect("the default status interval on the standby");
-    }
     let interval: String = sqlx::query_scalar("show wal_receiver_status_interval")
         .fetch_one(&mut s)
         .await
@@ -340,17 +331,7 @@ async fn wal_left_unreplayed_before_a_run_holds_its_only_batch_at_the_default_st
 #[tokio::test]
 async fn a_healthy_quiet_standby_is_cleared_by_its_next_report_at_the_default_status_interval() {
     let (primary, url, pool) = primary_with_october(300).await;
-    let standby = primary.standby().await;
-    let mut s = standby.connect().await;
-    for sql in [
-        "alter system set wal_receiver_status_interval = '10s'",
-        "select pg_reload_conf()",
-    ] {
-        sqlx::query(sql)
-            .execute(&mut s)
-            .await
-            .expect("the default status interval on the standby");
-    }
+    let standby = primary.standby_with("wal_receiver_status_interval = '10s'").await;
     standby.wait_replayed(&primary).await;
     sqlx::query("create table libraryd_traffic as select g from generate_series(1, 1000) g")
         .execute(&pool)
@@ -569,17 +550,7 @@ async fn a_standby_left_out_of_throttle_standbys_holds_nothing() {
 async fn a_standby_reporting_every_ten_seconds_holds_batches_once_and_not_after_it_caught_up() {
     let (primary, url, pool) = primary_with_october(8_000).await;
     slow_down(&pool, "update on loans", 0.0005).await;
-    let standby = primary.standby().await;
-    let mut s = standby.connect().await;
-    for sql in [
-        "alter system set wal_receiver_status_interval = '10s'",
-        "select pg_reload_conf()",
-    ] {
-        sqlx::query(sql)
-            .execute(&mut s)
-            .await
-            .expect("the default status interval on the standby");
-    }
+    let standby = primary.standby_with("wal_receiver_status_interval = '10s'").await;
     standby.wait_replayed(&primary).await;
     standby.pause_replay().await;
 

@@ -76,6 +76,13 @@ impl Cluster {
     /// A streaming standby of this primary: a base backup (`pg_basebackup -R`), started on another port; returns
     /// once the primary shows it `streaming` in `pg_stat_replication`.
     pub async fn standby(&self) -> Cluster {
+        self.standby_with("").await
+    }
+
+    /// [`Cluster::standby`] with `settings` appended to its postgresql.conf before it first starts, so that its
+    /// walreceiver runs with them from the start (a reload reaches the walreceiver some time after
+    /// `pg_reload_conf()` returns).
+    pub async fn standby_with(&self, settings: &str) -> Cluster {
         let standby = Cluster::empty("standby");
         let mut backup = self.program("pg_basebackup");
         backup
@@ -112,7 +119,7 @@ impl Cluster {
             )
             .expect("write postgresql.auto.conf");
         }
-        standby.configure("");
+        standby.configure(settings);
         standby.start().await;
         self.wait_for(
             &format!("{} streaming", standby.name),
