@@ -25,6 +25,7 @@ use std::{
         atomic::{AtomicI64, AtomicU64, Ordering},
         Arc,
     },
+    time::Duration,
 };
 
 use prometheus_client::{
@@ -219,6 +220,9 @@ struct RunFamilies {
     late_rows: Counters<JobLabels>,
     corrections: Counters<CorrectionLabels>,
     throttled: Family<ThrottleLabels, Counter<f64, AtomicU64>>,
+    commit_latency: FloatGauges<ShardLabels>,
+    commit_latency_budget: FloatGauges<ShardLabels>,
+    pace_rate: FloatGauges<ShardLabels>,
 }
 
 impl RunFamilies {
@@ -273,7 +277,23 @@ impl RunFamilies {
             ),
             throttled: b.add(
                 "fine_settler_throttled_seconds_total",
-                "Time batches waited for the throttle, by reason: rate (max_rows_per_second), replica_lag.",
+                "Time batches waited for the throttle, by reason: rate (max_rows_per_second), replica_lag, \
+                 commit_latency (the pace max_commit_latency adapts).",
+                Family::default(),
+            ),
+            commit_latency: b.add(
+                "fine_settler_throttle_commit_latency_seconds",
+                "The last commit latency probe of the throttle (max_commit_latency).",
+                Family::default(),
+            ),
+            commit_latency_budget: b.add(
+                "fine_settler_throttle_commit_latency_budget_seconds",
+                "throttle.max_commit_latency, once a run has probed against it.",
+                Family::default(),
+            ),
+            pace_rate: b.add(
+                "fine_settler_throttle_rate_rows_per_second",
+                "The pace max_commit_latency adapted to, after the last probe.",
                 Family::default(),
             ),
         }
@@ -440,7 +460,7 @@ impl Metrics {
             self.tick.keys_abandoned.get_or_create_owned(&labels);
             self.run.late_rows.get_or_create_owned(&labels);
             self.tick.paused.get_or_create_owned(&labels);
-            for reason in [Reason::Rate, Reason::ReplicaLag] {
+            for reason in [Reason::Rate, Reason::ReplicaLag, Reason::CommitLatency] {
                 self.run
                     .throttled
                     .get_or_create_owned(&self.throttle(job, reason));
@@ -553,6 +573,20 @@ impl Metrics {
             .throttled
             .get_or_create(&self.throttle(job, reason))
             .inc_by(seconds);
+    }
+
+    /// Sets the last commit latency probe, its budget and the pace it led to (rows per second).
+    pub fn set_commit_latency(&self, latency: Duration, budget: Duration, rate: f64) {
+        let labels = self.only_shard();
+        self.run
+            .commit_latency
+            .get_or_create(&labels)
+            .set(latency.as_secs_f64());
+        self.run
+            .commit_latency_budget
+            .get_or_create(&labels)
+            .set(budget.as_secs_f64());
+        self.run.pace_rate.get_or_create(&labels).set(rate);
     }
 
     /// Counts a tick that read its status.
@@ -780,6 +814,7 @@ mod tests {
         m.count_rows(job, 2, 1);
         m.count_late_rows(job, 1);
         m.add_throttled(job, Reason::Rate, 0.25);
+        m.set_commit_latency(Duration::from_millis(3), Duration::from_millis(5), 1250.0);
         m.count_tick();
         m.count_tick_error();
         m.set_slot_totals(SlotStats {
@@ -807,7 +842,11 @@ mod tests {
         );
         let text = m.render();
         assert_eq!(names_in(&text), m.series_names(), "{text}");
-        assert_eq!(m.families.len(), 28);
+        assert_eq!(m.families.len(), 31);
+        assert!(
+            text.contains("fine_settler_throttle_rate_rows_per_second{shard=\"0/1\"} 1250"),
+            "{text}"
+        );
         assert!(text.contains("result=\"takeover\""), "{text}");
         assert!(text.contains("fine_settler_lease_lost_total{job=\"fine-settlement\",shard=\"0/1\"} 1"));
         assert!(text.contains("fine_settler_paused{job=\"fine-settlement\",shard=\"0/1\"} 1"));

@@ -119,6 +119,7 @@ pub struct RawHttp {
 #[serde(deny_unknown_fields)]
 pub struct RawThrottle {
     pub max_rows_per_second: i64,
+    pub max_commit_latency: String,
     pub max_replica_lag: String,
     pub standbys: Vec<String>,
     pub batch_duration: String,

@@ -274,6 +274,8 @@ pub struct Settings {
 pub struct ThrottleSettings {
     /// The most rows a run works per second, on average (`None`: unlimited).
     pub max_rows_per_second: Option<u32>,
+    /// The pace adapts to keep a probe's commit latency within this budget (`None`: off).
+    pub max_commit_latency: Option<Duration>,
     /// Batches wait while a standby lags more than this (`None`: off).
     pub max_replica_lag: Option<Duration>,
     /// The `application_name`s of the standbys the lag limit watches (empty: every standby).

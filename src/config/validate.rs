@@ -457,6 +457,7 @@ fn throttle(c: &mut Checker, raw: &RawThrottle, claim: Option<&ClaimSettings>) -
         0..=MAX_ROWS_PER_SECOND,
     );
     let lag = c.duration_or_off("throttle.max_replica_lag", &raw.max_replica_lag);
+    let budget = c.duration_or_off("throttle.max_commit_latency", &raw.max_commit_latency);
     let batch_duration = c.duration_or_off("throttle.batch_duration", &raw.batch_duration);
     if let (Some(Some(target)), Some(claim)) = (batch_duration, claim) {
         let timeout = claim.lease.batch_timeout();
@@ -480,6 +481,7 @@ fn throttle(c: &mut Checker, raw: &RawThrottle, claim: Option<&ClaimSettings>) -
         .collect();
     Some(ThrottleSettings {
         max_rows_per_second: Some(rate?).filter(|r| *r > 0),
+        max_commit_latency: budget?,
         max_replica_lag: lag?,
         standbys,
         batch_duration: batch_duration?,
@@ -619,6 +621,11 @@ mod tests {
                 "throttle.max_rows_per_second",
             ),
             (
+                "FINE_SETTLER__THROTTLE__MAX_COMMIT_LATENCY",
+                "snappy",
+                "throttle.max_commit_latency",
+            ),
+            (
                 "FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG",
                 "a while",
                 "throttle.max_replica_lag",
@@ -647,18 +654,21 @@ mod tests {
         let zeros = settings(&[
             ("FINE_SETTLER__THROTTLE__MAX_ROWS_PER_SECOND", "0"),
             ("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "0s"),
+            ("FINE_SETTLER__THROTTLE__MAX_COMMIT_LATENCY", "0s"),
             ("FINE_SETTLER__THROTTLE__BATCH_DURATION", "0ms"),
         ]);
         assert_eq!(zeros.throttle, ThrottleSettings::default());
         let on = settings(&[
             ("FINE_SETTLER__THROTTLE__MAX_ROWS_PER_SECOND", "2500"),
             ("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "5s"),
+            ("FINE_SETTLER__THROTTLE__MAX_COMMIT_LATENCY", "4ms"),
             ("FINE_SETTLER__THROTTLE__BATCH_DURATION", "200ms"),
         ]);
         assert_eq!(
             on.throttle,
             ThrottleSettings {
                 max_rows_per_second: Some(2500),
+                max_commit_latency: Some(Duration::from_millis(4)),
                 max_replica_lag: Some(Duration::from_secs(5)),
                 standbys: Vec::new(),
                 batch_duration: Some(Duration::from_millis(200)),

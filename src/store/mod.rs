@@ -19,7 +19,8 @@
 //! What the product stores, one file per responsibility: [`job_runs`] the claim protocol, the fence and the
 //! tick's status statement; [`loans`] settlement; [`ledger`] accrual and the compensation queue; [`pauses`]
 //! `pause` / `resume`; [`audit`] `verify`; [`status`] the status page's reads; [`replication`] the standbys'
-//! lag; [`policies`] the versioned fine rules (`policy list` / `policy add`, the seed of `migrate`);
+//! lag; [`latency`] the throttle's probe of the commit latency; [`policies`] the versioned fine rules (`policy
+//! list` / `policy add`, the seed of `migrate`);
 //! [`calendar`] the closed days (`calendar close` / `open` / `list`).
 //!
 //! The store depends on no layer above it (jobs, progress bars, the command line): what they need to know while
@@ -32,6 +33,7 @@ pub mod corrections;
 pub mod db;
 pub mod error;
 pub mod job_runs;
+pub mod latency;
 pub mod ledger;
 pub mod loans;
 pub mod migrations;

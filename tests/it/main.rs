@@ -10,6 +10,7 @@ mod claim;
 mod claimed;
 mod cli;
 mod clock;
+mod commit_latency;
 mod daemon;
 mod deploy;
 mod docs;

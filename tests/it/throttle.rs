@@ -47,7 +47,7 @@ async fn primary_with_october(n: i64) -> (Cluster, String, PgPool) {
 }
 
 /// The seconds `metrics` counted batches waiting for `reason` (0 before any wait).
-fn throttled_seconds(metrics: &Metrics, reason: &str) -> f64 {
+pub(crate) fn throttled_seconds(metrics: &Metrics, reason: &str) -> f64 {
     metrics
         .render()
         .lines()

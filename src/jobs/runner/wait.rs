@@ -12,8 +12,9 @@ use super::{
     JobError, Runner,
 };
 use crate::{
+    config::ThrottleSettings,
     jobs::{
-        throttle::{Lagging, Reason, Unknown, Verdict, LAG_POLL},
+        throttle::{Lagging, Probed, Reason, Unknown, Verdict, LAG_POLL},
         RunKey,
     },
     store::{
@@ -21,6 +22,9 @@ use crate::{
         pauses::Pause,
     },
 };
+
+/// How often a probe over `throttle.max_commit_latency` is said in the log, at most (each is at debug).
+const SAY_OVER_EVERY: Duration = Duration::from_secs(10);
 
 impl Runner {
     /// Waits before a batch for as long as the throttle asks — while a standby lags past the limit, then for
@@ -36,9 +40,11 @@ impl Runner {
         limit: u32,
         walk: &mut Walk,
     ) -> Result<Option<Stop>, JobError> {
-        let rate = self.throttle.settings().max_rows_per_second.unwrap_or(0);
         loop {
             let lagging = self.lagging(&mut walk.episodes).await;
+            if !lagging {
+                self.probe_commit_latency(&mut walk.episodes).await;
+            }
             let renew_at = walk.renewed + self.renew_every();
             let wait = if lagging {
                 Some((Reason::ReplicaLag, LAG_POLL))
@@ -49,8 +55,9 @@ impl Runner {
                 match self.throttle.admit(limit) {
                     None => return Ok(None),
                     Some(wait) => {
-                        walk.episodes.rate_wait(rate);
-                        Some((Reason::Rate, wait))
+                        let reason = self.throttle.pace_reason();
+                        walk.episodes.rate_wait(reason, self.throttle.settings());
+                        Some((reason, wait))
                     }
                 }
             };
@@ -94,6 +101,19 @@ impl Runner {
         }
     }
 
+    /// Under `throttle.max_commit_latency`, when a probe is due: the probe, the rate adapted to it (see
+    /// [`crate::jobs::throttle::latency`]), the metrics and the log told.
+    async fn probe_commit_latency(&self, episodes: &mut Episodes) {
+        let Some(probed) = self.throttle.probe(&self.pool).await else {
+            return;
+        };
+        let budget = self.throttle.settings().max_commit_latency.unwrap_or_default();
+        if let Some(m) = &self.metrics {
+            m.set_commit_latency(probed.latency, budget, probed.to);
+        }
+        episodes.probed(&probed, budget);
+    }
+
     /// Sleeps one `slice` of a wait for `reason`, counting the time actually slept; a shutdown ends the sleep at
     /// once and the run with it.
     async fn sleep(
@@ -109,7 +129,7 @@ impl Runner {
             _ = tokio::time::sleep(slice) => {}
         }
         let slept = slept.elapsed();
-        if reason == Reason::Rate {
+        if matches!(reason, Reason::Rate | Reason::CommitLatency) {
             episodes.rate_waited(slept);
         }
         if let Some(m) = &self.metrics {
@@ -147,7 +167,10 @@ impl Runner {
 /// how long it lasted. Waits for the pace follow every batch, so the pace's episode is the whole run.
 #[derive(Debug, Default)]
 pub(super) struct Episodes {
-    rate: Option<(Instant, Duration)>,
+    /// The pace's episode: why it paces, since when, and how long it waited in all.
+    rate: Option<(Reason, Instant, Duration)>,
+    /// When a probe over `throttle.max_commit_latency` was last said (at most every [`SAY_OVER_EVERY`]).
+    over_said: Option<Instant>,
     /// A wait for the standbys is in progress, since then.
     lag: Option<Instant>,
     /// In this wait, a standby was said to lag; a standby's lag was said to be unknown.
@@ -159,21 +182,53 @@ pub(super) struct Episodes {
 
 impl Episodes {
     /// A wait for the pace begins (the episode's first is logged).
-    fn rate_wait(&mut self, rate: u32) {
-        if self.rate.is_none() {
-            tracing::info!(
-                reason = Reason::Rate.as_str(),
-                max_rows_per_second = rate,
-                "throttled: batches paced to throttle.max_rows_per_second"
-            );
-            self.rate = Some((Instant::now(), Duration::ZERO));
+    fn rate_wait(&mut self, reason: Reason, settings: &ThrottleSettings) {
+        if self.rate.is_some() {
+            return;
         }
+        match settings.max_commit_latency {
+            Some(budget) => tracing::info!(
+                reason = reason.as_str(),
+                max_commit_latency = %humantime::format_duration(budget),
+                "throttled: batches paced to keep commits within throttle.max_commit_latency"
+            ),
+            None => tracing::info!(
+                reason = reason.as_str(),
+                max_rows_per_second = settings.max_rows_per_second.unwrap_or(0),
+                "throttled: batches paced to throttle.max_rows_per_second"
+            ),
+        }
+        self.rate = Some((reason, Instant::now(), Duration::ZERO));
     }
 
     /// Time actually slept for the pace.
     fn rate_waited(&mut self, slept: Duration) {
-        if let Some((_, total)) = &mut self.rate {
+        if let Some((_, _, total)) = &mut self.rate {
             *total += slept;
+        }
+    }
+
+    /// A probe of the commit latency: over the budget, said at most every [`SAY_OVER_EVERY`]; every one at debug.
+    fn probed(&mut self, probed: &Probed, budget: Duration) {
+        let latency_us = probed.latency.as_micros() as u64;
+        if probed.over && self.over_said.is_none_or(|at| at.elapsed() >= SAY_OVER_EVERY) {
+            self.over_said = Some(Instant::now());
+            tracing::info!(
+                reason = Reason::CommitLatency.as_str(),
+                latency_us,
+                max_commit_latency = %humantime::format_duration(budget),
+                rows_per_second = probed.to.round() as u64,
+                "throttled: a commit took longer than throttle.max_commit_latency; the pace slows to {:.0} rows/s",
+                probed.to
+            );
+        } else {
+            tracing::debug!(
+                latency_us,
+                over = probed.over,
+                from = probed.from.round() as u64,
+                rows_per_second = probed.to.round() as u64,
+                "commit latency probed"
+            );
         }
     }
 
@@ -222,9 +277,9 @@ impl Episodes {
     /// The run ended: any episode in progress ends with it.
     pub(super) fn end(&mut self) {
         self.lag_end("the run ended");
-        if let Some((started, waited)) = self.rate.take() {
+        if let Some((reason, started, waited)) = self.rate.take() {
             tracing::info!(
-                reason = Reason::Rate.as_str(),
+                reason = reason.as_str(),
                 waited_ms = waited.as_millis() as u64,
                 over_ms = started.elapsed().as_millis() as u64,
                 "throttle released: the run ended"

@@ -122,13 +122,14 @@ impl Runner {
         limit: u32,
     ) -> Result<BatchResult, JobError> {
         let timeout = self.lease.batch_timeout();
+        let started = Instant::now();
         let batch = tokio::time::timeout(timeout, self.batch(job, run, from_id, limit)).await;
         // The pace admitted `limit` rows (in `throttled`); it gets back what the batch did not work.
         let done = match &batch {
             Ok(Ok(BatchResult::Committed { covered, .. })) => covered.scanned,
             _ => 0,
         };
-        self.throttle.settle(limit, done);
+        self.throttle.settle(limit, done, started.elapsed());
         batch.unwrap_or(Err(JobError::BatchTimeout(timeout)))
     }
 

@@ -1,5 +1,6 @@
-//! Keeping runs kind to libraryd's traffic (`[throttle]`): a rows-per-second pace, a wait while a standby
-//! lags, and batches shrunk to a target duration. The runner asks before every batch ([`Throttle::admit`],
+//! Keeping runs kind to libraryd's traffic (`[throttle]`): a rows-per-second pace — fixed, or adapted to keep
+//! libraryd's commit latency under a budget ([`latency`]) — a wait while a standby lags, and batches shrunk to a
+//! target duration. The runner asks before every batch ([`Throttle::admit`],
 //! [`Throttle::lagging`]) and sizes every batch with a [`BatchSizer`]; how a run waits without breaking the
 //! lease rules is the runner's part.
 //!
@@ -30,7 +31,10 @@
 use std::{
     collections::{HashSet, VecDeque},
     fmt,
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
     time::Duration,
 };
 
@@ -41,10 +45,15 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     config::ThrottleSettings,
     store::{
+        self,
         replication::{self, Replication},
         Db,
     },
 };
+
+pub mod latency;
+
+pub use latency::{Governor, Probed};
 
 /// The most work a paced batch holds, in time at the rate: a batch works at full speed, so what libraryd's
 /// transactions meet while it runs — its row locks, the WAL its commit must flush before theirs — grows with
@@ -58,6 +67,8 @@ pub enum Reason {
     Rate,
     /// `throttle.max_replica_lag`.
     ReplicaLag,
+    /// The pace `throttle.max_commit_latency` adapts.
+    CommitLatency,
 }
 
 impl Reason {
@@ -65,6 +76,7 @@ impl Reason {
         match self {
             Reason::Rate => "rate",
             Reason::ReplicaLag => "replica_lag",
+            Reason::CommitLatency => "commit_latency",
         }
     }
 }
@@ -328,15 +340,23 @@ pub struct Throttle {
     readable: OnceCell<bool>,
     /// Held across a look, so that the looks of concurrent runs are noted in the order they were taken.
     history: tokio::sync::Mutex<WalHistory>,
+    /// The rate under `throttle.max_commit_latency`, when set.
+    governor: Option<Mutex<Governor>>,
+    /// A probe failed (warned about once).
+    probe_failed: AtomicBool,
 }
 
 impl Throttle {
     pub fn new(settings: ThrottleSettings) -> Arc<Self> {
         Arc::new(Throttle {
-            settings,
             next_batch_at: Mutex::new(None),
             readable: OnceCell::new(),
             history: tokio::sync::Mutex::new(WalHistory::default()),
+            governor: settings
+                .max_commit_latency
+                .map(|budget| Mutex::new(Governor::new(budget, settings.max_rows_per_second))),
+            settings,
+            probe_failed: AtomicBool::new(false),
         })
     }
 
@@ -349,26 +369,43 @@ impl Throttle {
         &self.settings
     }
 
+    /// The pace, in rows per second: the governor's rate under `throttle.max_commit_latency`, else
+    /// `throttle.max_rows_per_second` (`None`: no pace).
+    pub fn rate(&self) -> Option<f64> {
+        match &self.governor {
+            Some(g) => g.lock().ok().map(|g| g.rate()),
+            None => self.settings.max_rows_per_second.map(f64::from),
+        }
+    }
+
+    /// Why a batch waits for the pace: the adapted rate or the fixed one.
+    pub fn pace_reason(&self) -> Reason {
+        match self.governor {
+            Some(_) => Reason::CommitLatency,
+            None => Reason::Rate,
+        }
+    }
+
     /// The largest batch the pace allows: [`PACE_SLICE`]'s rows, so that a paced run works in short bursts
     /// spread evenly over each second rather than one long one (`limit` when there is no pace).
     pub fn cap_batch(&self, limit: u32) -> u32 {
-        match self.settings.max_rows_per_second {
+        match self.rate() {
             Some(rate) => {
-                let slice = (u64::from(rate) * PACE_SLICE.as_millis() as u64 / 1000).max(1);
-                limit.min(u32::try_from(slice).unwrap_or(u32::MAX))
+                let slice = (rate * PACE_SLICE.as_secs_f64()).max(1.0);
+                limit.min(slice as u32)
             }
             None => limit,
         }
     }
 
-    fn cost(rate: u32, rows: i64) -> Duration {
-        Duration::from_secs_f64(rows.max(0) as f64 / f64::from(rate))
+    fn cost(rate: f64, rows: i64) -> Duration {
+        Duration::from_secs_f64(rows.max(0) as f64 / rate)
     }
 
     /// Admits a batch of up to `rows` rows under the pace: `None` if it may start now — its rows are then
     /// reserved, so that concurrent runs of the process do not all start at once — or how long to wait first.
     pub fn admit(&self, rows: u32) -> Option<Duration> {
-        let rate = self.settings.max_rows_per_second?;
+        let rate = self.rate()?;
         let mut next = self.next_batch_at.lock().ok()?;
         let now = Instant::now();
         match *next {
@@ -380,11 +417,16 @@ impl Throttle {
         }
     }
 
-    /// Settles an admitted batch of `reserved` rows that worked `done` (0 if it did not commit): the pace is
-    /// given back what the batch did not use. The next batch may then start `done / rate` seconds after this one
-    /// was admitted, so a run's average stays under the rate.
-    pub fn settle(&self, reserved: u32, done: i64) {
-        let Some(rate) = self.settings.max_rows_per_second else {
+    /// Settles an admitted batch of `reserved` rows that worked `done` (0 if it did not commit) in `took`: the
+    /// pace is given back what the batch did not use. The next batch may then start `done / rate` seconds after
+    /// this one was admitted, so a run's average stays under the rate. The governor learns how fast batches go.
+    pub fn settle(&self, reserved: u32, done: i64, took: Duration) {
+        if let Some(g) = &self.governor {
+            if let Ok(mut g) = g.lock() {
+                g.worked(done, took);
+            }
+        }
+        let Some(rate) = self.rate() else {
             return;
         };
         let unused = Self::cost(rate, i64::from(reserved) - done.clamp(0, i64::from(reserved)));
@@ -393,6 +435,37 @@ impl Throttle {
                 *at = at.checked_sub(unused).unwrap_or(*at);
             }
         }
+    }
+
+    /// Under `throttle.max_commit_latency`, when a probe is due: times one (see [`latency`]) and adapts the rate
+    /// to it. A probe that fails is ignored (the rate stays); one that outlasts [`latency::probe_timeout`] counts
+    /// as over the budget.
+    pub async fn probe(&self, pool: &Db) -> Option<Probed> {
+        let governor = self.governor.as_ref()?;
+        let budget = {
+            let mut g = governor.lock().ok()?;
+            if !g.probe_due(Instant::now()) {
+                return None;
+            }
+            g.budget()
+        };
+        let timeout = latency::probe_timeout(budget);
+        let latency = match tokio::time::timeout(timeout, store::latency::commit_latency(pool)).await {
+            Ok(Ok(latency)) => latency,
+            Ok(Err(e)) => {
+                let rate = self.rate().unwrap_or_default().round() as u64;
+                if self.probe_failed.swap(true, Ordering::Relaxed) {
+                    tracing::debug!(error = %e, rows_per_second = rate, "the commit latency probe failed; the pace stays");
+                } else {
+                    tracing::warn!(error = %e, rows_per_second = rate,
+                        "the commit latency probe of throttle.max_commit_latency failed; the pace stays where it is \
+                         until a probe succeeds (said once per process)");
+                }
+                return None;
+            }
+            Err(_) => timeout,
+        };
+        governor.lock().ok().map(|mut g| g.observe(latency))
     }
 
     /// Asks once whether this role may read the standbys' positions; if it may not, says so once (a warning)
@@ -895,7 +968,7 @@ mod tests {
             "{wait:?}"
         );
         // The batch worked only 100 of its 500 rows: the pace gets 400 rows' time back.
-        throttle.settle(500, 100);
+        throttle.settle(500, 100, Duration::from_millis(10));
         let wait = throttle.admit(500).expect("still waits");
         assert!(wait <= Duration::from_millis(100), "{wait:?}");
         let off = Throttle::off();

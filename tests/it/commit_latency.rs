@@ -1,0 +1,164 @@
+//! `throttle.max_commit_latency` on real servers: the pace follows the commit latency the server imposes. Slow
+//! commits are made real with a synchronous standby that applies each commit record 60 ms late
+//! (`synchronous_commit = remote_apply`, `recovery_min_apply_delay`): every commit on the primary, libraryd's
+//! and the probe's alike, then takes at least that long; removing the delay makes commits fast again.
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use fine_settler::{
+    config::ThrottleSettings,
+    jobs::{settlement::Settlement, throttle::Throttle, Outcome},
+    metrics::Metrics,
+};
+use sqlx::{postgres::PgPoolOptions, Connection, Executor, PgConnection, PgPool};
+
+use crate::helpers::{
+    database_url, fine_settler, insert, loan, migrate, oracle, output, report, runner, settled, wait_until,
+    Cluster,
+};
+
+/// `n` loans returned in October 2026 (ids from 1), each 5 days late.
+async fn october(pool: &PgPool, n: i64) {
+    let loans: Vec<_> = (1..=n)
+        .map(|id| loan(id, "2026-10-01", Some("2026-10-06")))
+        .collect();
+    insert(pool, &loans).await;
+}
+
+/// How long a commit of a transaction with an id takes on a new connection to `url`.
+async fn a_commit(url: &str) -> Duration {
+    let mut conn = PgConnection::connect(url).await.expect("connect");
+    let started = Instant::now();
+    conn.execute(fine_settler::store::latency::PROBE)
+        .await
+        .expect("commit");
+    started.elapsed()
+}
+
+/// The value of the gauge `name` in `metrics` (`None` before it is set).
+fn gauge(metrics: &Metrics, name: &str) -> Option<f64> {
+    metrics
+        .render()
+        .lines()
+        .find(|l| l.starts_with(&format!("{name}{{")))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// While every commit takes 60 ms or more against a 20 ms budget, the pace falls to its floor and the run crawls;
+/// once commits are fast again, the pace climbs back and the run finishes, settling exactly what one clean run
+/// would.
+#[tokio::test]
+async fn the_pace_falls_while_commits_are_slow_and_climbs_back_when_they_are_fast() {
+    let primary = Cluster::primary_with_libraryd().await;
+    let url = primary.url("libraryd");
+    migrate(&url);
+    let standby = primary.standby_with("recovery_min_apply_delay = '60ms'").await;
+    let mut p = primary.connect().await;
+    for sql in [
+        "alter system set synchronous_standby_names = '*'",
+        "alter system set synchronous_commit = 'remote_apply'",
+        "select pg_reload_conf()",
+    ] {
+        p.execute(sql).await.expect("a synchronous standby");
+    }
+    wait_until(
+        "commits wait for the delayed standby",
+        Duration::from_secs(20),
+        || async { a_commit(&url).await >= Duration::from_millis(60) },
+    )
+    .await;
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .expect("connect to the primary");
+    october(&pool, 20_000).await;
+
+    let k = crate::helpers::key("2026-10-31", 0, 1);
+    let metrics = Arc::new(Metrics::new("0/1".into()));
+    let budget = Duration::from_millis(20);
+    let run = runner(&pool, "governed", 1_000)
+        .with_metrics(metrics.clone())
+        .with_throttle(Throttle::new(ThrottleSettings {
+            max_commit_latency: Some(budget),
+            ..ThrottleSettings::default()
+        }));
+    let task = tokio::spawn(async move { run.run(&Settlement, k, false).await });
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let slow = settled(&pool, "2026-10-31").await.0;
+    let rate = gauge(&metrics, "fine_settler_throttle_rate_rows_per_second").expect("the pace is shown");
+    let latency =
+        gauge(&metrics, "fine_settler_throttle_commit_latency_seconds").expect("the probe is shown");
+    assert_eq!(
+        gauge(&metrics, "fine_settler_throttle_commit_latency_budget_seconds"),
+        Some(0.02)
+    );
+    assert!(
+        latency >= 0.06,
+        "the probe measured {latency} s, less than the standby's delay"
+    );
+    assert_eq!(
+        rate, 50.0,
+        "every probe over the budget: the pace is at its floor"
+    );
+    assert!(
+        slow < 3_000,
+        "{slow} of 20,000 loans settled in 4 s of slow commits"
+    );
+
+    let mut s = standby.connect().await;
+    for sql in [
+        "alter system set recovery_min_apply_delay = 0",
+        "select pg_reload_conf()",
+    ] {
+        s.execute(sql).await.expect("no more delay");
+    }
+    wait_until("commits are fast again", Duration::from_secs(20), || async {
+        a_commit(&url).await < Duration::from_millis(10)
+    })
+    .await;
+    let report = tokio::time::timeout(Duration::from_secs(120), task)
+        .await
+        .expect("the run finished once commits were fast")
+        .expect("task");
+    assert_eq!((report.outcome, report.updated), (Outcome::Settled, 20_000));
+    assert_eq!(
+        settled(&pool, "2026-10-31").await,
+        oracle(&pool, "2026-10-31").await
+    );
+    let rate = gauge(&metrics, "fine_settler_throttle_rate_rows_per_second").expect("the pace");
+    assert!(
+        rate > 2_000.0,
+        "the pace climbed back above its start: {rate} rows/s"
+    );
+    let waited = crate::throttle::throttled_seconds(&metrics, "commit_latency");
+    assert!(waited > 0.0, "batches waited for the adapted pace");
+    pool.close().await;
+}
+
+/// The `settle` command under a budget every commit keeps: the run settles everything, its pacing is one episode
+/// in the log, said with the budget.
+#[sqlx::test(fixtures("default_policy"))]
+async fn the_settle_command_paces_to_a_commit_latency_budget(pool: PgPool) {
+    october(&pool, 2_000).await;
+    let mut cmd = fine_settler(&database_url(&pool));
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "500")
+        .env("FINE_SETTLER__THROTTLE__MAX_COMMIT_LATENCY", "10s")
+        .args(["settle", "--business-date", "2026-10-31"]);
+    let out = output(cmd);
+    let json = report(&out);
+    assert_eq!(json["outcome"], "settled", "{json}");
+    assert_eq!(json["updated"], 2_000);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        log.matches("throttled: batches paced to keep commits within throttle.max_commit_latency")
+            .count(),
+        1,
+        "{log}"
+    );
+    assert_eq!(log.matches("throttle released").count(), 1, "{log}");
+    assert!(!log.contains("a commit took longer"), "{log}");
+}
