@@ -22,6 +22,9 @@
 #                              item classes and closed days; a loan's cost by its overdue span), merged likewise
 #   scripts/bench.sh --indexes what fine-settler's four indexes on loans cost libraryd's checkouts and returns (all,
 #                              none, each left out) and what each buys settlement and accrual, merged likewise
+#   scripts/bench.sh --impact  the impact section alone (1M loans: settle beside a pgbench load with its defaults,
+#                              throttled, under a commit latency budget, each against a plain writer of its WAL
+#                              rate), merged likewise with its rows of the targets table
 #   scripts/bench.sh ARGS...   any fine-settler-bench arguments (see --help)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -62,6 +65,13 @@ elif [ "${1:-}" = "--rules" ]; then
 elif [ "${1:-}" = "--indexes" ]; then
   shift
   exec target/release/fine-settler-bench --indexes-only --merge-into bench/RESULTS.md "$@"
+elif [ "${1:-}" = "--impact" ]; then
+  shift
+  if [ ${#load[@]} -eq 0 ]; then
+    echo "bench.sh --impact: no pgbench to drive the load" >&2
+    exit 2
+  fi
+  exec target/release/fine-settler-bench --impact-only "${load[@]}" --merge-into bench/RESULTS.md "$@"
 elif [ $# -eq 0 ]; then
   exec target/release/fine-settler-bench --scaling --drift "${pooler[@]}" "${load[@]}" "${before[@]}" \
     --out bench/RESULTS.md

@@ -77,7 +77,8 @@ struct Args {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
     pooler_rounds: u32,
     /// `pgbench`: measure the impact of settlement on a libraryd-like load it drives beside each phase (the
-    /// load alone, `settle`, the single statement, `settle` throttled to a quarter of its rate).
+    /// load alone, `settle`, the single statement, `settle` throttled to a quarter of its rate, `settle` under a
+    /// commit latency budget, and each `settle` phase's control: a plain writer of its WAL rate).
     #[arg(long)]
     pgbench: Option<PathBuf>,
     /// The load's rate, transactions per second (`pgbench -R`).
@@ -125,6 +126,10 @@ struct Args {
     /// with all four, none and each left out; what each buys settlement and accrual).
     #[arg(long, conflicts_with_all = ["accrual_only", "rules_only"])]
     indexes_only: bool,
+    /// Measure the impact section alone (needs `--pgbench`; a template of `--loans` loans), its rows of the
+    /// targets table with it.
+    #[arg(long, conflicts_with_all = ["accrual_only", "rules_only", "indexes_only"], requires = "pgbench")]
+    impact_only: bool,
     /// Loans of the indexes section's template.
     #[arg(long, default_value_t = 1_000_000)]
     index_loans: u64,
@@ -159,6 +164,18 @@ struct Args {
 }
 
 impl Args {
+    /// How the impact section runs, when there is a `pgbench` to drive the load.
+    fn impact(&self) -> Option<ImpactArgs> {
+        Some(ImpactArgs {
+            pgbench: self.pgbench.clone()?,
+            rate: self.load_rate,
+            clients: self.load_clients,
+            idle: Duration::from_secs(self.idle_secs),
+            warmup: Duration::from_secs(self.warmup_secs),
+            cooldown: Duration::from_secs(self.cooldown_secs),
+        })
+    }
+
     fn accrual(&self) -> AccrualArgs {
         AccrualArgs {
             loans: self.accrual_loans,
@@ -786,8 +803,13 @@ async fn main() -> Result<(), Error> {
     if args.indexes_only {
         return indexes_only(&bench, &args).await;
     }
+    if args.impact_only {
+        return impact_only(&bench, &args).await;
+    }
     if args.merge_into.is_some() {
-        return Err("--merge-into needs --accrual-only, --rules-only or --indexes-only".into());
+        return Err(
+            "--merge-into needs --accrual-only, --rules-only, --indexes-only or --impact-only".into(),
+        );
     }
 
     let (main, settled_db) = measure(&bench, args.loans, args.batch_size).await?;
@@ -808,22 +830,12 @@ async fn main() -> Result<(), Error> {
         None => None,
     };
 
-    let impact = match &args.pgbench {
-        Some(pgbench) => {
-            let impact_args = ImpactArgs {
-                pgbench: pgbench.clone(),
-                rate: args.load_rate,
-                clients: args.load_clients,
-                idle: Duration::from_secs(args.idle_secs),
-                warmup: Duration::from_secs(args.warmup_secs),
-                cooldown: Duration::from_secs(args.cooldown_secs),
-            };
-            Some(
-                bench
-                    .impact(&template, args.loans, args.batch_size, &impact_args)
-                    .await?,
-            )
-        }
+    let impact = match args.impact() {
+        Some(impact_args) => Some(
+            bench
+                .impact(&template, args.loans, args.batch_size, &impact_args)
+                .await?,
+        ),
         None => None,
     };
 
@@ -1267,6 +1279,38 @@ async fn rules_only(bench: &Bench, args: &Args) -> Result<(), Error> {
         );
         std::fs::write(path, rules::merge(&existing, &section, &measured))?;
         eprintln!("merged the fine rules section into {}", path.display());
+    }
+    if let Some(path) = &args.out {
+        std::fs::write(path, &section)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// `--impact-only`: the impact section alone on a fresh template of `--loans` loans, printed, and written to
+/// `--out` or merged into `--merge-into` (with its rows of the targets table).
+async fn impact_only(bench: &Bench, args: &Args) -> Result<(), Error> {
+    let impact_args = args.impact().ok_or("--impact-only needs --pgbench")?;
+    eprintln!("   template of {} loans", args.loans);
+    let template = bench.template(args.loans).await?;
+    let impact = bench
+        .impact(&template, args.loans, args.batch_size, &impact_args)
+        .await?;
+    bench.drop_db(&template).await?;
+    let section = impact.report();
+    print!("{section}");
+    if let Some(path) = &args.merge_into {
+        let existing =
+            std::fs::read_to_string(path).map_err(|e| format!("--merge-into {}: {e}", path.display()))?;
+        let measured = impact::measured(
+            &sh("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]),
+            &sh("git", &["rev-parse", "--short", "HEAD"]),
+        );
+        std::fs::write(
+            path,
+            impact::merge(&existing, &section, &impact.targets(), &measured),
+        )?;
+        eprintln!("merged the impact section into {}", path.display());
     }
     if let Some(path) = &args.out {
         std::fs::write(path, &section)?;

@@ -465,7 +465,10 @@ impl Throttle {
             }
             Err(_) => timeout,
         };
-        governor.lock().ok().map(|mut g| g.observe(latency))
+        governor
+            .lock()
+            .ok()
+            .map(|mut g| g.observe(latency, Instant::now()))
     }
 
     /// Asks once whether this role may read the standbys' positions; if it may not, says so once (a warning)

@@ -8,6 +8,16 @@
 //! Every phase settles the same four months one after another (`MONTHS`), as libraryd's month-end would if
 //! settlement had fallen behind: enough rows that the settle phases last several seconds, so that a p99 of the
 //! load rests on some thousands of its transactions rather than a few hundred.
+//!
+//! Two more kinds of phase put those figures in proportion. `settle` under `throttle.max_commit_latency` (a
+//! budget of 1.5 × the idle phase's p99) shows what the latency-keyed pace keeps and the rate it finds. And each
+//! `settle` phase has a *control* ([`control`]): a plain writer producing the WAL bytes per second that phase
+//! wrote, for as long as it ran, beside the same load — what writing that volume costs the load on this server
+//! whoever writes it. Where the load's sessions were while each phase ran (on CPU, waiting on WAL, on a lock) is
+//! sampled from `pg_stat_activity`.
+
+mod control;
+mod report;
 
 use std::{
     path::{Path, PathBuf},
@@ -21,7 +31,7 @@ use std::{
 
 use sqlx::PgPool;
 
-use crate::{binary, per_sec, verdict, Bench, Error, SettleJob, Via};
+use crate::{binary, per_sec, Bench, Error, SettleJob, Via};
 
 /// The business dates settled in every phase, one after another: the four month ends whose months hold most of
 /// the generated returns (loans cluster around October; late returns reach into November).
@@ -43,6 +53,18 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(10);
 
 /// The throttle setting of the throttled phase, as an environment override of the `settle` process.
 const THROTTLE_KEY: &str = "FINE_SETTLER__THROTTLE__MAX_ROWS_PER_SECOND";
+
+/// The setting of the latency-keyed phase.
+const BUDGET_KEY: &str = "FINE_SETTLER__THROTTLE__MAX_COMMIT_LATENCY";
+
+/// The latency-keyed phase's budget, in idle p99s.
+const BUDGET_OF_IDLE_P99: f64 = 1.5;
+
+/// The latency-keyed phase starts no month after this long: at a low rate the four months could take hours.
+const GOVERNED_DEADLINE: Duration = Duration::from_secs(150);
+
+/// The longest control phase: long enough for a p99 of some thousands of the load's transactions.
+const CONTROL_MAX: Duration = Duration::from_secs(40);
 
 /// How the impact section runs.
 #[derive(Debug, Clone)]
@@ -72,6 +94,35 @@ enum Phase {
     Statement,
     /// `settle` of each month with `throttle.max_rows_per_second` at this.
     Throttled(u64),
+    /// `settle` of each month with `throttle.max_commit_latency` at this (no month started after
+    /// [`GOVERNED_DEADLINE`]).
+    Governed(Duration),
+    /// The plain writer at this many bytes of WAL per second, for this long: the control of a `settle` phase.
+    Control {
+        of: Of,
+        bytes_per_sec: f64,
+        secs: Duration,
+        /// The WAL one of its rows costs.
+        row_bytes: f64,
+    },
+}
+
+/// Which `settle` phase a control stands beside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Of {
+    Settle,
+    Throttled,
+    Governed,
+}
+
+impl Of {
+    fn label(self) -> &'static str {
+        match self {
+            Of::Settle => "defaults",
+            Of::Throttled => "throttled to a quarter",
+            Of::Governed => "max_commit_latency",
+        }
+    }
 }
 
 impl Phase {
@@ -81,6 +132,17 @@ impl Phase {
             Phase::Settle => format!("`settle`, defaults (batches of {batch})"),
             Phase::Statement => "single statement: one set-based `update` per month".into(),
             Phase::Throttled(cap) => format!("`settle`, throttled to {cap} rows/s"),
+            Phase::Governed(budget) => format!(
+                "`settle`, `throttle.max_commit_latency` = {:.1} ms",
+                budget.as_secs_f64() * 1000.0
+            ),
+            Phase::Control {
+                of, bytes_per_sec, ..
+            } => format!(
+                "control of {}: a plain writer at {:.1} MB/s of WAL",
+                of.label(),
+                bytes_per_sec / 1e6
+            ),
         }
     }
 }
@@ -188,6 +250,10 @@ struct PhaseResult {
     /// Rows settled, and settlement's own time for them (`elapsed_ms` of the runs; the statements' time).
     settled: i64,
     settle_ms: u64,
+    /// Months settled (the latency-keyed phase may stop early).
+    months: usize,
+    /// A control's rows written.
+    control_rows: i64,
 }
 
 impl PhaseResult {
@@ -220,6 +286,13 @@ pub(crate) struct Impact {
     statement: PhaseResult,
     /// The throttled phase, or why it could not run (the `settle` binary does not know the setting).
     throttled: Result<PhaseResult, String>,
+    /// The latency-keyed phase (its budget below), or why it could not run.
+    governed: Result<PhaseResult, String>,
+    budget: Duration,
+    /// The control of each `settle` phase that ran, in the order defaults, throttled, latency-keyed.
+    controls: Vec<PhaseResult>,
+    /// The WAL one row of the control's writer costs.
+    row_bytes: f64,
     wal_settle: Wal,
     wal_statement: Wal,
 }
@@ -303,43 +376,70 @@ impl Load {
     }
 }
 
-/// What the lock-wait sampler saw of the load's lock waits.
+/// What the sampler saw of the load's sessions: its lock waits, and where its active sessions were.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct LockWaits {
-    /// The longest, ms.
+    /// The longest lock wait, ms.
     longest_ms: f64,
-    /// How many statements of the load were seen waiting (each counted once).
+    /// How many statements of the load were seen waiting on a lock (each counted once).
     statements: usize,
+    /// Active sessions of the load seen, over all samples: all of them, and of those, on CPU (no wait event),
+    /// waiting for WAL (`IO:WALSync`, `IO:WALWrite`, `LWLock:WALWrite`, `LWLock:WALInsert`), on a lock
+    /// (`Lock:*`), or waiting on anything else.
+    active: usize,
+    cpu: usize,
+    wal: usize,
+    lock: usize,
+    other: usize,
 }
 
-/// The load's lock waits, sampled from `pg_stat_activity` every [`SAMPLE_EVERY`] until `stop` is set: a
-/// waiting session's statement started at `query_start`, and the wait can have lasted at most since then (a
-/// point read or update spends microseconds before it waits); a statement is told by its session and
-/// `query_start`.
+impl LockWaits {
+    /// A share of the active samples, in %.
+    fn share(&self, n: usize) -> f64 {
+        100.0 * n as f64 / self.active.max(1) as f64
+    }
+}
+
+/// One active session of the load: pid, its statement's start (µs), ms since then, wait event type and name.
+type Sample = (i32, i64, f64, Option<String>, Option<String>);
+
+/// The load's sessions, sampled from `pg_stat_activity` every [`SAMPLE_EVERY`] until `stop` is set. A lock
+/// wait: a waiting session's statement started at `query_start`, and the wait can have lasted at most since then
+/// (a point read or update spends microseconds before it waits); a statement is told by its session and
+/// `query_start`. Every active session of the load is also counted by where it is (see [`LockWaits`]).
 async fn lock_waits(pool: PgPool, db: String, stop: Arc<AtomicBool>) -> Result<LockWaits, Error> {
-    let mut longest: f64 = 0.0;
+    let mut w = LockWaits::default();
     let mut seen = std::collections::HashSet::new();
     while !stop.load(Ordering::Relaxed) {
-        let waiting: Vec<(i32, i64, f64)> = sqlx::query_as(
+        let active: Vec<Sample> = sqlx::query_as(
             "select pid, (extract(epoch from query_start) * 1000000)::int8,
-                    (extract(epoch from clock_timestamp() - query_start) * 1000)::float8
+                    (extract(epoch from clock_timestamp() - query_start) * 1000)::float8,
+                    wait_event_type, wait_event
              from pg_stat_activity
-             where datname = $1 and application_name = 'pgbench' and wait_event_type = 'Lock'",
+             where datname = $1 and application_name = 'pgbench' and state = 'active'",
         )
         .bind(&db)
         .fetch_all(&pool)
         .await?;
-        for (pid, started, waited) in waiting {
-            seen.insert((pid, started));
-            longest = longest.max(waited);
+        for (pid, started, waited, kind, event) in active {
+            w.active += 1;
+            match (kind.as_deref(), event.as_deref()) {
+                (None, _) => w.cpu += 1,
+                (Some("Lock"), _) => {
+                    w.lock += 1;
+                    seen.insert((pid, started));
+                    w.longest_ms = w.longest_ms.max(waited);
+                }
+                (Some("IO"), Some("WALSync" | "WALWrite"))
+                | (Some("LWLock"), Some("WALWrite" | "WALInsert")) => w.wal += 1,
+                _ => w.other += 1,
+            }
         }
         tokio::time::sleep(SAMPLE_EVERY).await;
     }
     pool.close().await;
-    Ok(LockWaits {
-        longest_ms: longest,
-        statements: seen.len(),
-    })
+    w.statements = seen.len();
+    Ok(w)
 }
 
 /// The machine's CPU time so far, from the first line of `/proc/stat`: (busy, total) in clock ticks, busy
@@ -372,12 +472,12 @@ fn unix_us() -> Result<i64, Error> {
 }
 
 impl Bench {
-    /// Whether the `settle` binary accepts `throttle.max_rows_per_second` (it validates its configuration
-    /// before it connects); otherwise its own message.
-    fn throttle_available(&self) -> Result<(), String> {
+    /// Whether the `settle` binary accepts the setting `key` at `value` (it validates its configuration before
+    /// it connects); otherwise its own message.
+    fn setting_available(&self, key: &str, value: &str) -> Result<(), String> {
         let out = Command::new(binary().map_err(|e| e.to_string())?)
             .arg("check-config")
-            .env(THROTTLE_KEY, "1000")
+            .env(key, value)
             .env("DATABASE_URL", format!("{}/postgres", self.server))
             .env("FINE_SETTLER__LOG__LEVEL", "warn")
             .output()
@@ -389,21 +489,29 @@ impl Bench {
         }
     }
 
-    /// Settles every month of [`MONTHS`] on `db` one after another, as `phase` says: (rows, settlement ms).
-    async fn settle_months(&self, db: &str, phase: Phase, batch: u32) -> Result<(i64, u64), Error> {
+    /// Settles every month of [`MONTHS`] on `db` one after another, as `phase` says: (rows, settlement ms,
+    /// months). The latency-keyed phase starts no month after [`GOVERNED_DEADLINE`].
+    async fn settle_months(&self, db: &str, phase: Phase, batch: u32) -> Result<(i64, u64, usize), Error> {
         let mut rows = 0;
         let mut ms = 0;
+        let mut months = 0;
+        let started = Instant::now();
         for month in MONTHS {
+            if matches!(phase, Phase::Governed(_)) && started.elapsed() >= GOVERNED_DEADLINE {
+                break;
+            }
+            months += 1;
             match phase {
-                Phase::Idle => {}
+                Phase::Idle | Phase::Control { .. } => {}
                 Phase::Statement => {
                     let (n, secs) = self.limit_of(db, month, 1).await?;
                     rows += i64::try_from(n)?;
                     ms += (secs * 1000.0).round() as u64;
                 }
-                Phase::Settle | Phase::Throttled(_) => {
+                Phase::Settle | Phase::Throttled(_) | Phase::Governed(_) => {
                     let env = match phase {
                         Phase::Throttled(cap) => vec![(THROTTLE_KEY, cap.to_string())],
+                        Phase::Governed(budget) => vec![(BUDGET_KEY, format!("{}us", budget.as_micros()))],
                         _ => Vec::new(),
                     };
                     let job = SettleJob {
@@ -419,7 +527,7 @@ impl Bench {
                 }
             }
         }
-        Ok((rows, ms))
+        Ok((rows, ms, months))
     }
 
     /// One phase on a fresh copy of `template`: the load starts, warms up, `phase` runs, the load cools down
@@ -433,6 +541,14 @@ impl Bench {
         phase: Phase,
     ) -> Result<PhaseResult, Error> {
         let db = self.copy(template, "fsb_impact").await?;
+        let writer = match phase {
+            Phase::Control { .. } => {
+                let pool = self.pool(&db, 1).await?;
+                control::prepare(&pool).await?;
+                Some(pool)
+            }
+            _ => None,
+        };
         let dir = std::env::temp_dir().join(format!("fsb-load-{}-{}", std::process::id(), unix_us()?));
         let mut load = Load::start(args, &format!("{}/{db}", self.server), loans, &dir)?;
         tokio::time::sleep(args.warmup).await;
@@ -447,10 +563,21 @@ impl Bench {
         let from_us = unix_us()?;
         let cpu_from = cpu_ticks();
         let started = Instant::now();
-        let (settled, settle_ms) = match phase {
+        let mut control_rows = 0;
+        let (settled, settle_ms, months) = match phase {
             Phase::Idle => {
                 tokio::time::sleep(args.idle).await;
-                (0, 0)
+                (0, 0, 0)
+            }
+            Phase::Control {
+                bytes_per_sec,
+                secs,
+                row_bytes,
+                ..
+            } => {
+                let pool = writer.ok_or("the control's writer has no connection")?;
+                control_rows = control::write(pool, bytes_per_sec, row_bytes, secs).await?;
+                (0, 0, 0)
             }
             _ => self.settle_months(&db, phase, batch).await?,
         };
@@ -475,6 +602,8 @@ impl Bench {
             cpu,
             settled,
             settle_ms,
+            months,
+            control_rows,
         })
     }
 
@@ -485,7 +614,7 @@ impl Bench {
         let before: String = sqlx::query_scalar("select pg_current_wal_lsn()::text")
             .fetch_one(&self.admin)
             .await?;
-        let (rows, _) = self.settle_months(&db, phase, batch).await?;
+        let (rows, _, _) = self.settle_months(&db, phase, batch).await?;
         let bytes: i64 =
             sqlx::query_scalar("select pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::bigint")
                 .bind(&before)
@@ -513,13 +642,21 @@ impl Bench {
         let idle = run(Phase::Idle).await?;
         let settle = run(Phase::Settle).await?;
         let statement = run(Phase::Statement).await?;
-        let throttled = match self.throttle_available() {
+        let throttled = match self.setting_available(THROTTLE_KEY, "1000") {
             Ok(()) => {
                 let cap = ((settle.rows_per_sec() / 4.0).floor() as u64).max(1);
                 Ok(run(Phase::Throttled(cap)).await?)
             }
             Err(why) => {
                 eprintln!("   impact: throttled phase not available: {why}");
+                Err(why)
+            }
+        };
+        let budget = Duration::from_micros((idle.load.p99_ms * 1000.0 * BUDGET_OF_IDLE_P99).round() as u64);
+        let governed = match self.setting_available(BUDGET_KEY, "5ms") {
+            Ok(()) => Ok(run(Phase::Governed(budget)).await?),
+            Err(why) => {
+                eprintln!("   impact: latency-keyed phase not available: {why}");
                 Err(why)
             }
         };
@@ -534,6 +671,31 @@ impl Bench {
                 .into());
             }
         }
+        eprintln!("   impact: WAL per row of the control's writer, without load");
+        let row_bytes = {
+            let db = self.copy(template, "fsb_wal").await?;
+            let pool = self.pool(&db, 1).await?;
+            let bytes = control::bytes_per_row(&pool).await?;
+            pool.close().await;
+            self.drop_db(&db).await?;
+            bytes
+        };
+        let mut controls = Vec::new();
+        for (of, p) in [
+            (Of::Settle, Ok(&settle)),
+            (Of::Throttled, throttled.as_ref()),
+            (Of::Governed, governed.as_ref()),
+        ] {
+            let Ok(p) = p else { continue };
+            let secs = p.wall.clamp(Duration::from_secs(5), CONTROL_MAX);
+            let control = Phase::Control {
+                of,
+                bytes_per_sec: wal_settle.per_row() * p.settled as f64 / p.wall.as_secs_f64().max(0.001),
+                secs,
+                row_bytes,
+            };
+            controls.push(run(control).await?);
+        }
         Ok(Impact {
             args: args.clone(),
             loans,
@@ -542,193 +704,97 @@ impl Bench {
             settle,
             statement,
             throttled,
+            governed,
+            budget,
+            controls,
+            row_bytes,
             wal_settle,
             wal_statement,
         })
     }
 }
 
-impl Impact {
-    fn p99_ratio(&self, p: &PhaseResult) -> f64 {
-        p.load.p99_ms / self.idle.load.p99_ms.max(0.001)
-    }
+/// The impact section's heading in the report.
+const HEADING: &str = "## Impact on a live load";
 
-    fn wal_ratio(&self) -> f64 {
-        self.wal_settle.per_row() / self.wal_statement.per_row().max(f64::MIN_POSITIVE)
-    }
+/// The report's header line saying when the impact section alone was measured.
+const MEASURED: &str = "- impact measured:";
 
-    /// The section of the report.
-    pub(crate) fn report(&self) -> String {
-        use std::fmt::Write as _;
-        let a = &self.args;
-        let mut r = String::new();
-        let _ = writeln!(r, "## Impact on a live load\n");
-        let _ = writeln!(
-            r,
-            "A libraryd-like load beside each phase: `pgbench` at {} transactions/s (`-R`, {} sessions, prepared statements), each transaction a point read of one random loan and `update loans set member_id = member_id` of another (by id: the row lock settlement's update needs, a new row version, nothing settlement reads). Each phase runs on a fresh copy of the {}-loan template, the load started {:.0} s before it and stopped {:.0} s after it; a phase's figures are the load's transactions scheduled while it ran. Every phase that settles settles the months ending {} one after another ({} rows). Latency is pgbench's, from each transaction's scheduled start (schedule lag included). Lock waits are sampled from `pg_stat_activity` every {} ms (a load session waiting on a lock, since its statement started): shorter waits can be missed. Machine CPU busy is `/proc/stat` over the phase, all cores, everything running on the machine.\n",
-            a.rate,
-            a.clients,
-            self.loans,
-            a.warmup.as_secs_f64(),
-            a.cooldown.as_secs_f64(),
-            MONTHS.join(", "),
-            self.wal_settle.rows,
-            SAMPLE_EVERY.as_millis()
-        );
-        let _ = writeln!(
-            r,
-            "| phase | duration | load tx | load tx/s | p50 | p99 | max | longest lock wait | load statements seen waiting | machine CPU busy | settled rows | rows/s |"
-        );
-        let _ = writeln!(
-            r,
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-        );
-        let row = |r: &mut String, p: &PhaseResult| {
-            let rate = if p.phase == Phase::Idle {
-                String::new()
-            } else {
-                format!("{:.0}", p.rows_per_sec())
-            };
-            let settled = if p.phase == Phase::Idle {
-                String::new()
-            } else {
-                p.settled.to_string()
-            };
-            let _ = writeln!(
-                r,
-                "| {}{} | {:.1} s | {} | {:.0} | {:.1} ms | {:.1} ms | {:.1} ms | {:.0} ms | {} ({:.2} % of the load's) | {} | {settled} | {rate} |",
-                p.phase.label(self.batch),
-                if p.caught_up { "" } else { " (load behind schedule when stopped)" },
-                p.wall.as_secs_f64(),
-                p.load.transactions,
-                p.load_rate,
-                p.load.p50_ms,
-                p.load.p99_ms,
-                p.load.max_ms,
-                p.waits.longest_ms,
-                p.waits.statements,
-                100.0 * p.waits.statements as f64 / p.load.transactions.max(1) as f64,
-                p.cpu.map_or_else(|| "?".to_string(), |c| format!("{:.0} %", c * 100.0)),
-            );
-        };
-        row(&mut r, &self.idle);
-        row(&mut r, &self.settle);
-        row(&mut r, &self.statement);
-        match &self.throttled {
-            Ok(p) => row(&mut r, p),
-            Err(why) => {
-                let _ = writeln!(
-                    r,
-                    "| `settle`, throttled | not available: {} | | | | | | | | | | |",
-                    why.replace('|', "\\|")
-                );
-            }
-        }
-        let _ = writeln!(r);
-        let _ = writeln!(
-            r,
-            "Rows/s is settlement's own: the runs' `elapsed_ms` (claim to finish), the statements' time. Beside the load, `settle` with its defaults reaches {:.2} of the single statement's rate.\n",
-            self.settle.rows_per_sec() / self.statement.rows_per_sec().max(f64::MIN_POSITIVE)
-        );
-        if let Ok(p) = &self.throttled {
-            let Phase::Throttled(cap) = p.phase else {
-                unreachable!("the throttled phase is Phase::Throttled")
-            };
-            let _ = writeln!(
-                r,
-                "Throttled to {cap} rows/s (a quarter of the {:.0} rows/s the defaults reached above), `settle` averaged {:.0} rows/s ({:.2} of the cap).\n",
-                self.settle.rows_per_sec(),
-                p.rows_per_sec(),
-                p.rows_per_sec() / cap as f64
-            );
-        }
-        let _ = writeln!(
-            r,
-            "WAL per settled row, without the load, each on a fresh copy after a `checkpoint` (`pg_current_wal_lsn()` before and after, `pg_wal_lsn_diff`):\n"
-        );
-        let _ = writeln!(r, "| way | rows | WAL | bytes per row |");
-        let _ = writeln!(r, "| --- | ---: | ---: | ---: |");
-        for (label, w) in [
-            (
-                format!("`settle`, defaults (batches of {})", self.batch),
-                self.wal_settle,
-            ),
-            ("single statement per month".to_string(), self.wal_statement),
-        ] {
-            let _ = writeln!(
-                r,
-                "| {label} | {} | {:.1} MiB | {:.1} |",
-                w.rows,
-                w.bytes as f64 / 1_048_576.0,
-                w.per_row()
-            );
-        }
-        let _ = writeln!(r);
-        let _ = writeln!(
-            r,
-            "Ratios: defaults p99 / idle p99 = {:.2} (target ≤ 2); defaults max = {:.1} ms (target ≤ 250 ms); throttled p99 / idle p99 = {} (target ≤ 1.2); single statement p99 / idle p99 = {:.2}; settle WAL per row / statement WAL per row = {:.2} (target ≤ 1.1). `bench/README.md` says what limits a missed one.\n",
-            self.p99_ratio(&self.settle),
-            self.settle.load.max_ms,
-            match &self.throttled {
-                Ok(p) => format!("{:.2}", self.p99_ratio(p)),
-                Err(_) => "not available".into(),
-            },
-            self.p99_ratio(&self.statement),
-            self.wal_ratio()
-        );
-        r
-    }
+pub(crate) fn measured(date: &str, commit: &str) -> String {
+    format!("{MEASURED} {date} at commit {commit} (`scripts/bench.sh --impact`)")
+}
 
-    /// Rows of the report's targets table.
-    pub(crate) fn targets(&self) -> String {
-        use std::fmt::Write as _;
-        let mut r = String::new();
-        let ratio = self.p99_ratio(&self.settle);
-        let _ = writeln!(
-            r,
-            "| load p99 during `settle` (defaults) ≤ 2 × idle p99 | {ratio:.2} ({:.1} ms vs {:.1} ms) | {} |",
-            self.settle.load.p99_ms,
-            self.idle.load.p99_ms,
-            verdict(ratio <= 2.0)
-        );
-        let _ = writeln!(
-            r,
-            "| load max during `settle` (defaults) ≤ 250 ms | {:.1} ms | {} |",
-            self.settle.load.max_ms,
-            verdict(self.settle.load.max_ms <= 250.0)
-        );
-        match &self.throttled {
-            Ok(p) => {
-                let ratio = self.p99_ratio(p);
-                let _ = writeln!(
-                    r,
-                    "| load p99 during `settle` throttled to a quarter ≤ 1.2 × idle p99 | {ratio:.2} ({:.1} ms) | {} |",
-                    p.load.p99_ms,
-                    verdict(ratio <= 1.2)
-                );
-            }
-            Err(_) => {
-                let _ = writeln!(
-                    r,
-                    "| load p99 during `settle` throttled to a quarter ≤ 1.2 × idle p99 | not available | not measured |"
-                );
-            }
-        }
-        let ratio = self.wal_ratio();
-        let _ = writeln!(
-            r,
-            "| settle WAL per row ≤ 1.1 × the single statement's | {ratio:.2} ({:.0} vs {:.0} bytes) | {} |",
-            self.wal_settle.per_row(),
-            self.wal_statement.per_row(),
-            verdict(ratio <= 1.1)
-        );
-        r
-    }
+/// The targets table's rows the impact section owns: every row about the load, and the WAL ratio.
+fn is_impact_target(line: &str) -> bool {
+    line.starts_with("| load ") || line.starts_with("| settle WAL per row")
+}
+
+/// `existing` with its impact section replaced by `section`, its impact rows of the targets table by `targets`
+/// (in place of the first of them, else at the table's end), and its header line by `measured`.
+pub(crate) fn merge(existing: &str, section: &str, targets: &str, measured: &str) -> String {
+    let merged = crate::accrual::merge_section(existing, (HEADING, section), (MEASURED, measured));
+    let mut lines: Vec<&str> = merged.lines().collect();
+    let Some(table) = lines.iter().position(|l| *l == "## Targets") else {
+        return merged;
+    };
+    let end = lines[table + 1..]
+        .iter()
+        .position(|l| l.starts_with("## "))
+        .map_or(lines.len(), |i| table + 1 + i);
+    let at = lines[table..end]
+        .iter()
+        .position(|l| is_impact_target(l))
+        .map(|i| table + i)
+        .or_else(|| {
+            lines[table..end]
+                .iter()
+                .rposition(|l| l.starts_with('|'))
+                .map(|i| table + i + 1)
+        });
+    let Some(at) = at else {
+        return merged;
+    };
+    let kept: Vec<&str> = lines[at..end]
+        .iter()
+        .copied()
+        .filter(|l| !is_impact_target(l))
+        .collect();
+    let rows = targets.lines().filter(|l| !l.is_empty());
+    let new: Vec<&str> = rows.chain(kept).collect();
+    lines.splice(at..end, new);
+    let mut out = lines.join("\n");
+    out.push('\n');
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn merging_replaces_the_section_and_its_target_rows_only() {
+        let existing = "# Settlement benchmark\n\n- commit: abc\n\n## Impact on a live load\n\nold figures\n\n## Batch size\n\nkept\n\n## Targets\n\n| target | measured | verdict |\n| --- | --- | --- |\n| throughput | 1 | met |\n| load p99 old | 9 | missed |\n| settle WAL per row old | 1 | met |\n| accrual | 2 | met |\n";
+        let merged = merge(
+            existing,
+            "## Impact on a live load\n\nnew figures\n",
+            "| load p99 new | 1 | met |\n| settle WAL per row new | 1 | met |\n",
+            &measured("2026-12-03T07:00:00Z", "def"),
+        );
+        assert!(
+            merged.contains("new figures") && !merged.contains("old figures"),
+            "{merged}"
+        );
+        assert!(merged.contains("## Batch size\n\nkept"), "{merged}");
+        assert!(
+            merged.contains("- impact measured: 2026-12-03T07:00:00Z at commit def"),
+            "{merged}"
+        );
+        assert!(
+            merged.contains("| throughput | 1 | met |\n| load p99 new | 1 | met |\n| settle WAL per row new | 1 | met |\n| accrual | 2 | met |"),
+            "{merged}"
+        );
+        assert!(!merged.contains("old |"), "{merged}");
+    }
 
     #[test]
     fn a_log_line_gives_the_scheduled_start_and_the_latency() {
