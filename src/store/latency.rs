@@ -2,23 +2,32 @@
 
 use std::time::Duration;
 
-use sqlx::Executor;
+use sqlx::{Connection, Executor, PgConnection};
 use tokio::time::Instant;
 
 use crate::store::Db;
 
-/// One tiny writing transaction in one round trip, touching no table. It must write WAL before its commit: a
-/// transaction that only took an id commits without waiting for the flush (nor for a synchronous standby), so it
-/// would not meet what libraryd's writing transactions meet. A transactional logical message is the smallest
-/// such write (one WAL record; logical decoding consumers see it under this prefix).
-pub const PROBE: &str = "begin; select pg_logical_emit_message(true, 'fine-settler-probe', ''); commit";
+/// The probe's write, touching no table. A transaction must write WAL before its commit to wait for the flush
+/// (and for a synchronous standby) as a writing transaction of libraryd's does — one that only took an id commits
+/// without waiting. A transactional logical message is the smallest such write (one WAL record; logical decoding
+/// consumers see it under this prefix).
+pub const PROBE_WRITE: &str = "select pg_logical_emit_message(true, 'fine-settler-probe', '')";
 
-/// How long one probe transaction takes, from sending it to its commit's answer, on a connection already
-/// checked out of the pool (a wait for a free connection is not counted).
+/// How long one probe transaction takes on a connection already checked out of the pool (a wait for a free
+/// connection is not counted).
 pub async fn commit_latency(pool: &Db) -> Result<Duration, sqlx::Error> {
     let mut conn = pool.pool().acquire().await?;
+    probe(&mut conn).await
+}
+
+/// One probe transaction on `conn`, shaped as a short transaction of libraryd's — four round trips: `begin`, a
+/// read, the write, `commit` — timed from the first to the commit's answer. Its time is what such a transaction
+/// meets at that moment: each round trip's wake-up on a busy server, the WAL insert and flush queue.
+pub async fn probe(conn: &mut PgConnection) -> Result<Duration, sqlx::Error> {
     let started = Instant::now();
-    // A statement without arguments goes as one simple query: the three statements in one round trip.
-    conn.execute(PROBE).await?;
+    let mut tx = conn.begin().await?;
+    tx.execute("select 1").await?;
+    tx.execute(PROBE_WRITE).await?;
+    tx.commit().await?;
     Ok(started.elapsed())
 }

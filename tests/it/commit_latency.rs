@@ -3,10 +3,7 @@
 //! (`synchronous_commit = remote_apply`, `recovery_min_apply_delay`): every commit on the primary, libraryd's
 //! and the probe's alike, then takes at least that long; removing the delay makes commits fast again.
 
-use std::{
-    sync::Arc,
-    time::{Duration, Instant},
-};
+use std::{sync::Arc, time::Duration};
 
 use fine_settler::{
     config::ThrottleSettings,
@@ -28,14 +25,12 @@ async fn october(pool: &PgPool, n: i64) {
     insert(pool, &loans).await;
 }
 
-/// How long a commit of a transaction with an id takes on a new connection to `url`.
+/// How long the throttle's probe transaction takes on a new connection to `url`.
 async fn a_commit(url: &str) -> Duration {
     let mut conn = PgConnection::connect(url).await.expect("connect");
-    let started = Instant::now();
-    conn.execute(fine_settler::store::latency::PROBE)
+    fine_settler::store::latency::probe(&mut conn)
         .await
-        .expect("commit");
-    started.elapsed()
+        .expect("probe")
 }
 
 /// The value of the gauge `name` in `metrics` (`None` before it is set).

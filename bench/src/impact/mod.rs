@@ -245,6 +245,9 @@ struct PhaseResult {
     /// Whether the load had run every transaction scheduled in the phase when it was stopped.
     caught_up: bool,
     waits: LockWaits,
+    /// The commit latency probe of `throttle.max_commit_latency`, taken by the benchmark every
+    /// [`PROBE_EVERY`] through the phase on a connection of its own: how its p99 follows the load's.
+    probe: Option<Latency>,
     /// The share of the machine's CPU that was busy during the phase (everything on it, not only the benchmark).
     cpu: Option<f64>,
     /// Rows settled, and settlement's own time for them (`elapsed_ms` of the runs; the statements' time).
@@ -442,6 +445,31 @@ async fn lock_waits(pool: PgPool, db: String, stop: Arc<AtomicBool>) -> Result<L
     Ok(w)
 }
 
+/// How often the benchmark probes the commit latency (as a run under `throttle.max_commit_latency` does).
+const PROBE_EVERY: Duration = Duration::from_millis(100);
+
+/// The write of the product's commit latency probe (`probe` of `src/store/latency.rs`: `begin`, `select 1`,
+/// this, `commit`, four round trips).
+const PROBE_WRITE: &str = "select pg_logical_emit_message(true, 'fine-settler-probe', '')";
+
+/// The product's probe, timed every [`PROBE_EVERY`] until `stop` is set: each probe's latency in µs.
+async fn probes(pool: PgPool, stop: Arc<AtomicBool>) -> Result<Vec<i64>, Error> {
+    let mut conn = pool.acquire().await?;
+    let mut latencies = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        let started = Instant::now();
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        sqlx::Executor::execute(&mut *tx, "select 1").await?;
+        sqlx::Executor::execute(&mut *tx, PROBE_WRITE).await?;
+        tx.commit().await?;
+        latencies.push(i64::try_from(started.elapsed().as_micros())?);
+        tokio::time::sleep(PROBE_EVERY).await;
+    }
+    drop(conn);
+    pool.close().await;
+    Ok(latencies)
+}
+
 /// The machine's CPU time so far, from the first line of `/proc/stat`: (busy, total) in clock ticks, busy
 /// being all but idle and iowait. `None` where there is no `/proc/stat`.
 fn cpu_ticks() -> Option<(u64, u64)> {
@@ -560,6 +588,7 @@ impl Bench {
             db.clone(),
             stop.clone(),
         ));
+        let prober = tokio::spawn(probes(self.pool(&db, 1).await?, stop.clone()));
         let from_us = unix_us()?;
         let cpu_from = cpu_ticks();
         let started = Instant::now();
@@ -587,6 +616,7 @@ impl Bench {
         tokio::time::sleep(args.cooldown).await;
         stop.store(true, Ordering::Relaxed);
         let waits = sampler.await??;
+        let probe = latency(prober.await??);
         let txs = load.stop(&self.admin, &db).await?;
         self.drop_db(&db).await?;
 
@@ -599,6 +629,7 @@ impl Bench {
             load,
             caught_up,
             waits,
+            probe,
             cpu,
             settled,
             settle_ms,

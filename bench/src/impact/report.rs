@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use super::{
     control, Impact, Of, Phase, PhaseResult, BUDGET_OF_IDLE_P99, CONTROL_MAX, GOVERNED_DEADLINE, MONTHS,
-    SAMPLE_EVERY,
+    PROBE_EVERY, SAMPLE_EVERY,
 };
 use crate::verdict;
 
@@ -177,14 +177,18 @@ impl Impact {
         let mut r = String::new();
         let _ = writeln!(
             r,
-            "Where the load's active sessions were, sampled from `pg_stat_activity` every {} ms over each phase: on CPU (no wait event), waiting for WAL (`IO:WALSync`, `IO:WALWrite`, `LWLock:WALWrite`, `LWLock:WALInsert` — a commit waiting for its flush, or for the right to write WAL), on a lock, or anything else (client reads, buffer I/O):\n",
-            SAMPLE_EVERY.as_millis()
+            "Where the load's active sessions were, sampled from `pg_stat_activity` every {} ms over each phase: on CPU (no wait event), waiting for WAL (`IO:WALSync`, `IO:WALWrite`, `LWLock:WALWrite`, `LWLock:WALInsert` — a commit waiting for its flush, or for the right to write WAL), on a lock, or anything else (client reads, buffer I/O). Beside them, the commit latency probe of `throttle.max_commit_latency` (`begin`, `select 1`, one tiny logical message, `commit`: four round trips), taken by the benchmark every {} ms on a connection of its own in every phase: how its p99 follows the load's is how well it can stand for libraryd's latency.\n",
+            SAMPLE_EVERY.as_millis(),
+            PROBE_EVERY.as_millis()
         );
         let _ = writeln!(
             r,
-            "| phase | active samples | on CPU | waiting for WAL | on a lock | other |"
+            "| phase | active samples | on CPU | waiting for WAL | on a lock | other | probes | probe p50 | probe p99 | load p99 |"
         );
-        let _ = writeln!(r, "| --- | ---: | ---: | ---: | ---: | ---: |");
+        let _ = writeln!(
+            r,
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        );
         let phases = [Some(&self.idle), Some(&self.settle), Some(&self.statement)]
             .into_iter()
             .chain([self.throttled.as_ref().ok(), self.governed.as_ref().ok()])
@@ -192,15 +196,26 @@ impl Impact {
             .chain(&self.controls);
         for p in phases {
             let w = &p.waits;
+            let (probes, p50, p99) = p.probe.map_or_else(
+                || ("0".to_string(), String::new(), String::new()),
+                |l| {
+                    (
+                        l.transactions.to_string(),
+                        format!("{:.1} ms", l.p50_ms),
+                        format!("{:.1} ms", l.p99_ms),
+                    )
+                },
+            );
             let _ = writeln!(
                 r,
-                "| {} | {} | {:.0} % | {:.0} % | {:.0} % | {:.0} % |",
+                "| {} | {} | {:.0} % | {:.0} % | {:.0} % | {:.0} % | {probes} | {p50} | {p99} | {:.1} ms |",
                 p.phase.label(self.batch),
                 w.active,
                 w.share(w.cpu),
                 w.share(w.wal),
                 w.share(w.lock),
-                w.share(w.other)
+                w.share(w.other),
+                p.load.p99_ms
             );
         }
         let _ = writeln!(r);

@@ -2,9 +2,10 @@
 //! rows-per-second rate that keeps a commit under the budget, from a probe of fine-settler's own.
 //!
 //! **The signal.** Every [`PROBE_EVERY`] while a run works, before a batch, the throttle times one tiny
-//! transaction of its own on another connection of the pool ([`crate::store::latency::PROBE`], one round trip):
-//! it writes one small WAL record, so its commit waits for the WAL flush (and a synchronous standby), as each of
-//! libraryd's writing transactions does, and it touches no table. What it measures is what a short
+//! transaction of its own on another connection of the pool ([`crate::store::latency::probe`]), shaped as a
+//! short transaction of libraryd's: `begin`, a read, a write of one small WAL record (so that its commit waits
+//! for the WAL flush and a synchronous standby, as each of libraryd's writing transactions does), `commit` —
+//! four round trips, touching no table. What it measures is what a short
 //! libraryd transaction meets at that moment: the server's CPU, the WAL insert and flush queue the batches fill,
 //! the network. (The connection is checked out first: a wait for a free connection of fine-settler's pool is not
 //! libraryd's latency.) A probe that fails is ignored; one that takes longer than [`probe_timeout`] counts as a
