@@ -126,6 +126,17 @@ impl Of {
 }
 
 impl Phase {
+    /// The control of the `settle` phase `p` (`of`): the WAL per second its settlement wrote (its rows at
+    /// `wal`'s bytes per row, over its duration), for as long as it ran (5 s to [`CONTROL_MAX`]).
+    fn control_of(of: Of, p: &PhaseResult, wal: Wal, row_bytes: f64) -> Phase {
+        Phase::Control {
+            of,
+            bytes_per_sec: wal.per_row() * p.settled as f64 / p.wall.as_secs_f64().max(0.001),
+            secs: p.wall.clamp(Duration::from_secs(5), CONTROL_MAX),
+            row_bytes,
+        }
+    }
+
     fn label(self, batch: u32) -> String {
         match self {
             Phase::Idle => "idle: the load alone".into(),
@@ -655,6 +666,16 @@ impl Bench {
         Ok(Wal { rows, bytes })
     }
 
+    /// The WAL one row of the control's writer costs, on a fresh copy of `template` with nothing else running.
+    async fn writer_row_bytes(&self, template: &str) -> Result<f64, Error> {
+        let db = self.copy(template, "fsb_wal").await?;
+        let pool = self.pool(&db, 1).await?;
+        let bytes = control::bytes_per_row(&pool).await?;
+        pool.close().await;
+        self.drop_db(&db).await?;
+        Ok(bytes)
+    }
+
     /// The impact section on `template` (`loans` loans).
     pub(crate) async fn impact(
         &self,
@@ -703,29 +724,16 @@ impl Bench {
             }
         }
         eprintln!("   impact: WAL per row of the control's writer, without load");
-        let row_bytes = {
-            let db = self.copy(template, "fsb_wal").await?;
-            let pool = self.pool(&db, 1).await?;
-            let bytes = control::bytes_per_row(&pool).await?;
-            pool.close().await;
-            self.drop_db(&db).await?;
-            bytes
-        };
+        let row_bytes = self.writer_row_bytes(template).await?;
         let mut controls = Vec::new();
         for (of, p) in [
             (Of::Settle, Ok(&settle)),
             (Of::Throttled, throttled.as_ref()),
             (Of::Governed, governed.as_ref()),
         ] {
-            let Ok(p) = p else { continue };
-            let secs = p.wall.clamp(Duration::from_secs(5), CONTROL_MAX);
-            let control = Phase::Control {
-                of,
-                bytes_per_sec: wal_settle.per_row() * p.settled as f64 / p.wall.as_secs_f64().max(0.001),
-                secs,
-                row_bytes,
-            };
-            controls.push(run(control).await?);
+            if let Ok(p) = p {
+                controls.push(run(Phase::control_of(of, p, wal_settle, row_bytes)).await?);
+            }
         }
         Ok(Impact {
             args: args.clone(),

@@ -57,64 +57,7 @@ impl Impact {
             self.wal_settle.rows,
             SAMPLE_EVERY.as_millis()
         );
-        let _ = writeln!(
-            r,
-            "| phase | duration | load tx | load tx/s | p50 | p99 | max | longest lock wait | load statements seen waiting | machine CPU busy | settled rows | rows/s |"
-        );
-        let _ = writeln!(
-            r,
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-        );
-        let row = |r: &mut String, p: &PhaseResult| {
-            let rate = if p.phase == Phase::Idle {
-                String::new()
-            } else {
-                format!("{:.0}", p.rows_per_sec())
-            };
-            let settled = if p.phase == Phase::Idle {
-                String::new()
-            } else {
-                p.settled.to_string()
-            };
-            let _ = writeln!(
-                r,
-                "| {}{} | {:.1} s | {} | {:.0} | {:.1} ms | {:.1} ms | {:.1} ms | {:.0} ms | {} ({:.2} % of the load's) | {} | {settled} | {rate} |",
-                p.phase.label(self.batch),
-                if p.caught_up { "" } else { " (load behind schedule when stopped)" },
-                p.wall.as_secs_f64(),
-                p.load.transactions,
-                p.load_rate,
-                p.load.p50_ms,
-                p.load.p99_ms,
-                p.load.max_ms,
-                p.waits.longest_ms,
-                p.waits.statements,
-                100.0 * p.waits.statements as f64 / p.load.transactions.max(1) as f64,
-                p.cpu.map_or_else(|| "?".to_string(), |c| format!("{:.0} %", c * 100.0)),
-            );
-        };
-        row(&mut r, &self.idle);
-        row(&mut r, &self.settle);
-        row(&mut r, &self.statement);
-        for (label, p) in [
-            ("`settle`, throttled", &self.throttled),
-            ("`settle`, max_commit_latency", &self.governed),
-        ] {
-            match p {
-                Ok(p) => row(&mut r, p),
-                Err(why) => {
-                    let _ = writeln!(
-                        r,
-                        "| {label} | not available: {} | | | | | | | | | | |",
-                        why.replace('|', "\\|")
-                    );
-                }
-            }
-        }
-        for c in &self.controls {
-            row(&mut r, c);
-        }
-        let _ = writeln!(r);
+        r.push_str(&self.phases());
         r.push_str(&self.sessions());
         r.push_str(&self.floor());
         r.push_str(&self.governed_report());
@@ -169,6 +112,72 @@ impl Impact {
             self.p99_ratio(&self.statement),
             self.wal_ratio()
         );
+        r
+    }
+
+    /// The table of the phases: the load's latency, lock waits and the machine's CPU in each, and what it
+    /// settled.
+    fn phases(&self) -> String {
+        let mut r = String::new();
+        let _ = writeln!(
+            r,
+            "| phase | duration | load tx | load tx/s | p50 | p99 | max | longest lock wait | load statements seen waiting | machine CPU busy | settled rows | rows/s |"
+        );
+        let _ = writeln!(
+            r,
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        );
+        let row = |r: &mut String, p: &PhaseResult| {
+            let settles = !matches!(p.phase, Phase::Idle | Phase::Control { .. });
+            let rate = if settles {
+                format!("{:.0}", p.rows_per_sec())
+            } else {
+                String::new()
+            };
+            let settled = if settles {
+                p.settled.to_string()
+            } else {
+                String::new()
+            };
+            let _ = writeln!(
+                r,
+                "| {}{} | {:.1} s | {} | {:.0} | {:.1} ms | {:.1} ms | {:.1} ms | {:.0} ms | {} ({:.2} % of the load's) | {} | {settled} | {rate} |",
+                p.phase.label(self.batch),
+                if p.caught_up { "" } else { " (load behind schedule when stopped)" },
+                p.wall.as_secs_f64(),
+                p.load.transactions,
+                p.load_rate,
+                p.load.p50_ms,
+                p.load.p99_ms,
+                p.load.max_ms,
+                p.waits.longest_ms,
+                p.waits.statements,
+                100.0 * p.waits.statements as f64 / p.load.transactions.max(1) as f64,
+                p.cpu.map_or_else(|| "?".to_string(), |c| format!("{:.0} %", c * 100.0)),
+            );
+        };
+        row(&mut r, &self.idle);
+        row(&mut r, &self.settle);
+        row(&mut r, &self.statement);
+        for (label, p) in [
+            ("`settle`, throttled", &self.throttled),
+            ("`settle`, max_commit_latency", &self.governed),
+        ] {
+            match p {
+                Ok(p) => row(&mut r, p),
+                Err(why) => {
+                    let _ = writeln!(
+                        r,
+                        "| {label} | not available: {} | | | | | | | | | | |",
+                        why.replace('|', "\\|")
+                    );
+                }
+            }
+        }
+        for c in &self.controls {
+            row(&mut r, c);
+        }
+        let _ = writeln!(r);
         r
     }
 
