@@ -14,10 +14,17 @@ use crate::store::Db;
 pub const PROBE_WRITE: &str = "select pg_logical_emit_message(true, 'fine-settler-probe', '')";
 
 /// How long one probe transaction takes on a connection already checked out of the pool (a wait for a free
-/// connection is not counted).
-pub async fn commit_latency(pool: &Db) -> Result<Duration, sqlx::Error> {
+/// connection is not counted); `None` if it took longer than `timeout`. A probe still running then is not waited
+/// for: its connection leaves the pool and is closed, so that a hung server cannot hold the pool's connections.
+pub async fn commit_latency(pool: &Db, timeout: Duration) -> Result<Option<Duration>, sqlx::Error> {
     let mut conn = pool.pool().acquire().await?;
-    probe(&mut conn).await
+    match tokio::time::timeout(timeout, probe(&mut conn)).await {
+        Ok(latency) => latency.map(Some),
+        Err(_) => {
+            drop(conn.detach());
+            Ok(None)
+        }
+    }
 }
 
 /// One probe transaction on `conn`, shaped as a short transaction of libraryd's — four round trips: `begin`, a

@@ -159,3 +159,44 @@ async fn the_settle_command_paces_to_a_commit_latency_budget(pool: PgPool) {
     assert_eq!(log.matches("throttle released").count(), 1, "{log}");
     assert!(!log.contains("a commit took longer"), "{log}");
 }
+
+/// A probe that never returns (its write made to hang on this database) neither holds the run nor takes the
+/// pool's connections: each counts as over the budget once its timeout passes, its connection is closed, and the
+/// run settles every loan at the pace's floor or better.
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_hung_probe_neither_holds_the_run_nor_takes_the_pool(pool: PgPool) {
+    october(&pool, 300).await;
+    let db: String = sqlx::query_scalar("select current_database()")
+        .fetch_one(&pool)
+        .await
+        .expect("database");
+    for sql in [
+        "create function public.pg_logical_emit_message(bool, text, text) returns pg_lsn language plpgsql as $$
+         begin perform pg_sleep(3600); return null; end $$"
+            .to_string(),
+        format!("alter database \"{db}\" set search_path = public, pg_catalog"),
+    ] {
+        pool.execute(sql.as_str()).await.expect("a probe that hangs");
+    }
+    let mut cmd = fine_settler(&database_url(&pool));
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "100")
+        .env("FINE_SETTLER__DATABASE__MAX_CONNECTIONS", "2")
+        .env("FINE_SETTLER__THROTTLE__MAX_COMMIT_LATENCY", "5ms")
+        .args(["settle", "--business-date", "2026-10-31"]);
+    let out = output(cmd);
+    let log = String::from_utf8_lossy(&out.stderr);
+    let json = report(&out);
+    assert_eq!(json["outcome"], "settled", "{json} {log}");
+    assert_eq!(json["updated"], 300, "{log}");
+    assert_eq!(
+        settled(&pool, "2026-10-31").await,
+        oracle(&pool, "2026-10-31").await
+    );
+    let hung: i64 = sqlx::query_scalar(
+        "select count(*) from pg_stat_activity where datname = current_database() and query like '%pg_logical_emit_message%' and pid <> pg_backend_pid()",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("sessions");
+    assert!(hung <= 1, "{hung} probes still running on the server");
+}

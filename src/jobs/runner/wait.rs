@@ -43,7 +43,7 @@ impl Runner {
         loop {
             let lagging = self.lagging(&mut walk.episodes).await;
             if !lagging {
-                self.probe_commit_latency(&mut walk.episodes).await;
+                self.probe_commit_latency(&mut walk.episodes);
             }
             let renew_at = walk.renewed + self.renew_every();
             let wait = if lagging {
@@ -101,10 +101,10 @@ impl Runner {
         }
     }
 
-    /// Under `throttle.max_commit_latency`, when a probe is due: the probe, the rate adapted to it (see
-    /// [`crate::jobs::throttle::latency`]), the metrics and the log told.
-    async fn probe_commit_latency(&self, episodes: &mut Episodes) {
-        let Some(probed) = self.throttle.probe(&self.pool).await else {
+    /// Under `throttle.max_commit_latency`: a probe started in the background when one is due, and what the last
+    /// finished one did to the rate (see [`crate::jobs::throttle::latency`]) told to the metrics and the log.
+    fn probe_commit_latency(&self, episodes: &mut Episodes) {
+        let Some(probed) = self.throttle.probe(&self.pool) else {
             return;
         };
         let budget = self.throttle.settings().max_commit_latency.unwrap_or_default();
@@ -211,7 +211,8 @@ impl Episodes {
     /// A probe of the commit latency: over the budget, said at most every [`SAY_OVER_EVERY`]; every one at debug.
     fn probed(&mut self, probed: &Probed, budget: Duration) {
         let latency_us = probed.latency.as_micros() as u64;
-        if probed.over && self.over_said.is_none_or(|at| at.elapsed() >= SAY_OVER_EVERY) {
+        let slowed = probed.over && probed.to < probed.from;
+        if slowed && self.over_said.is_none_or(|at| at.elapsed() >= SAY_OVER_EVERY) {
             self.over_said = Some(Instant::now());
             tracing::info!(
                 reason = Reason::CommitLatency.as_str(),

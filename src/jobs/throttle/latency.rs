@@ -8,8 +8,9 @@
 //! four round trips, touching no table. What it measures is what a short
 //! libraryd transaction meets at that moment: the server's CPU, the WAL insert and flush queue the batches fill,
 //! the network. (The connection is checked out first: a wait for a free connection of fine-settler's pool is not
-//! libraryd's latency.) A probe that fails is ignored; one that takes longer than [`probe_timeout`] counts as a
-//! probe over the budget.
+//! libraryd's latency.) One probe runs at a time, in the background: a batch never waits for it. A probe that
+//! fails is ignored; one that takes longer than [`probe_timeout`] counts as a probe over the budget, and its
+//! connection is closed rather than waited for.
 //!
 //! **The rate.** Each probe within the budget raises the rate by [`INCREASE_SHARE`] of it (at least
 //! [`INCREASE_STEP`] rows/s); a probe over it halves the rate — at most once per [`DECREASE_HOLD`], so that the
@@ -43,12 +44,12 @@ pub const DECREASE: f64 = 0.5;
 /// After a halving, probes over the budget leave the rate alone this long (those within it raise it).
 pub const DECREASE_HOLD: Duration = Duration::from_millis(500);
 
-/// How long a probe may take before it counts as over the budget: ten budgets, at least a second and at most a
-/// minute.
+/// How long a probe may take before it counts as over the budget: ten budgets, at least a second and at most
+/// ten.
 pub fn probe_timeout(budget: Duration) -> Duration {
     budget
         .saturating_mul(10)
-        .clamp(Duration::from_secs(1), Duration::from_secs(60))
+        .clamp(Duration::from_secs(1), Duration::from_secs(10))
 }
 
 /// What a probe did to the rate.
@@ -304,7 +305,7 @@ mod tests {
     fn a_probe_times_out_after_ten_budgets_and_at_least_a_second() {
         assert_eq!(probe_timeout(Duration::from_millis(5)), Duration::from_secs(1));
         assert_eq!(probe_timeout(Duration::from_millis(500)), Duration::from_secs(5));
-        assert_eq!(probe_timeout(Duration::MAX), Duration::from_secs(60));
+        assert_eq!(probe_timeout(Duration::MAX), Duration::from_secs(10));
     }
 
     proptest! {

@@ -344,6 +344,10 @@ pub struct Throttle {
     governor: Option<Mutex<Governor>>,
     /// A probe failed (warned about once).
     probe_failed: AtomicBool,
+    /// A probe is running in the background.
+    probing: AtomicBool,
+    /// What the last finished probe did to the rate, until a run reports it.
+    probed: Mutex<Option<Probed>>,
 }
 
 impl Throttle {
@@ -357,6 +361,8 @@ impl Throttle {
                 .map(|budget| Mutex::new(Governor::new(budget, settings.max_rows_per_second))),
             settings,
             probe_failed: AtomicBool::new(false),
+            probing: AtomicBool::new(false),
+            probed: Mutex::new(None),
         })
     }
 
@@ -437,22 +443,37 @@ impl Throttle {
         }
     }
 
-    /// Under `throttle.max_commit_latency`, when a probe is due: times one (see [`latency`]) and adapts the rate
-    /// to it. A probe that fails is ignored (the rate stays); one that outlasts [`latency::probe_timeout`] counts
-    /// as over the budget.
-    pub async fn probe(&self, pool: &Db) -> Option<Probed> {
+    /// Under `throttle.max_commit_latency`: starts a probe in the background when one is due and none is running
+    /// — a batch never waits for a probe, so a slow one cannot hold the run below the pace — and returns what the
+    /// last finished probe did to the rate, once.
+    pub fn probe(self: &Arc<Self>, pool: &Db) -> Option<Probed> {
         let governor = self.governor.as_ref()?;
-        let budget = {
-            let mut g = governor.lock().ok()?;
-            if !g.probe_due(Instant::now()) {
-                return None;
-            }
-            g.budget()
-        };
+        let finished = self.probed.lock().ok()?.take();
+        let due = !self.probing.load(Ordering::Acquire) && governor.lock().ok()?.probe_due(Instant::now());
+        if due {
+            self.probing.store(true, Ordering::Release);
+            let throttle = self.clone();
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let probed = throttle.probe_now(&pool).await;
+                if let (Some(probed), Ok(mut last)) = (probed, throttle.probed.lock()) {
+                    *last = Some(probed);
+                }
+                throttle.probing.store(false, Ordering::Release);
+            });
+        }
+        finished
+    }
+
+    /// Times one probe (see [`latency`]) and adapts the rate to it. A probe that fails is warned about once and
+    /// ignored (the rate stays); one that outlasts [`latency::probe_timeout`] counts as over the budget.
+    async fn probe_now(&self, pool: &Db) -> Option<Probed> {
+        let governor = self.governor.as_ref()?;
+        let budget = governor.lock().ok()?.budget();
         let timeout = latency::probe_timeout(budget);
-        let latency = match tokio::time::timeout(timeout, store::latency::commit_latency(pool)).await {
-            Ok(Ok(latency)) => latency,
-            Ok(Err(e)) => {
+        let latency = match store::latency::commit_latency(pool, timeout).await {
+            Ok(latency) => latency.unwrap_or(timeout),
+            Err(e) => {
                 let rate = self.rate().unwrap_or_default().round() as u64;
                 if self.probe_failed.swap(true, Ordering::Relaxed) {
                     tracing::debug!(error = %e, rows_per_second = rate, "the commit latency probe failed; the pace stays");
@@ -463,7 +484,6 @@ impl Throttle {
                 }
                 return None;
             }
-            Err(_) => timeout,
         };
         governor
             .lock()
