@@ -219,6 +219,11 @@ struct RunFamilies {
     last_success: FloatGauges<JobLabels>,
     late_rows: Counters<JobLabels>,
     corrections: Counters<CorrectionLabels>,
+}
+
+/// The families of the throttle: time waited, and the pace `throttle.max_commit_latency` adapts.
+#[derive(Debug)]
+struct PaceFamilies {
     throttled: Family<ThrottleLabels, Counter<f64, AtomicU64>>,
     commit_latency: FloatGauges<ShardLabels>,
     commit_latency_budget: FloatGauges<ShardLabels>,
@@ -275,6 +280,13 @@ impl RunFamilies {
                  reinstated, canonical.",
                 Family::default(),
             ),
+        }
+    }
+}
+
+impl PaceFamilies {
+    fn register(b: &mut Builder) -> Self {
+        PaceFamilies {
             throttled: b.add(
                 "fine_settler_throttled_seconds_total",
                 "Time batches waited for the throttle, by reason: rate (max_rows_per_second), replica_lag, \
@@ -430,6 +442,7 @@ pub struct Metrics {
     families: Vec<(&'static str, MetricType)>,
     shard: Arc<str>,
     run: RunFamilies,
+    pace: PaceFamilies,
     tick: TickFamilies,
 }
 
@@ -438,12 +451,14 @@ impl Metrics {
     pub fn new(shard: String) -> Self {
         let mut b = Builder::default();
         let run = RunFamilies::register(&mut b);
+        let pace = PaceFamilies::register(&mut b);
         let tick = TickFamilies::register(&mut b);
         let metrics = Metrics {
             registry: b.registry,
             families: b.families,
             shard: shard.into(),
             run,
+            pace,
             tick,
         };
         // 0 until the first progress, as it always was.
@@ -461,7 +476,7 @@ impl Metrics {
             self.run.late_rows.get_or_create_owned(&labels);
             self.tick.paused.get_or_create_owned(&labels);
             for reason in [Reason::Rate, Reason::ReplicaLag, Reason::CommitLatency] {
-                self.run
+                self.pace
                     .throttled
                     .get_or_create_owned(&self.throttle(job, reason));
             }
@@ -569,7 +584,7 @@ impl Metrics {
 
     /// Adds the time a batch of `job` waited for the throttle, for `reason`.
     pub fn add_throttled(&self, job: JobName, reason: Reason, seconds: f64) {
-        self.run
+        self.pace
             .throttled
             .get_or_create(&self.throttle(job, reason))
             .inc_by(seconds);
@@ -578,15 +593,15 @@ impl Metrics {
     /// Sets the last commit latency probe, its budget and the pace it led to (rows per second).
     pub fn set_commit_latency(&self, latency: Duration, budget: Duration, rate: f64) {
         let labels = self.only_shard();
-        self.run
+        self.pace
             .commit_latency
             .get_or_create(&labels)
             .set(latency.as_secs_f64());
-        self.run
+        self.pace
             .commit_latency_budget
             .get_or_create(&labels)
             .set(budget.as_secs_f64());
-        self.run.pace_rate.get_or_create(&labels).set(rate);
+        self.pace.pace_rate.get_or_create(&labels).set(rate);
     }
 
     /// Counts a tick that read its status.

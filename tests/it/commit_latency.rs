@@ -13,17 +13,9 @@ use fine_settler::{
 use sqlx::{postgres::PgPoolOptions, Connection, Executor, PgConnection, PgPool};
 
 use crate::helpers::{
-    database_url, fine_settler, insert, loan, migrate, oracle, output, report, runner, settled, wait_until,
-    Cluster,
+    database_url, fine_settler, migrate, oracle, output, report, runner, settled, wait_until, Cluster,
 };
-
-/// `n` loans returned in October 2026 (ids from 1), each 5 days late.
-async fn october(pool: &PgPool, n: i64) {
-    let loans: Vec<_> = (1..=n)
-        .map(|id| loan(id, "2026-10-01", Some("2026-10-06")))
-        .collect();
-    insert(pool, &loans).await;
-}
+use crate::throttle::october;
 
 /// How long the throttle's probe transaction takes on a new connection to `url`.
 async fn a_commit(url: &str) -> Duration {

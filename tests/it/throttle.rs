@@ -25,7 +25,7 @@ use crate::helpers::{
 const POLICY: Settlement = Settlement;
 
 /// `n` loans returned in October 2026 (ids from 1), each 5 days late.
-async fn october(pool: &PgPool, n: i64) {
+pub(crate) async fn october(pool: &PgPool, n: i64) {
     let loans: Vec<_> = (1..=n)
         .map(|id| loan(id, "2026-10-01", Some("2026-10-06")))
         .collect();

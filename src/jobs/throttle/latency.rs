@@ -5,9 +5,8 @@
 //! transaction of its own on another connection of the pool ([`crate::store::latency::probe`]), shaped as a
 //! short transaction of libraryd's: `begin`, a read, a write of one small WAL record (so that its commit waits
 //! for the WAL flush and a synchronous standby, as each of libraryd's writing transactions does), `commit` —
-//! four round trips, touching no table. What it measures is what a short
-//! libraryd transaction meets at that moment: the server's CPU, the WAL insert and flush queue the batches fill,
-//! the network. (The connection is checked out first: a wait for a free connection of fine-settler's pool is not
+//! four round trips, touching no table. What it measures is what a short libraryd transaction meets at that
+//! moment: the server's CPU, the WAL insert and flush queue the batches fill, the network. (The connection is checked out first: a wait for a free connection of fine-settler's pool is not
 //! libraryd's latency.) One probe runs at a time, in the background: a batch never waits for it. A probe that
 //! fails is ignored; one that takes longer than [`probe_timeout`] counts as a probe over the budget, and its
 //! connection is closed rather than waited for.
@@ -25,9 +24,17 @@
 //! 0.5 % a probe, about one probe in a hundred is over the budget: the rate that keeps the probes' p99 near the
 //! budget, whatever the server. The price is a slow climb: about 5 % a second (ten probes), doubling in 14 s.
 
-use std::time::Duration;
+use std::{
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
 
 use tokio::time::Instant;
+
+use crate::store::{self, Db};
 
 /// How often a working run probes the commit latency (at most; only before a batch).
 pub const PROBE_EVERY: Duration = Duration::from_millis(100);
@@ -101,7 +108,7 @@ impl Governor {
     }
 
     /// Whether a probe is due at `now`: none yet, or the last started [`PROBE_EVERY`] ago. A due probe is then
-    /// taken as started, so that concurrent runs of the process do not probe at once.
+    /// taken as started.
     pub fn probe_due(&mut self, now: Instant) -> bool {
         let due = self
             .last_probe
@@ -159,6 +166,89 @@ impl Governor {
     /// [`FLOOR_RATE`], or `throttle.max_rows_per_second` when that is lower: the cap is never exceeded.
     fn floor(&self) -> f64 {
         self.ceiling.map_or(FLOOR_RATE, |c| c.min(FLOOR_RATE))
+    }
+}
+
+/// The pace under `throttle.max_commit_latency` of one process: its [`Governor`], and the probe that runs in
+/// the background, one at a time.
+#[derive(Debug)]
+pub struct LatencyPace {
+    governor: Mutex<Governor>,
+    /// A probe is running.
+    probing: AtomicBool,
+    /// What the last finished probe did to the rate, until a run reports it.
+    probed: Mutex<Option<Probed>>,
+    /// A probe failed (warned about once).
+    failed: AtomicBool,
+}
+
+impl LatencyPace {
+    pub fn new(budget: Duration, ceiling: Option<u32>) -> Arc<Self> {
+        Arc::new(LatencyPace {
+            governor: Mutex::new(Governor::new(budget, ceiling)),
+            probing: AtomicBool::new(false),
+            probed: Mutex::new(None),
+            failed: AtomicBool::new(false),
+        })
+    }
+
+    /// The current rate, in rows per second.
+    pub fn rate(&self) -> Option<f64> {
+        self.governor.lock().ok().map(|g| g.rate())
+    }
+
+    /// Notes a committed batch (see [`Governor::worked`]).
+    pub fn worked(&self, rows: i64, took: Duration) {
+        if let Ok(mut g) = self.governor.lock() {
+            g.worked(rows, took);
+        }
+    }
+
+    /// Starts a probe in the background when one is due and none is running — a batch never waits for a probe,
+    /// so a slow one cannot hold the run below the pace — and returns what the last finished probe did to the
+    /// rate, once.
+    pub fn probe(self: &Arc<Self>, pool: &Db) -> Option<Probed> {
+        let finished = self.probed.lock().ok()?.take();
+        let due =
+            !self.probing.load(Ordering::Acquire) && self.governor.lock().ok()?.probe_due(Instant::now());
+        if due {
+            self.probing.store(true, Ordering::Release);
+            let pace = self.clone();
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let probed = pace.probe_now(&pool).await;
+                if let (Some(probed), Ok(mut last)) = (probed, pace.probed.lock()) {
+                    *last = Some(probed);
+                }
+                pace.probing.store(false, Ordering::Release);
+            });
+        }
+        finished
+    }
+
+    /// Times one probe and adapts the rate to it. A probe that fails is warned about once and ignored (the rate
+    /// stays); one that outlasts [`probe_timeout`] counts as over the budget.
+    async fn probe_now(&self, pool: &Db) -> Option<Probed> {
+        let budget = self.governor.lock().ok()?.budget();
+        let timeout = probe_timeout(budget);
+        let latency = match store::latency::commit_latency(pool, timeout).await {
+            Ok(latency) => latency.unwrap_or(timeout),
+            Err(e) => {
+                let rate = self.rate().unwrap_or_default().round() as u64;
+                if self.failed.swap(true, Ordering::Relaxed) {
+                    tracing::debug!(error = %e, rows_per_second = rate, "the commit latency probe failed; the pace stays");
+                } else {
+                    tracing::warn!(error = %e, rows_per_second = rate,
+                        "the commit latency probe of throttle.max_commit_latency failed; the pace stays where it is \
+                         until a probe succeeds (said once per process)");
+                }
+                return None;
+            }
+        };
+        self.governor
+            .lock()
+            .ok()
+            .map(|mut g| g.observe(latency, Instant::now()))
     }
 }
 

@@ -31,10 +31,7 @@
 use std::{
     collections::{HashSet, VecDeque},
     fmt,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc, Mutex,
-    },
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -45,7 +42,6 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     config::ThrottleSettings,
     store::{
-        self,
         replication::{self, Replication},
         Db,
     },
@@ -53,7 +49,7 @@ use crate::{
 
 pub mod latency;
 
-pub use latency::{Governor, Probed};
+pub use latency::{Governor, LatencyPace, Probed};
 
 /// The most work a paced batch holds, in time at the rate: a batch works at full speed, so what libraryd's
 /// transactions meet while it runs — its row locks, the WAL its commit must flush before theirs — grows with
@@ -340,14 +336,8 @@ pub struct Throttle {
     readable: OnceCell<bool>,
     /// Held across a look, so that the looks of concurrent runs are noted in the order they were taken.
     history: tokio::sync::Mutex<WalHistory>,
-    /// The rate under `throttle.max_commit_latency`, when set.
-    governor: Option<Mutex<Governor>>,
-    /// A probe failed (warned about once).
-    probe_failed: AtomicBool,
-    /// A probe is running in the background.
-    probing: AtomicBool,
-    /// What the last finished probe did to the rate, until a run reports it.
-    probed: Mutex<Option<Probed>>,
+    /// The pace under `throttle.max_commit_latency`, when set.
+    latency: Option<Arc<LatencyPace>>,
 }
 
 impl Throttle {
@@ -356,13 +346,10 @@ impl Throttle {
             next_batch_at: Mutex::new(None),
             readable: OnceCell::new(),
             history: tokio::sync::Mutex::new(WalHistory::default()),
-            governor: settings
+            latency: settings
                 .max_commit_latency
-                .map(|budget| Mutex::new(Governor::new(budget, settings.max_rows_per_second))),
+                .map(|budget| LatencyPace::new(budget, settings.max_rows_per_second)),
             settings,
-            probe_failed: AtomicBool::new(false),
-            probing: AtomicBool::new(false),
-            probed: Mutex::new(None),
         })
     }
 
@@ -378,15 +365,15 @@ impl Throttle {
     /// The pace, in rows per second: the governor's rate under `throttle.max_commit_latency`, else
     /// `throttle.max_rows_per_second` (`None`: no pace).
     pub fn rate(&self) -> Option<f64> {
-        match &self.governor {
-            Some(g) => g.lock().ok().map(|g| g.rate()),
+        match &self.latency {
+            Some(pace) => pace.rate(),
             None => self.settings.max_rows_per_second.map(f64::from),
         }
     }
 
     /// Why a batch waits for the pace: the adapted rate or the fixed one.
     pub fn pace_reason(&self) -> Reason {
-        match self.governor {
+        match self.latency {
             Some(_) => Reason::CommitLatency,
             None => Reason::Rate,
         }
@@ -427,10 +414,8 @@ impl Throttle {
     /// pace is given back what the batch did not use. The next batch may then start `done / rate` seconds after
     /// this one was admitted, so a run's average stays under the rate. The governor learns how fast batches go.
     pub fn settle(&self, reserved: u32, done: i64, took: Duration) {
-        if let Some(g) = &self.governor {
-            if let Ok(mut g) = g.lock() {
-                g.worked(done, took);
-            }
+        if let Some(pace) = &self.latency {
+            pace.worked(done, took);
         }
         let Some(rate) = self.rate() else {
             return;
@@ -443,52 +428,10 @@ impl Throttle {
         }
     }
 
-    /// Under `throttle.max_commit_latency`: starts a probe in the background when one is due and none is running
-    /// — a batch never waits for a probe, so a slow one cannot hold the run below the pace — and returns what the
-    /// last finished probe did to the rate, once.
-    pub fn probe(self: &Arc<Self>, pool: &Db) -> Option<Probed> {
-        let governor = self.governor.as_ref()?;
-        let finished = self.probed.lock().ok()?.take();
-        let due = !self.probing.load(Ordering::Acquire) && governor.lock().ok()?.probe_due(Instant::now());
-        if due {
-            self.probing.store(true, Ordering::Release);
-            let throttle = self.clone();
-            let pool = pool.clone();
-            tokio::spawn(async move {
-                let probed = throttle.probe_now(&pool).await;
-                if let (Some(probed), Ok(mut last)) = (probed, throttle.probed.lock()) {
-                    *last = Some(probed);
-                }
-                throttle.probing.store(false, Ordering::Release);
-            });
-        }
-        finished
-    }
-
-    /// Times one probe (see [`latency`]) and adapts the rate to it. A probe that fails is warned about once and
-    /// ignored (the rate stays); one that outlasts [`latency::probe_timeout`] counts as over the budget.
-    async fn probe_now(&self, pool: &Db) -> Option<Probed> {
-        let governor = self.governor.as_ref()?;
-        let budget = governor.lock().ok()?.budget();
-        let timeout = latency::probe_timeout(budget);
-        let latency = match store::latency::commit_latency(pool, timeout).await {
-            Ok(latency) => latency.unwrap_or(timeout),
-            Err(e) => {
-                let rate = self.rate().unwrap_or_default().round() as u64;
-                if self.probe_failed.swap(true, Ordering::Relaxed) {
-                    tracing::debug!(error = %e, rows_per_second = rate, "the commit latency probe failed; the pace stays");
-                } else {
-                    tracing::warn!(error = %e, rows_per_second = rate,
-                        "the commit latency probe of throttle.max_commit_latency failed; the pace stays where it is \
-                         until a probe succeeds (said once per process)");
-                }
-                return None;
-            }
-        };
-        governor
-            .lock()
-            .ok()
-            .map(|mut g| g.observe(latency, Instant::now()))
+    /// Under `throttle.max_commit_latency`: starts a probe in the background when one is due and none is running,
+    /// and returns what the last finished probe did to the rate, once (see [`LatencyPace::probe`]).
+    pub fn probe(&self, pool: &Db) -> Option<Probed> {
+        self.latency.as_ref()?.probe(pool)
     }
 
     /// Asks once whether this role may read the standbys' positions; if it may not, says so once (a warning)
