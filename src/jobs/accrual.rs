@@ -44,7 +44,7 @@ use crate::{
     shard::ShardSpec,
     store::{
         corrections,
-        ledger::{self, Charged, Clamp, Overdue, Pending, Scope},
+        ledger::{self, Attempt, Charged, Clamp, Overdue, Pending, Scope},
     },
 };
 
@@ -349,7 +349,9 @@ pub async fn compensate_within(
             let Some(retried) = retry_pending(pool, accrual, p, due_only, max_attempts).await? else {
                 continue;
             };
-            progressed = true;
+            // A charge that only waited for its loan's lock may be due again before the pass ends, and would be
+            // retried again and again while the lock is held: it is no progress.
+            progressed |= retried != Retried::Busy;
             result.count(retried);
             if let Some(progress) = &limits.progress {
                 progress.call(1, 0);
@@ -372,6 +374,8 @@ enum Retried {
     NotOwed,
     /// Rejected again; it waits for its next attempt.
     Again,
+    /// Waited too long for its loan's lock; it waits for its next attempt, which this one did not spend.
+    Busy,
     /// Rejected for the last time: DEAD.
     Dead,
     /// Held back by the cap while other days of the loan hold more than they owe: left to the re-check.
@@ -383,7 +387,7 @@ impl Compensation {
         match retried {
             Retried::Charged => self.charged += 1,
             Retried::NotOwed => self.not_owed += 1,
-            Retried::Again => self.retried += 1,
+            Retried::Again | Retried::Busy => self.retried += 1,
             Retried::Dead => self.dead += 1,
             Retried::HeldBack => self.held_back += 1,
         }
@@ -451,8 +455,10 @@ fn spent(attempts: i32, max_attempts: u32) -> bool {
     u32::try_from(attempts).unwrap_or(0) >= max_attempts
 }
 
-/// A retried charge was rejected again: counts the attempt and schedules the next, or makes it DEAD after
-/// `max_attempts`; commits `tx`.
+/// A retried charge failed again: schedules the next attempt, or makes it DEAD after `max_attempts`; commits
+/// `tx`. A charge the database rejected spends an attempt; one that only waited too long for a row lock (libraryd
+/// or a peer's batch holding the loan: `lock_not_available`) does not — the lock says nothing of the charge, and
+/// on a busy server such waits would otherwise send sound charges to DEAD and an operator to them.
 async fn reschedule(
     mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
     accrual: &Accrual,
@@ -461,19 +467,22 @@ async fn reschedule(
     error: &sqlx::Error,
     max_attempts: u32,
 ) -> Result<Retried, sqlx::Error> {
-    let attempts = attempts.saturating_add(1);
-    let dead = spent(attempts, max_attempts);
+    let spends = !crate::store::lock_not_available(error);
+    let attempts = attempts.saturating_add(i32::from(spends));
+    let dead = spends && spent(attempts, max_attempts);
     let delay = accrual.backoff.delay(u32::try_from(attempts).unwrap_or(0));
     ledger::retry_failed(
         &mut tx,
-        p.loan_id,
-        p.accrual_date,
+        (p.loan_id, p.accrual_date),
         &error.to_string(),
         millis(delay),
-        dead,
+        Attempt { spends, dead },
     )
     .await?;
     tx.commit().await?;
+    if !spends {
+        return Ok(Retried::Busy);
+    }
     if !dead {
         return Ok(Retried::Again);
     }

@@ -513,17 +513,26 @@ pub async fn resolve(tx: &mut PgConnection, loan_id: i64, day: NaiveDate) -> Res
     Ok(())
 }
 
-/// Records another failed attempt: the error, the next attempt time, and DEAD once `dead` says so.
+/// What a failed retry of a pending charge does to its row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempt {
+    /// It counts as an attempt (the charge was rejected, not held up by a lock).
+    pub spends: bool,
+    /// It was the last: the row becomes DEAD.
+    pub dead: bool,
+}
+
+/// Records a failed retry of the pending charge `(loan_id, day)`: the error, the next attempt time, the attempt
+/// counted if it `spends` one, and DEAD once it is the last.
 pub async fn retry_failed(
     tx: &mut PgConnection,
-    loan_id: i64,
-    day: NaiveDate,
+    (loan_id, day): (i64, NaiveDate),
     error: &str,
     retry_in_ms: i64,
-    dead: bool,
+    attempt: Attempt,
 ) -> Result<(), sqlx::Error> {
     sqlx::query!(
-        r#"update fine_pending set attempts = attempts + 1, last_error = $3,
+        r#"update fine_pending set attempts = attempts + case when $6 then 1 else 0 end, last_error = $3,
                   next_attempt_at = now() + $4 * interval '1 millisecond',
                   status = case when $5 then 'DEAD' else 'PENDING' end, updated_at = now()
            where loan_id = $1 and accrual_date = $2"#,
@@ -531,7 +540,8 @@ pub async fn retry_failed(
         day,
         error,
         retry_in_ms as f64,
-        dead,
+        attempt.dead,
+        attempt.spends,
     )
     .execute(&mut *tx)
     .await?;

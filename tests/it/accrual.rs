@@ -248,6 +248,67 @@ pub(crate) async fn rejected_charges_compensated_once(pool: &PgPool, jobs: Db) {
     assert_eq!(left, 0);
 }
 
+/// A retry that only waits too long for the loan's lock (a peer's batch holds it) is no attempt:
+/// however many such retries a busy server sees, the charge stays PENDING with its attempts, and is charged once
+/// the lock is let go. (Each used to count: on a loaded machine, sound charges went DEAD for an operator.)
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_retry_that_waits_too_long_for_the_loans_lock_spends_no_attempt(pool: PgPool) {
+    let day = d("2026-10-10");
+    insert(&pool, &[loan(1, "2026-10-01", None)]).await;
+    block_charges(&pool, &[1]).await;
+    // Under a cap, a charge takes its loan's lock (days of one loan charged at once must not pass the cap).
+    let job = Accrual {
+        lock_timeout: Duration::from_millis(100),
+        backoff: Backoff::new(Duration::from_secs(60), Duration::from_secs(60)),
+        ..accrual(&pool, FinePolicy::new(100, 0, 10_000).expect("policy")).await
+    };
+    runner(&pool, "a", 10).run(&job, day_key(day, 0, 1), false).await;
+    sqlx::query("delete from blocked")
+        .execute(&pool)
+        .await
+        .expect("lift");
+    let row = || async {
+        sqlx::query_as::<_, (String, i32, String, bool)>(
+            "select status, attempts, last_error, next_attempt_at > now() from fine_pending",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("pending row")
+    };
+    assert_eq!(row().await.1, 1, "the run's own charge was the first attempt");
+
+    // A peer's batch holds the loan's lock through three retries, with two attempts allowed in all.
+    let mut peer = pool.begin().await.expect("begin");
+    fine_settler::store::ledger::lock_loans(&mut peer, &[1])
+        .await
+        .expect("lock the loan");
+    for _ in 0..3 {
+        sqlx::query("update fine_pending set next_attempt_at = now()")
+            .execute(&pool)
+            .await
+            .expect("make due");
+        let pass = compensate(&db(&pool), &job, None, true, 2).await.expect("pass");
+        assert_eq!((pass.charged, pass.dead), (0, 0), "{pass:?}");
+        let (status, attempts, error, later) = row().await;
+        assert_eq!((status.as_str(), attempts), ("PENDING", 1), "{error}");
+        assert!(error.contains("lock timeout"), "{error}");
+        assert!(later, "the next retry waits its backoff");
+    }
+    peer.rollback().await.expect("let go");
+    sqlx::query("update fine_pending set next_attempt_at = now()")
+        .execute(&pool)
+        .await
+        .expect("make due");
+    let pass = compensate(&db(&pool), &job, None, true, 2).await.expect("pass");
+    assert_eq!(pass.charged, 1, "{pass:?}");
+    let left: i64 = sqlx::query_scalar("select count(*) from fine_pending")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(left, 0);
+    assert_eq!(ledger(&pool).await.len(), 1, "charged once");
+}
+
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_charge_that_keeps_failing_goes_dead_with_growing_capped_backoff(pool: PgPool) {
     let day = d("2026-10-10");
