@@ -250,6 +250,7 @@ impl Daemon {
     /// deployment's first `default` policy, as `migrate` gives it; a failure is logged, and retried by the next
     /// start.
     pub(crate) async fn seed_rules(&self) {
+        self.pool.learn_tls().await;
         if let Err(e) = store::policies::seed_default_by(&self.pool, &self.settings.fine, "run").await {
             tracing::warn!(error = %e, "could not check that fine_policies has a policy");
         }

@@ -36,7 +36,6 @@ use crate::{
     health::Heartbeat,
     metrics::Metrics,
     progress::RowsHook,
-    redact::secrets_in as redact_secrets_in,
     store::{corrections::Corrected, job_runs::ClaimMode, Db},
 };
 
@@ -111,7 +110,7 @@ pub enum JobError {
     #[error(transparent)]
     Calendar(#[from] CalendarError),
     /// A statement failed (connection lost, statement timeout, constraint).
-    #[error("database error: {}", redact_secrets_in(&.0.to_string()))]
+    #[error("database error: {}", crate::store::tls::database_error(.0))]
     Sql(#[from] sqlx::Error),
     /// A batch transaction did not complete in time (claim.batch_timeout).
     #[error("a batch did not complete within {}", humantime::format_duration(*.0))]

@@ -111,7 +111,7 @@ impl Db {
         let route = Arc::new(Route::new(db, application_name, gucs));
         let fresh = route.clone();
         let mut options = options;
-        if route.hosts.len() > 1 {
+        if route.len() > 1 {
             // sqlx retries a refused connection until the acquire timeout ("the server is starting"); with other
             // hosts to try, a dead one is given up after the per-host timeout instead.
             let timeout = options.get_acquire_timeout().min(route.host_timeout);
@@ -136,7 +136,7 @@ impl Db {
             });
         }
         Db {
-            pool: options.connect_lazy_with(route.hosts[0].clone()),
+            pool: options.connect_lazy_with(route.options(0)),
             pooler: db.pooler,
             begin: (db.pooler == Pooler::Transaction).then(|| gucs.begin_local().into()),
             route,
@@ -149,11 +149,12 @@ impl Db {
     /// tries again).
     pub async fn reconnect(&self) -> Result<(), sqlx::Error> {
         self.route.stale();
-        if self.route.hosts.len() == 1 {
+        if self.route.len() == 1 {
+            self.learn_tls().await;
             return Ok(());
         }
         let chosen = self.route.choose().await?;
-        let host = self.route.hosts[chosen].clone();
+        let host = self.route.options(chosen);
         if host_of(&host) != host_of(&self.pool.connect_options()) {
             tracing::info!(host = %host_of(&host), "switching to the next qualifying host");
             self.route.switched();
@@ -162,6 +163,21 @@ impl Db {
         // Connections opened while the hosts were tried went to the old host.
         self.route.stale();
         Ok(())
+    }
+
+    /// Under `sslmode=prefer`, until a connection to the pool's host has succeeded: connects to it once to learn
+    /// whether its TLS handshake works; if it does not (a certificate rustls cannot use, see [`super::tls`]), the
+    /// pool connects to that host without TLS from then on. Cheap once learnt; a failure to connect is left to the
+    /// connections that follow. A lazy pool's first user calls it, so that its first connection already works.
+    pub async fn learn_tls(&self) {
+        let current = host_of(&self.pool.connect_options());
+        let Some(i) = (0..self.route.len()).find(|&i| host_of(&self.route.options(i)) == current) else {
+            return;
+        };
+        if self.route.learn_tls(i).await {
+            self.pool.set_connect_options(self.route.options(i));
+            self.route.stale();
+        }
     }
 
     /// How many times [`Db::reconnect`] moved the pool to another host.
@@ -176,7 +192,7 @@ impl Db {
 
     /// Whether `database.url` lists several hosts, so that [`Db::reconnect`] may move to another.
     pub fn follows_hosts(&self) -> bool {
-        self.route.hosts.len() > 1
+        self.route.len() > 1
     }
 
     /// The options the pool opens its connections with now (its current host).

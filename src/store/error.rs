@@ -11,7 +11,7 @@ use crate::redact::secrets_in as redact_secrets_in;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// A statement or connection failed; the message has the URL's password redacted.
-    #[error("database error: {}", redact_secrets_in(&.0.to_string()))]
+    #[error("database error: {}", crate::store::tls::database_error(.0))]
     Sql(#[from] sqlx::Error),
     /// Applying migrations failed.
     #[error("migration failed: {}", redact_secrets_in(&.0.to_string()))]

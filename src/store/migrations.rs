@@ -52,11 +52,14 @@ pub async fn migrate(
 ) -> Result<Migrated, StoreError> {
     // The first qualifying host of the URL (with one host, that host), without a statement timeout.
     let route = Route::new(db, "fine-settler migrate", &Gucs::none());
-    let chosen = match route.hosts.len() {
-        1 => 0,
+    let chosen = match route.len() {
+        1 => {
+            route.learn_tls(0).await;
+            0
+        }
         _ => route.choose().await?,
     };
-    let options = route.hosts[chosen].clone();
+    let options = route.options(chosen);
     // A pool of one: it keeps trying to connect until the connect timeout (a server still starting at boot).
     let pool = PgPoolOptions::new()
         .max_connections(1)

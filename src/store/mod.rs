@@ -5,7 +5,8 @@
 //! - [`db`]: [`Db`], the pool every statement goes through, directly or behind a pooler (one [`Unit`] at a time
 //!   in transaction mode);
 //! - `route` (private): `database.url`'s hosts, the choice among them for `target_session_attrs`, and which connections
-//!   a move to another host makes stale;
+//!   a move to another host makes stale; [`tls`]: `sslmode=prefer` as libpq means it, for a certificate rustls
+//!   cannot use (Citus's);
 //! - [`connect`]: the pools the product opens (the jobs', the daemon's lazy one, the status page's);
 //! - [`session`]: the settings connections run under, a transaction's `lock_timeout`, the database clock, and
 //!   the tick's dedicated [`Session`];
@@ -44,6 +45,7 @@ pub mod replication;
 mod route;
 pub mod session;
 pub mod status;
+pub mod tls;
 
 pub use connect::{connect, connect_lazy, connect_status};
 pub use db::{Db, Unit};

@@ -10,9 +10,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use sqlx::{postgres::PgConnectOptions, Connection, PgConnection};
+use sqlx::{postgres::PgConnectOptions, Connection};
 
-use super::{session::Gucs, ReadOnlyServer};
+use super::{session::Gucs, tls::PreferTls, ReadOnlyServer};
 use crate::{
     config::{DatabaseSettings, Pooler, TargetSessionAttrs},
     redact::secrets_in as redact_secrets_in,
@@ -63,7 +63,9 @@ fn hosts_with(
 /// instead of being used (a connection left on a demoted primary passes sqlx's ping and fails every write).
 #[derive(Debug)]
 pub(super) struct Route {
-    pub(super) hosts: Vec<PgConnectOptions>,
+    hosts: Vec<PgConnectOptions>,
+    /// Per host: what its TLS handshake came to under `sslmode=prefer` (see [`super::tls`]).
+    tls: Vec<PreferTls>,
     target: TargetSessionAttrs,
     /// Per host (`connect_timeout` in the URL), else `database.connect_timeout`.
     pub(super) host_timeout: Duration,
@@ -81,6 +83,7 @@ impl Route {
     pub(super) fn new(db: &DatabaseSettings, application_name: &str, gucs: &Gucs) -> Self {
         let (hosts, after_connect) = hosts_with(db, application_name, gucs);
         Route {
+            tls: hosts.iter().map(|_| PreferTls::default()).collect(),
             hosts,
             target: db.url.target(),
             host_timeout: db.host_timeout(),
@@ -95,6 +98,7 @@ impl Route {
     pub(super) fn direct(options: PgConnectOptions) -> Self {
         Route {
             hosts: vec![options],
+            tls: vec![PreferTls::default()],
             target: TargetSessionAttrs::Any,
             host_timeout: Duration::from_secs(10),
             after_connect: None,
@@ -102,6 +106,30 @@ impl Route {
             generation: AtomicU64::new(0),
             switches: AtomicU64::new(0),
         }
+    }
+
+    /// How many hosts the URL lists.
+    pub(super) fn len(&self) -> usize {
+        self.hosts.len()
+    }
+
+    /// The options host `i` is connected to with now (without TLS once its handshake failed under `prefer`).
+    pub(super) fn options(&self, i: usize) -> PgConnectOptions {
+        self.tls[i].options(&self.hosts[i])
+    }
+
+    /// Under `sslmode=prefer`, until a connection to host `i` has succeeded: connects to it once to learn
+    /// whether its TLS handshake works (see [`super::tls`]). Whether the host is now connected to without TLS
+    /// (it was not before); any other failure is left to the connections that follow.
+    pub(super) async fn learn_tls(&self, i: usize) -> bool {
+        if !self.tls[i].unsettled(&self.hosts[i]) {
+            return false;
+        }
+        let connected = tokio::time::timeout(self.host_timeout, self.tls[i].connect(&self.hosts[i])).await;
+        if let Ok(Ok(conn)) = connected {
+            let _ = conn.close().await;
+        }
+        self.tls[i].plain()
     }
 
     /// Every connection opened until now is stale: it is dropped at its next checkout instead of being used.
@@ -138,7 +166,7 @@ impl Route {
     pub(super) async fn choose(&self) -> Result<usize, sqlx::Error> {
         let mut last = None;
         for (i, host) in self.hosts.iter().enumerate() {
-            match tokio::time::timeout(self.host_timeout, self.probe(host)).await {
+            match tokio::time::timeout(self.host_timeout, self.probe(i)).await {
                 Ok(Ok(())) => return Ok(i),
                 Ok(Err(e)) => {
                     tracing::debug!(host = %host_of(host), error = %redact_secrets_in(&e.to_string()),
@@ -154,9 +182,9 @@ impl Route {
         Err(last.unwrap_or(sqlx::Error::PoolTimedOut))
     }
 
-    /// Connects to `host` and asks whether it qualifies for the target.
-    async fn probe(&self, host: &PgConnectOptions) -> Result<(), sqlx::Error> {
-        let mut conn = PgConnection::connect_with(host).await?;
+    /// Connects to host `i` and asks whether it qualifies for the target.
+    async fn probe(&self, i: usize) -> Result<(), sqlx::Error> {
+        let mut conn = self.tls[i].connect(&self.hosts[i]).await?;
         let fit = match self.target {
             TargetSessionAttrs::Any => Ok(None),
             TargetSessionAttrs::ReadWrite => ReadOnlyServer::ask(&mut conn).await,

@@ -182,6 +182,7 @@ impl Session {
             self.conn = None;
         }
         if self.conn.is_none() {
+            self.db.learn_tls().await;
             let options = self.db.current_options().application_name(&self.application_name);
             let connect = PgConnection::connect_with(&options);
             let mut conn = tokio::time::timeout(self.connect_timeout, connect)

@@ -42,3 +42,4 @@ mod status;
 mod stops;
 mod systemd;
 mod throttle;
+mod tls;
