@@ -116,6 +116,8 @@ impl StatusSource {
         // The pool bounds the wait for its connection and the server each statement; this bounds the whole, in
         // case the server cannot even be reached.
         let read = async {
+            // Its pool is its own: it learns for itself whether the server's TLS works (cheap once learnt).
+            self.pool.learn_tls().await;
             let keys = rows::keys(&self.pool, since).await?;
             let dead = rows::oldest_dead(&self.pool, DEAD_SHOWN).await?;
             let pauses = crate::store::pauses::list(&self.pool, None).await?;

@@ -67,7 +67,7 @@ pub const PRUNE_EVERY: Duration = Duration::from_secs(3600);
 pub enum TickError {
     /// The tick's status query (or its compensation pass) failed: the database is unreachable, restarting, or
     /// not migrated.
-    #[error("cannot read the tick status: {}", crate::redact::secrets_in(&.0.to_string()))]
+    #[error("cannot read the tick status: {}", crate::store::tls::database_error(.0))]
     Database(#[from] sqlx::Error),
     /// The server cannot write (a standby, or read-only transactions): the tick claims nothing.
     #[error("{0}")]

@@ -314,7 +314,8 @@ pub async fn compensate(
 /// Retries pending charges: those of `shard` that are due (or, with `due_only = false`, every PENDING one).
 /// Each charge is its own transaction: lock the pending row (skipping one another replica holds, or one that
 /// changed since the list was read), charge it under the loan's lock and remove it; or, if the charge is
-/// rejected again, count the attempt and schedule the next (DEAD after `max_attempts`).
+/// rejected again, count the attempt and schedule the next (DEAD after `max_attempts`; a retry held up by a lock
+/// counts none, see [`reschedule`]).
 pub async fn compensate_within(
     pool: &Db,
     accrual: &Accrual,
@@ -456,9 +457,11 @@ fn spent(attempts: i32, max_attempts: u32) -> bool {
 }
 
 /// A retried charge failed again: schedules the next attempt, or makes it DEAD after `max_attempts`; commits
-/// `tx`. A charge the database rejected spends an attempt; one that only waited too long for a row lock (libraryd
-/// or a peer's batch holding the loan: `lock_not_available`) does not — the lock says nothing of the charge, and
-/// on a busy server such waits would otherwise send sound charges to DEAD and an operator to them.
+/// `tx`. A charge the database rejected spends an attempt. One that only waited too long for a lock, or was
+/// cancelled to break a deadlock (`lock_not_available`: libraryd or a peer's batch holding the loan), spends
+/// none — a lock says nothing of the charge, and on a busy server such waits sent sound charges to DEAD — and waits
+/// twice as long as last time before the next try, up to `accrual.retry_backoff_max`; it is never made DEAD for
+/// that, and once its wait reaches the maximum every such retry is logged at error level.
 async fn reschedule(
     mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
     accrual: &Accrual,
@@ -467,22 +470,34 @@ async fn reschedule(
     error: &sqlx::Error,
     max_attempts: u32,
 ) -> Result<Retried, sqlx::Error> {
-    let spends = !crate::store::lock_not_available(error);
-    let attempts = attempts.saturating_add(i32::from(spends));
-    let dead = spends && spent(attempts, max_attempts);
-    let delay = accrual.backoff.delay(u32::try_from(attempts).unwrap_or(0));
+    let key = (p.loan_id, p.accrual_date);
+    if crate::store::lock_not_available(error) {
+        let (first, max) = (accrual.backoff.delay(1), accrual.backoff.delay(u32::MAX));
+        let waits =
+            ledger::retry_failed(&mut tx, key, &error.to_string(), Attempt::Busy { first, max }).await?;
+        tx.commit().await?;
+        if waits + Duration::from_millis(1) >= max {
+            tracing::error!(loan_id = p.loan_id, accrual_date = %p.accrual_date, error = %error,
+                wait = %humantime::format_duration(waits),
+                "pending charge held up by a lock at every retry: it is retried every accrual.retry_backoff_max \
+                 until the lock is let go; look for the transaction holding it (pg_locks)");
+        } else {
+            tracing::debug!(loan_id = p.loan_id, accrual_date = %p.accrual_date, error = %error,
+                wait = %humantime::format_duration(waits), "pending charge held up by a lock; retried later");
+        }
+        return Ok(Retried::Busy);
+    }
+    let attempts = attempts.saturating_add(1);
+    let dead = spent(attempts, max_attempts);
+    let retry_in = accrual.backoff.delay(u32::try_from(attempts).unwrap_or(0));
     ledger::retry_failed(
         &mut tx,
-        (p.loan_id, p.accrual_date),
+        key,
         &error.to_string(),
-        millis(delay),
-        Attempt { spends, dead },
+        Attempt::Spent { retry_in, dead },
     )
     .await?;
     tx.commit().await?;
-    if !spends {
-        return Ok(Retried::Busy);
-    }
     if !dead {
         return Ok(Retried::Again);
     }

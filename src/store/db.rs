@@ -149,6 +149,7 @@ impl Db {
     /// tries again).
     pub async fn reconnect(&self) -> Result<(), sqlx::Error> {
         self.route.stale();
+        self.route.relearn_tls();
         if self.route.len() == 1 {
             self.learn_tls().await;
             return Ok(());

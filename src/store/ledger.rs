@@ -1,5 +1,7 @@
 //! `fine_ledger` and `fine_pending`: the accrual scan, its charges, and the compensation queue.
 
+use std::time::Duration;
+
 use chrono::{DateTime, NaiveDate, Utc};
 use sqlx::PgConnection;
 
@@ -515,37 +517,51 @@ pub async fn resolve(tx: &mut PgConnection, loan_id: i64, day: NaiveDate) -> Res
 
 /// What a failed retry of a pending charge does to its row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Attempt {
-    /// It counts as an attempt (the charge was rejected, not held up by a lock).
-    pub spends: bool,
-    /// It was the last: the row becomes DEAD.
-    pub dead: bool,
+pub enum Attempt {
+    /// The charge was rejected: the attempt counts, the next waits `retry_in`, and the row is DEAD if this was
+    /// the last.
+    Spent { retry_in: Duration, dead: bool },
+    /// It only waited too long for a lock: no attempt is counted, and the next waits twice the last wait
+    /// (at least `first`, at most `max`), so a charge held up for long is retried less and less often.
+    Busy { first: Duration, max: Duration },
 }
 
 /// Records a failed retry of the pending charge `(loan_id, day)`: the error, the next attempt time, the attempt
-/// counted if it `spends` one, and DEAD once it is the last.
+/// counted if it was spent, and DEAD once it is the last. Times are taken when this statement starts (after the
+/// retry's lock wait, not at its transaction's start). Returns the wait before the next attempt.
 pub async fn retry_failed(
     tx: &mut PgConnection,
     (loan_id, day): (i64, NaiveDate),
     error: &str,
-    retry_in_ms: i64,
     attempt: Attempt,
-) -> Result<(), sqlx::Error> {
-    sqlx::query!(
-        r#"update fine_pending set attempts = attempts + case when $6 then 1 else 0 end, last_error = $3,
-                  next_attempt_at = now() + $4 * interval '1 millisecond',
-                  status = case when $5 then 'DEAD' else 'PENDING' end, updated_at = now()
-           where loan_id = $1 and accrual_date = $2"#,
+) -> Result<Duration, sqlx::Error> {
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let (spent, dead, retry_in, first, max) = match attempt {
+        Attempt::Spent { retry_in, dead } => (true, dead, ms(retry_in), 0.0, 0.0),
+        Attempt::Busy { first, max } => (false, false, 0.0, ms(first), ms(max)),
+    };
+    let waits_ms = sqlx::query_scalar!(
+        r#"update fine_pending set attempts = attempts + case when $5 then 1 else 0 end, last_error = $3,
+                  next_attempt_at = statement_timestamp() + case
+                      when $5 then $4 * interval '1 millisecond'
+                      else least($8 * interval '1 millisecond',
+                                 greatest($7 * interval '1 millisecond', 2 * (next_attempt_at - updated_at)))
+                  end,
+                  status = case when $6 then 'DEAD' else 'PENDING' end, updated_at = statement_timestamp()
+           where loan_id = $1 and accrual_date = $2
+           returning extract(epoch from next_attempt_at - updated_at)::float8 * 1000 as "waits_ms!""#,
         loan_id,
         day,
         error,
-        retry_in_ms as f64,
-        attempt.dead,
-        attempt.spends,
+        retry_in,
+        spent,
+        dead,
+        first,
+        max,
     )
-    .execute(&mut *tx)
+    .fetch_optional(&mut *tx)
     .await?;
-    Ok(())
+    Ok(Duration::from_secs_f64(waits_ms.unwrap_or(0.0).max(0.0) / 1000.0))
 }
 
 /// Makes a pending charge DEAD without another attempt (it has had them all).

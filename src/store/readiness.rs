@@ -6,7 +6,6 @@ use super::{
     migrations::{schema, Gaps},
     Db, ReadOnlyServer,
 };
-use crate::redact::secrets_in as redact_secrets_in;
 
 /// How long the database has to answer every question of the check.
 const ANSWER_WITHIN: Duration = Duration::from_secs(2);
@@ -20,7 +19,7 @@ pub async fn readiness(pool: &Db) -> Result<(), String> {
         Err(_) => Err("database did not answer within 2 s".into()),
         Ok(Err(e)) => Err(format!(
             "database unavailable: {}",
-            redact_secrets_in(&e.to_string())
+            super::tls::database_error(&e)
         )),
         Ok(Ok(Err(reason))) => Err(reason),
         Ok(Ok(Ok(()))) => Ok(()),
@@ -30,6 +29,8 @@ pub async fn readiness(pool: &Db) -> Result<(), String> {
 /// The check's three questions, each a statement of its own (behind a transaction-mode pooler, each its own
 /// transaction): can the server write, which migrations are recorded, where the owned indexes stand.
 async fn look(pool: &Db) -> Result<Result<(), String>, sqlx::Error> {
+    // The first user of a lazy pool: it learns whether the server's TLS works before it connects.
+    pool.learn_tls().await;
     let (in_recovery, read_only) = sqlx::query_as::<_, (bool, bool)>(
         "select pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'",
     )

@@ -132,6 +132,12 @@ impl Route {
         self.tls[i].plain()
     }
 
+    /// After a connection error: every host whose TLS worked under `prefer` is asked again (see
+    /// [`PreferTls::relearn`]).
+    pub(super) fn relearn_tls(&self) {
+        self.tls.iter().for_each(PreferTls::relearn);
+    }
+
     /// Every connection opened until now is stale: it is dropped at its next checkout instead of being used.
     pub(super) fn stale(&self) {
         *self.fresh_since.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();

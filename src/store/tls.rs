@@ -7,8 +7,9 @@
 //! every node it sets up (`UnsupportedCertVersion`) — which `psql` accepts under `prefer` and `require` alike.
 //!
 //! So, for each host whose URL says `prefer`, [`PreferTls`] remembers what its handshake came to: once a TLS
-//! handshake with it failed and a connection without TLS then succeeded, the process connects to that host
-//! without TLS, and says so once (a warning naming the host and the handshake's error). `require`, `verify-ca`
+//! handshake with it failed and a connection without TLS then succeeded, the pool connects to that host without
+//! TLS, and the process says so once (a warning naming the host and the handshake's error). A host whose TLS
+//! worked is asked again after a connection error (its server may have changed behind the same address). `require`, `verify-ca`
 //! and `verify-full` are never downgraded: their connections fail, and [`database_error`] says what was wrong
 //! with the certificate and what to do about it.
 
@@ -43,7 +44,11 @@ impl PreferTls {
     /// `host`'s options as a connection to it opens them now: without TLS once its handshake was found to fail
     /// under `prefer`.
     pub(super) fn options(&self, host: &PgConnectOptions) -> PgConnectOptions {
-        match self.0.load(Ordering::Acquire) {
+        Self::options_in(self.0.load(Ordering::Acquire), host)
+    }
+
+    fn options_in(state: u8, host: &PgConnectOptions) -> PgConnectOptions {
+        match state {
             PLAIN => host.clone().ssl_mode(PgSslMode::Disable),
             _ => host.clone(),
         }
@@ -55,31 +60,52 @@ impl PreferTls {
     }
 
     /// Whether a connection to `host` may still teach something: its URL says `prefer` and no connection to it
-    /// has succeeded yet.
+    /// has succeeded since it was last asked to learn again.
     pub(super) fn unsettled(&self, host: &PgConnectOptions) -> bool {
-        matches!(host.get_ssl_mode(), PgSslMode::Prefer) && self.0.load(Ordering::Acquire) == UNKNOWN
+        Self::unsettled_in(self.0.load(Ordering::Acquire), host)
+    }
+
+    fn unsettled_in(state: u8, host: &PgConnectOptions) -> bool {
+        matches!(host.get_ssl_mode(), PgSslMode::Prefer) && state == UNKNOWN
+    }
+
+    /// After a connection error: a host whose TLS worked is asked again at its next connection (its server may
+    /// have moved behind the same address, or its certificate changed). One connected to without TLS stays so.
+    pub(super) fn relearn(&self) {
+        let _ = self
+            .0
+            .compare_exchange(WORKS, UNKNOWN, Ordering::AcqRel, Ordering::Acquire);
     }
 
     /// Connects to `host` as [`PreferTls::options`] says; under `prefer`, a TLS handshake that fails is followed
     /// by a connection without TLS, and if that one succeeds the host is connected to without TLS from then on.
     pub(super) async fn connect(&self, host: &PgConnectOptions) -> Result<PgConnection, sqlx::Error> {
-        let options = self.options(host);
-        let unsettled = self.unsettled(host);
+        let state = self.0.load(Ordering::Acquire);
+        let options = Self::options_in(state, host);
+        let unsettled = Self::unsettled_in(state, host);
         match options.connect().await {
             Ok(conn) => {
                 if unsettled {
-                    self.0.store(WORKS, Ordering::Release);
+                    self.settle(WORKS);
                 }
                 Ok(conn)
             }
             Err(e) if unsettled && handshake_failed(&e) => {
                 let conn = options.clone().ssl_mode(PgSslMode::Disable).connect().await?;
-                self.0.store(PLAIN, Ordering::Release);
-                said_once(host, &e.to_string());
+                if self.settle(PLAIN) {
+                    said_once(host, &e.to_string());
+                }
                 Ok(conn)
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Records what a connection learnt, unless another learnt something first; whether this one did.
+    fn settle(&self, state: u8) -> bool {
+        self.0
+            .compare_exchange(UNKNOWN, state, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
     }
 }
 
@@ -127,7 +153,8 @@ pub fn database_error(e: &sqlx::Error) -> String {
             format!(
             "{message} (the server's TLS certificate is X.509 version 1, which fine-settler's TLS library does not \
              accept — Citus generates such a certificate for its nodes; give the server a version 3 certificate \
-             (ssl_cert_file), or use sslmode=prefer to connect without TLS as libpq would)"
+             (ssl_cert_file); under sslmode=prefer, fine-settler connects to such a server without TLS, as libpq \
+             does)"
             )
         }
         _ => message,

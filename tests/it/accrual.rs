@@ -248,9 +248,10 @@ pub(crate) async fn rejected_charges_compensated_once(pool: &PgPool, jobs: Db) {
     assert_eq!(left, 0);
 }
 
-/// A retry that only waits too long for the loan's lock (a peer's batch holds it) is no attempt:
-/// however many such retries a busy server sees, the charge stays PENDING with its attempts, and is charged once
-/// the lock is let go. (Each used to count: on a loaded machine, sound charges went DEAD for an operator.)
+/// A retry that only waits too long for the loan's lock (a peer's batch holds it) is no attempt: however many
+/// such retries a busy server sees, the charge stays PENDING with its attempts — each wait twice the last, up to
+/// the backoff's maximum — and is charged once the lock is let go. (Each used to count: on a loaded machine,
+/// sound charges went DEAD for an operator.)
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_retry_that_waits_too_long_for_the_loans_lock_spends_no_attempt(pool: PgPool) {
     let day = d("2026-10-10");
@@ -259,7 +260,7 @@ async fn a_retry_that_waits_too_long_for_the_loans_lock_spends_no_attempt(pool: 
     // Under a cap, a charge takes its loan's lock (days of one loan charged at once must not pass the cap).
     let job = Accrual {
         lock_timeout: Duration::from_millis(100),
-        backoff: Backoff::new(Duration::from_secs(60), Duration::from_secs(60)),
+        backoff: Backoff::new(Duration::from_secs(10), Duration::from_secs(40)),
         ..accrual(&pool, FinePolicy::new(100, 0, 10_000).expect("policy")).await
     };
     runner(&pool, "a", 10).run(&job, day_key(day, 0, 1), false).await;
@@ -268,37 +269,50 @@ async fn a_retry_that_waits_too_long_for_the_loans_lock_spends_no_attempt(pool: 
         .await
         .expect("lift");
     let row = || async {
-        sqlx::query_as::<_, (String, i32, String, bool)>(
-            "select status, attempts, last_error, next_attempt_at > now() from fine_pending",
+        sqlx::query_as::<_, (String, i32, String, f64)>(
+            "select status, attempts, last_error,
+                    extract(epoch from next_attempt_at - updated_at)::float8 from fine_pending",
         )
         .fetch_one(&pool)
         .await
         .expect("pending row")
     };
-    assert_eq!(row().await.1, 1, "the run's own charge was the first attempt");
+    let (_, attempts, _, wait) = row().await;
+    assert_eq!(
+        (attempts, wait.round()),
+        (1, 10.0),
+        "the run's own charge was the first attempt"
+    );
+    // The time of the next attempt comes (the row's clock moved back by what was left of its wait).
+    let due = || async {
+        sqlx::query("update fine_pending set updated_at = updated_at - (next_attempt_at - now()), next_attempt_at = now()")
+            .execute(&pool)
+            .await
+            .expect("make due");
+    };
 
-    // A peer's batch holds the loan's lock through three retries, with two attempts allowed in all.
+    // A peer's batch holds the loan's lock through four retries, with two attempts allowed in all.
     let mut peer = pool.begin().await.expect("begin");
     fine_settler::store::ledger::lock_loans(&mut peer, &[1])
         .await
         .expect("lock the loan");
-    for _ in 0..3 {
-        sqlx::query("update fine_pending set next_attempt_at = now()")
-            .execute(&pool)
-            .await
-            .expect("make due");
+    let mut waits = Vec::new();
+    for _ in 0..4 {
+        due().await;
         let pass = compensate(&db(&pool), &job, None, true, 2).await.expect("pass");
-        assert_eq!((pass.charged, pass.dead), (0, 0), "{pass:?}");
-        let (status, attempts, error, later) = row().await;
+        assert_eq!((pass.charged, pass.dead, pass.retried), (0, 0, 1), "{pass:?}");
+        let (status, attempts, error, wait) = row().await;
         assert_eq!((status.as_str(), attempts), ("PENDING", 1), "{error}");
         assert!(error.contains("lock timeout"), "{error}");
-        assert!(later, "the next retry waits its backoff");
+        waits.push(wait.round());
     }
+    assert_eq!(
+        waits,
+        vec![20.0, 40.0, 40.0, 40.0],
+        "each wait twice the last, up to the maximum"
+    );
     peer.rollback().await.expect("let go");
-    sqlx::query("update fine_pending set next_attempt_at = now()")
-        .execute(&pool)
-        .await
-        .expect("make due");
+    due().await;
     let pass = compensate(&db(&pool), &job, None, true, 2).await.expect("pass");
     assert_eq!(pass.charged, 1, "{pass:?}");
     let left: i64 = sqlx::query_scalar("select count(*) from fine_pending")

@@ -24,10 +24,16 @@ fn run(dir: &Path, program: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// A fresh server with a `libraryd` database and TLS on, its certificate a self-signed X.509 version 1 one
-/// (made with `openssl x509 -req -signkey`, which writes version 1 when given no extensions).
+/// A fresh server with a `libraryd` database and TLS on, its certificate a self-signed X.509 version 1 one.
 async fn a_server_with_a_version_1_certificate() -> Cluster {
     let server = Cluster::primary_with_libraryd().await;
+    turn_tls_on_with_a_version_1_certificate(&server).await;
+    server
+}
+
+/// Gives `server` a self-signed X.509 version 1 certificate (made with `openssl x509 -req -signkey`, which writes
+/// version 1 when given no extensions), turns TLS on and restarts it.
+async fn turn_tls_on_with_a_version_1_certificate(server: &Cluster) {
     let data = server.dir().join("data");
     run(
         &data,
@@ -82,7 +88,6 @@ async fn a_server_with_a_version_1_certificate() -> Cluster {
         .expect("ssl on");
     server.stop_fast().await;
     server.start().await;
-    server
 }
 
 /// The server's URL for `libraryd`, with `query` appended.
@@ -159,7 +164,7 @@ async fn require_and_stricter_are_never_downgraded_and_say_why_in_one_line() {
             "{mode}: {stderr}"
         );
         assert!(
-            !stderr.contains("without TLS,"),
+            !stderr.contains("sslmode=prefer: the TLS handshake"),
             "{mode}: never downgraded: {stderr}"
         );
     }
@@ -205,4 +210,70 @@ async fn the_daemon_learns_it_too_and_settles_its_month() {
         .expect("fine");
     assert_eq!(fine, Some(1000), "ten days at 100 cents");
     pool.close().await;
+}
+
+/// A running replica on such a server: ready, its status page answers (its pool is its own and learns for
+/// itself), and the warning is said once in the whole process.
+#[tokio::test]
+async fn a_running_replica_is_ready_and_its_status_page_answers() {
+    let server = a_server_with_a_version_1_certificate().await;
+    migrate(&url(&server, "?sslmode=disable"));
+    let port = crate::helpers::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut replica = crate::helpers::daemon(
+        &server.url("libraryd"),
+        0,
+        1,
+        &[("FINE_SETTLER__HTTP__LISTEN", &listen)],
+    );
+    let log = crate::helpers::StderrLog::collect(&mut replica);
+    crate::helpers::wait_until("ready", std::time::Duration::from_secs(30), || async {
+        crate::daemon::http_get(port, "/readyz").await.0 == 200
+    })
+    .await;
+    for page in ["/status.json", "/status"] {
+        let (code, body) = crate::daemon::http_get(port, page).await;
+        assert_eq!(code, 200, "{page}: {body}");
+    }
+    crate::helpers::stop(replica).await;
+    let log = log.finish();
+    assert_eq!(
+        log.matches("sslmode=prefer: the TLS handshake with the server failed")
+            .count(),
+        1,
+        "said once: {log}"
+    );
+    assert!(!log.contains("not ready"), "ready at the first try: {log}");
+}
+
+/// A replica that started against a server without TLS follows it when the server is restarted with TLS on and
+/// such a certificate (a failover behind the same address, a changed configuration): after the connection error
+/// it asks again, and connects without TLS. (It used to keep trying TLS until restarted.)
+#[tokio::test]
+async fn a_replica_follows_its_server_when_tls_is_turned_on_with_such_a_certificate() {
+    let server = Cluster::primary_with_libraryd().await;
+    migrate(&server.url("libraryd"));
+    let port = crate::helpers::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut replica = crate::helpers::daemon(
+        &server.url("libraryd"),
+        0,
+        1,
+        &[("FINE_SETTLER__HTTP__LISTEN", &listen)],
+    );
+    let log = crate::helpers::StderrLog::collect(&mut replica);
+    let ready = || async { crate::daemon::http_get(port, "/readyz").await.0 == 200 };
+    crate::helpers::wait_until("ready", std::time::Duration::from_secs(30), ready).await;
+    turn_tls_on_with_a_version_1_certificate(&server).await;
+    crate::helpers::wait_until(
+        "the warning of a connection without TLS",
+        std::time::Duration::from_secs(60),
+        || async { log.contains("sslmode=prefer: the TLS handshake with the server failed") },
+    )
+    .await;
+    crate::helpers::wait_until("ready again", std::time::Duration::from_secs(30), ready).await;
+    let (code, body) = crate::daemon::http_get(port, "/status.json").await;
+    assert_eq!(code, 200, "{body}");
+    crate::helpers::stop(replica).await;
+    log.finish();
 }
