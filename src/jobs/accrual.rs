@@ -350,7 +350,7 @@ pub async fn compensate_within(
             let Some(retried) = retry_pending(pool, accrual, p, due_only, max_attempts).await? else {
                 continue;
             };
-            // A charge that only waited for its loan's lock may be due again before the pass ends, and would be
+            // A charge that only waited for a lock may be due again before the pass ends, and would be
             // retried again and again while the lock is held: it is no progress.
             progressed |= retried != Retried::Busy;
             result.count(retried);
@@ -375,7 +375,8 @@ enum Retried {
     NotOwed,
     /// Rejected again; it waits for its next attempt.
     Again,
-    /// Waited too long for its loan's lock; it waits for its next attempt, which this one did not spend.
+    /// Waited too long for a lock (or was cancelled to break a deadlock); it waits for its next attempt, which
+    /// this one did not spend.
     Busy,
     /// Rejected for the last time: DEAD.
     Dead,

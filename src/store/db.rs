@@ -161,6 +161,7 @@ impl Db {
             self.route.switched();
         }
         self.pool.set_connect_options(host);
+        self.route.set_current(chosen);
         // Connections opened while the hosts were tried went to the old host.
         self.route.stale();
         Ok(())
@@ -171,10 +172,7 @@ impl Db {
     /// pool connects to that host without TLS from then on. Cheap once learnt; a failure to connect is left to the
     /// connections that follow. A lazy pool's first user calls it, so that its first connection already works.
     pub async fn learn_tls(&self) {
-        let current = host_of(&self.pool.connect_options());
-        let Some(i) = (0..self.route.len()).find(|&i| host_of(&self.route.options(i)) == current) else {
-            return;
-        };
+        let i = self.route.current();
         if self.route.learn_tls(i).await {
             self.pool.set_connect_options(self.route.options(i));
             self.route.stale();

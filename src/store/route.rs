@@ -4,7 +4,7 @@
 
 use std::{
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
         Mutex,
     },
     time::{Duration, Instant},
@@ -76,6 +76,8 @@ pub(super) struct Route {
     generation: AtomicU64,
     /// How many times the pool moved to another host.
     switches: AtomicU64,
+    /// Which host the pool connects to now.
+    current: AtomicUsize,
 }
 
 impl Route {
@@ -91,6 +93,7 @@ impl Route {
             fresh_since: Mutex::new(Instant::now()),
             generation: AtomicU64::new(0),
             switches: AtomicU64::new(0),
+            current: AtomicUsize::new(0),
         }
     }
 
@@ -105,6 +108,7 @@ impl Route {
             fresh_since: Mutex::new(Instant::now()),
             generation: AtomicU64::new(0),
             switches: AtomicU64::new(0),
+            current: AtomicUsize::new(0),
         }
     }
 
@@ -152,6 +156,16 @@ impl Route {
     /// Counts a move of the pool to another host.
     pub(super) fn switched(&self) {
         self.switches.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Which host the pool connects to now.
+    pub(super) fn current(&self) -> usize {
+        self.current.load(Ordering::SeqCst)
+    }
+
+    /// The pool now connects to host `i`.
+    pub(super) fn set_current(&self, i: usize) {
+        self.current.store(i, Ordering::SeqCst);
     }
 
     /// How many times the pool moved to another host.

@@ -172,17 +172,18 @@ impl Session {
         since: chrono::NaiveDate,
         late: job_runs::LateProbe,
     ) -> Result<job_runs::TickStatus, sqlx::Error> {
-        let generation = self.db.generation();
         if self
             .conn
             .as_ref()
-            .is_some_and(|(_, opened)| *opened != generation)
+            .is_some_and(|(_, opened)| *opened != self.db.generation())
         {
             // The pool looked for a server again since: so does the session.
             self.conn = None;
         }
         if self.conn.is_none() {
+            // Before the generation is read: learning that the host needs no TLS makes older connections stale.
             self.db.learn_tls().await;
+            let generation = self.db.generation();
             let options = self.db.current_options().application_name(&self.application_name);
             let connect = PgConnection::connect_with(&options);
             let mut conn = tokio::time::timeout(self.connect_timeout, connect)

@@ -6,8 +6,11 @@ use std::{os::unix::fs::MetadataExt, path::Path, process::Command};
 
 use sqlx::{postgres::PgPoolOptions, Connection, Executor, PgConnection};
 
-use crate::helpers::{fine_settler, migrate, output, report, settled, Cluster};
+use crate::helpers::{fine_settler, migrate, output, report, settled, Cluster, Running, StderrLog};
 use crate::throttle::october;
+
+/// The warning of a host connected to without TLS under `sslmode=prefer`.
+const WARNING: &str = "sslmode=prefer: the TLS handshake with the server failed";
 
 /// Runs `program` with `args` in `dir`, failing the test unless it succeeds; its stdout.
 fn run(dir: &Path, program: &str, args: &[&str]) -> String {
@@ -95,6 +98,34 @@ fn url(server: &Cluster, query: &str) -> String {
     format!("{}{query}", server.url("libraryd"))
 }
 
+/// A pool on `server`'s `libraryd` without TLS (sqlx's own `prefer` refuses the certificate).
+async fn without_tls(server: &Cluster) -> sqlx::PgPool {
+    PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url(server, "?sslmode=disable"))
+        .await
+        .expect("connect without TLS")
+}
+
+/// A replica of `server`'s `libraryd` (the default `sslmode`) with its status page, once `/readyz` says ready:
+/// the process, its log, the page's port.
+async fn replica_with_a_status_page(server: &Cluster) -> (Running, StderrLog, u16) {
+    let port = crate::helpers::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut replica = crate::helpers::daemon(
+        &server.url("libraryd"),
+        0,
+        1,
+        &[("FINE_SETTLER__HTTP__LISTEN", &listen)],
+    );
+    let log = StderrLog::collect(&mut replica);
+    crate::helpers::wait_until("ready", std::time::Duration::from_secs(30), || async {
+        crate::daemon::http_get(port, "/readyz").await.0 == 200
+    })
+    .await;
+    (replica, log, port)
+}
+
 /// `settle` of October through `url`.
 fn settle(url: &str) -> std::process::Output {
     let mut cmd = fine_settler(url);
@@ -114,14 +145,9 @@ async fn a_certificate_rustls_cannot_read_is_connected_to_without_tls_under_pref
         refused.to_string().contains("UnsupportedCertVersion"),
         "{refused}"
     );
-    // The server does speak TLS: libpq would use it.
-    let plain = url(&server, "?sslmode=disable");
     migrate(&default);
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&plain)
-        .await
-        .expect("connect without TLS");
+    // The server does speak TLS: libpq would use it.
+    let pool = without_tls(&server).await;
     let ssl: String = sqlx::query_scalar("show ssl")
         .fetch_one(&pool)
         .await
@@ -133,12 +159,7 @@ async fn a_certificate_rustls_cannot_read_is_connected_to_without_tls_under_pref
     let log = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{log}");
     assert_eq!(report(&out)["updated"], 100, "{log}");
-    assert_eq!(
-        log.matches("sslmode=prefer: the TLS handshake with the server failed")
-            .count(),
-        1,
-        "said once: {log}"
-    );
+    assert_eq!(log.matches(WARNING).count(), 1, "said once: {log}");
     assert!(log.contains("UnsupportedCertVersion"), "{log}");
     assert_eq!(settled(&pool, "2026-10-31").await.0, 100);
     pool.close().await;
@@ -148,11 +169,7 @@ async fn a_certificate_rustls_cannot_read_is_connected_to_without_tls_under_pref
 async fn require_and_stricter_are_never_downgraded_and_say_why_in_one_line() {
     let server = a_server_with_a_version_1_certificate().await;
     migrate(&url(&server, "?sslmode=disable"));
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&url(&server, "?sslmode=disable"))
-        .await
-        .expect("connect without TLS");
+    let pool = without_tls(&server).await;
     october(&pool, 10).await;
     for mode in ["require", "verify-ca", "verify-full"] {
         let out = settle(&url(&server, &format!("?sslmode={mode}")));
@@ -163,10 +180,7 @@ async fn require_and_stricter_are_never_downgraded_and_say_why_in_one_line() {
             stderr.contains("the server's TLS certificate is X.509 version 1"),
             "{mode}: {stderr}"
         );
-        assert!(
-            !stderr.contains("sslmode=prefer: the TLS handshake"),
-            "{mode}: never downgraded: {stderr}"
-        );
+        assert!(!stderr.contains(WARNING), "{mode}: never downgraded: {stderr}");
     }
     let runs: i64 = sqlx::query_scalar("select count(*) from job_runs")
         .fetch_one(&pool)
@@ -184,11 +198,7 @@ async fn the_daemon_learns_it_too_and_settles_its_month() {
     let server = a_server_with_a_version_1_certificate().await;
     let plain = url(&server, "?sslmode=disable");
     migrate(&plain);
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&plain)
-        .await
-        .expect("connect without TLS");
+    let pool = without_tls(&server).await;
     let month = crate::helpers::due_now(&pool, 1).await[0];
     let day = |back: i64| (month - chrono::Duration::days(back)).to_string();
     crate::helpers::insert(&pool, &[crate::helpers::loan(1, &day(20), Some(&day(10)))]).await;
@@ -198,12 +208,7 @@ async fn the_daemon_learns_it_too_and_settles_its_month() {
     let out = output(once);
     let log = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{log}");
-    assert_eq!(
-        log.matches("sslmode=prefer: the TLS handshake with the server failed")
-            .count(),
-        1,
-        "said once: {log}"
-    );
+    assert_eq!(log.matches(WARNING).count(), 1, "said once: {log}");
     let fine: Option<i64> = sqlx::query_scalar("select fine_cents from loans where id = 1")
         .fetch_one(&pool)
         .await
@@ -218,31 +223,14 @@ async fn the_daemon_learns_it_too_and_settles_its_month() {
 async fn a_running_replica_is_ready_and_its_status_page_answers() {
     let server = a_server_with_a_version_1_certificate().await;
     migrate(&url(&server, "?sslmode=disable"));
-    let port = crate::helpers::free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let mut replica = crate::helpers::daemon(
-        &server.url("libraryd"),
-        0,
-        1,
-        &[("FINE_SETTLER__HTTP__LISTEN", &listen)],
-    );
-    let log = crate::helpers::StderrLog::collect(&mut replica);
-    crate::helpers::wait_until("ready", std::time::Duration::from_secs(30), || async {
-        crate::daemon::http_get(port, "/readyz").await.0 == 200
-    })
-    .await;
+    let (replica, log, port) = replica_with_a_status_page(&server).await;
     for page in ["/status.json", "/status"] {
         let (code, body) = crate::daemon::http_get(port, page).await;
         assert_eq!(code, 200, "{page}: {body}");
     }
     crate::helpers::stop(replica).await;
     let log = log.finish();
-    assert_eq!(
-        log.matches("sslmode=prefer: the TLS handshake with the server failed")
-            .count(),
-        1,
-        "said once: {log}"
-    );
+    assert_eq!(log.matches(WARNING).count(), 1, "said once: {log}");
     assert!(!log.contains("not ready"), "ready at the first try: {log}");
 }
 
@@ -253,25 +241,18 @@ async fn a_running_replica_is_ready_and_its_status_page_answers() {
 async fn a_replica_follows_its_server_when_tls_is_turned_on_with_such_a_certificate() {
     let server = Cluster::primary_with_libraryd().await;
     migrate(&server.url("libraryd"));
-    let port = crate::helpers::free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let mut replica = crate::helpers::daemon(
-        &server.url("libraryd"),
-        0,
-        1,
-        &[("FINE_SETTLER__HTTP__LISTEN", &listen)],
-    );
-    let log = crate::helpers::StderrLog::collect(&mut replica);
-    let ready = || async { crate::daemon::http_get(port, "/readyz").await.0 == 200 };
-    crate::helpers::wait_until("ready", std::time::Duration::from_secs(30), ready).await;
+    let (replica, log, port) = replica_with_a_status_page(&server).await;
     turn_tls_on_with_a_version_1_certificate(&server).await;
     crate::helpers::wait_until(
         "the warning of a connection without TLS",
         std::time::Duration::from_secs(60),
-        || async { log.contains("sslmode=prefer: the TLS handshake with the server failed") },
+        || async { log.contains(WARNING) },
     )
     .await;
-    crate::helpers::wait_until("ready again", std::time::Duration::from_secs(30), ready).await;
+    crate::helpers::wait_until("ready again", std::time::Duration::from_secs(30), || async {
+        crate::daemon::http_get(port, "/readyz").await.0 == 200
+    })
+    .await;
     let (code, body) = crate::daemon::http_get(port, "/status.json").await;
     assert_eq!(code, 200, "{body}");
     crate::helpers::stop(replica).await;

@@ -6,10 +6,11 @@
 //! short transaction of libraryd's: `begin`, a read, a write of one small WAL record (so that its commit waits
 //! for the WAL flush and a synchronous standby, as each of libraryd's writing transactions does), `commit` —
 //! four round trips, touching no table. What it measures is what a short libraryd transaction meets at that
-//! moment: the server's CPU, the WAL insert and flush queue the batches fill, the network. (The connection is checked out first: a wait for a free connection of fine-settler's pool is not
-//! libraryd's latency.) One probe runs at a time, in the background: a batch never waits for it. A probe that
-//! fails is ignored; one that takes longer than [`probe_timeout`] counts as a probe over the budget, and its
-//! connection is closed rather than waited for.
+//! moment: the server's CPU, the WAL insert and flush queue the batches fill, the network. (The connection is
+//! checked out first: a wait for a free connection of fine-settler's pool is not libraryd's latency.) One probe
+//! runs at a time, in the background: a batch never waits for it. A probe that fails is ignored; one that takes
+//! longer than [`probe_timeout`] counts as a probe over the budget, and its connection is closed rather than
+//! waited for.
 //!
 //! **The rate.** Each probe within the budget raises the rate by [`INCREASE_SHARE`] of it (at least
 //! [`INCREASE_STEP`] rows/s); a probe over it halves the rate — at most once per [`DECREASE_HOLD`], so that the
