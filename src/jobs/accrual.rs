@@ -167,12 +167,12 @@ impl BatchJob for Accrual {
         epoch: i64,
         rows: &Vec<Overdue>,
     ) -> Result<Written, JobError> {
-        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
         // One day per batch: a loan gets either a correction (the day is charged) or a charge (it is not). When
         // some policy has a cap, every loan's lock is taken first, in the one lock order, and held to the batch's
-        // end; a loan whose day does not fit under its cap is held back, and written once its other days are
-        // relieved (a loan without a cap is never held back).
-        ledger::lock_loans(tx, &ids).await?;
+        // end (a loan another transaction holds is left to the re-check); a loan whose day does not fit under
+        // its cap is held back, and written once its other days are relieved (a loan without a cap is never
+        // held back).
+        let ids = lock_batch(tx, rows.iter().map(|r| r.id).collect()).await?;
         let clamp = Clamp::Hold;
         let (mut corrected, mut held) = corrections::correct(tx, key, epoch, &ids, clamp).await?;
         let charged = self.charge_batch(tx, key.business_date, ids, clamp).await?;
@@ -188,6 +188,42 @@ impl BatchJob for Accrual {
             corrected,
         })
     }
+}
+
+/// Takes the batch's loan locks ([`ledger::lock_loans`]) under a savepoint, and returns the loans the batch then
+/// writes. If a lock waits past `claim.lock_timeout` (or is chosen to break a deadlock) — another transaction
+/// holds the loan: a peer's batch, a compensation retry, anything taking that lock — the batch takes instead
+/// every lock it can without waiting, and leaves out the loans whose lock is held: neither charged nor corrected
+/// by this run, and queued for the accrual's re-check ([`corrections::note_changes`]), which re-opens the day for
+/// them once it finds them owed (a day outside the catch-up window: a plain `accrue --date D` re-opens it). A lock
+/// wait never fails a run: before this, one loan held past the lock timeout failed the whole run at every tick.
+async fn lock_batch(tx: &mut PgConnection, ids: Vec<i64>) -> Result<Vec<i64>, JobError> {
+    let mut all = tx.begin().await?;
+    match ledger::lock_loans(&mut all, &ids).await {
+        Ok(()) => {
+            all.commit().await?;
+            return Ok(ids);
+        }
+        Err(e) if crate::store::lock_not_available(&e) => {
+            all.rollback().await?;
+            tracing::debug!(error = %e, "a loan of the batch is locked by another transaction");
+        }
+        Err(e) => return Err(e.into()),
+    }
+    ledger::lock_loans(tx, &[]).await?;
+    let held = ledger::try_lock_loans(tx, &ids).await?;
+    if held.is_empty() {
+        return Ok(ids);
+    }
+    corrections::note_changes(tx, &held).await?;
+    tracing::warn!(
+        loans = ?held,
+        "loans locked by another transaction were left out of the batch; the re-check re-opens the day for them"
+    );
+    Ok(ids
+        .into_iter()
+        .filter(|id| held.binary_search(id).is_err())
+        .collect())
 }
 
 impl Accrual {

@@ -239,9 +239,17 @@ pub async fn relieve(
 
 /// Queues `loan_id` for the re-check, as libraryd's changes are queued: a day of it is left for a run to finish.
 pub async fn note_change(tx: &mut PgConnection, loan_id: i64) -> Result<(), sqlx::Error> {
-    sqlx::query!("insert into fine_loan_changes (loan_id) values ($1)", loan_id)
-        .execute(&mut *tx)
-        .await?;
+    note_changes(tx, &[loan_id]).await
+}
+
+/// Queues each loan of `ids` for the re-check (see [`note_change`]).
+pub async fn note_changes(tx: &mut PgConnection, ids: &[i64]) -> Result<(), sqlx::Error> {
+    sqlx::query!(
+        "insert into fine_loan_changes (loan_id) select unnest($1::bigint[])",
+        ids
+    )
+    .execute(&mut *tx)
+    .await?;
     Ok(())
 }
 

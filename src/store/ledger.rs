@@ -264,6 +264,24 @@ pub async fn lock_loans(tx: &mut PgConnection, ids: &[i64]) -> Result<(), sqlx::
     Ok(())
 }
 
+/// Takes, without waiting, the lock of each loan of `ids` that no other transaction holds (when some policy has a
+/// cap, as [`lock_loans`]); returns the loans whose lock another transaction holds, in ascending order. For a
+/// batch whose [`lock_loans`] waited past the lock timeout: take the calendar's lock first (`lock_loans` with no
+/// loans). A lock taken without waiting cannot deadlock, whatever the order.
+pub async fn try_lock_loans(tx: &mut PgConnection, ids: &[i64]) -> Result<Vec<i64>, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select coalesce(array_agg(k.id order by k.id) filter (where not k.locked), '{}') as "held!"
+           from (select b.id, pg_try_advisory_xact_lock($1::int, hashint8(b.id)) as locked
+                 from unnest($2::bigint[]) as b (id)
+                 where exists (select 1 from fine_policies c where c.cap_cents > 0)
+                 offset 0) k"#,
+        LOAN_LOCK_SPACE,
+        ids,
+    )
+    .fetch_one(&mut *tx)
+    .await
+}
+
 /// How a charge or a correction treats a positive amount that does not fit under the cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Clamp {

@@ -672,3 +672,74 @@ async fn a_pending_charge_held_back_by_the_cap_is_left_to_the_recheck(pool: PgPo
     let window = days("2026-01-01", "2026-01-11");
     assert_eq!(net(&pool).await, owed(&pool, &policy, &window).await);
 }
+
+/// Under a cap a batch locks its loans (their sums guard the cap). One loan whose lock another transaction holds
+/// past `claim.lock_timeout` is left for later: the rest of the batch is charged and corrected, the run succeeds,
+/// and the loan is queued for the re-check, which re-opens the day once the lock is let go — instead of the whole
+/// run failing, at every tick, for as long as the lock is held.
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_loan_locked_past_the_lock_timeout_is_left_for_the_recheck_not_a_failed_run(pool: PgPool) {
+    let day = d("2026-10-10");
+    insert(
+        &pool,
+        &[
+            loan(1, "2026-10-01", None),
+            loan(2, "2026-10-01", None),
+            loan(3, "2026-10-01", Some("2026-10-05")),
+            loan(4, "2026-10-01", None),
+        ],
+    )
+    .await;
+    let policy = FinePolicy::new(100, 0, 10_000).expect("policy");
+    let job = accrual(&pool, policy).await;
+    // Loan 3 was charged on the day before its return was recorded: it needs a correction.
+    sqlx::query("insert into fine_ledger (loan_id, accrual_date, amount_cents) values (3, $1, 100)")
+        .bind(day)
+        .execute(&pool)
+        .await
+        .expect("old charge");
+    sqlx::query("delete from fine_loan_changes")
+        .execute(&pool)
+        .await
+        .expect("nothing queued");
+
+    // Another transaction holds loans 2 and 3 (a peer's batch, a compensation retry).
+    let mut peer = pool.begin().await.expect("begin");
+    ledger::lock_loans(&mut peer, &[2, 3])
+        .await
+        .expect("lock the loans");
+    let run = runner(&pool, "a", 10).run(&job, day_key(day, 0, 1), false).await;
+    assert_eq!(run.outcome, Outcome::Settled, "{run:?}");
+    assert_eq!((run.updated, run.corrections), (2, 0), "{run:?}");
+    assert_eq!(
+        charges(&pool).await,
+        vec![(1, day, 100), (3, day, 100), (4, day, 100)],
+        "the loans not held are charged; the held ones are left as they were"
+    );
+    let queued: Vec<i64> = sqlx::query_scalar("select distinct loan_id from fine_loan_changes order by 1")
+        .fetch_all(&pool)
+        .await
+        .expect("queued");
+    assert_eq!(queued, vec![2, 3], "the held loans are queued for the re-check");
+
+    peer.rollback().await.expect("let go");
+    let found = corrections::recheck(&db(&pool), ShardSpec::SINGLE, day, day, 100, true, Duration::ZERO)
+        .await
+        .expect("recheck");
+    assert_eq!((found.days.clone(), found.dirty), (vec![day], 2), "{found:?}");
+    let again = runner(&pool, "b", 10)
+        .run(&job.within(Scope::Changed), day_key(day, 0, 1), false)
+        .await;
+    assert_eq!(again.outcome, Outcome::Settled, "{again:?}");
+    assert!(again.reopened, "{again:?}");
+    assert_eq!((again.updated, again.corrections), (1, 1), "{again:?}");
+    let mut expected = BTreeMap::new();
+    for id in [1, 2, 4] {
+        expected.insert((id, day), 100);
+    }
+    assert_eq!(
+        net(&pool).await,
+        expected,
+        "every day as owed once the lock is let go"
+    );
+}
