@@ -262,6 +262,90 @@ async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
     pool.close().await;
 }
 
+/// A standby whose connection drops while it lags — replay paused, the primary's walsender ended — leaves
+/// `pg_stat_replication` and does not come back while its replay is paused. A run that saw it lag goes on
+/// holding its batches (warned once) until it is back and has replayed, rather than writing at once.
+#[tokio::test]
+async fn a_standby_whose_connection_drops_while_it_lags_still_holds_batches_until_it_is_back() {
+    let (primary, url, pool) = primary_with_october(6_000).await;
+    slow_down(&pool, "update on loans", 0.0005).await;
+    let standby = primary.standby().await;
+    standby.wait_replayed(&primary).await;
+    standby.pause_replay().await;
+    sqlx::query("create table libraryd_traffic as select g from generate_series(1, 1000) g")
+        .execute(&pool)
+        .await
+        .expect("WAL the standby does not replay");
+
+    let mut cmd = fine_settler(&url);
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "200")
+        .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "1s")
+        .env("FINE_SETTLER__CLAIM__LEASE", "6s")
+        .args(["settle", "--business-date", "2026-10-31"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = spawn(&mut cmd);
+    let log = StderrLog::collect(&mut child);
+    wait_until(
+        "the run waits for the standby",
+        Duration::from_secs(30),
+        || async { log.contains("throttled: a standby lags") },
+    )
+    .await;
+
+    sqlx::query("select pg_terminate_backend(pid) from pg_stat_replication")
+        .execute(&pool)
+        .await
+        .expect("end the walsender");
+    wait_until(
+        "the standby leaves pg_stat_replication",
+        Duration::from_secs(10),
+        || async {
+            sqlx::query_scalar::<_, i64>("select count(*) from pg_stat_replication")
+                .fetch_one(&pool)
+                .await
+                .expect("standbys")
+                == 0
+        },
+    )
+    .await;
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let connected: i64 = sqlx::query_scalar("select count(*) from pg_stat_replication")
+            .fetch_one(&pool)
+            .await
+            .expect("standbys");
+        assert_eq!(
+            connected, 0,
+            "the paused standby reconnected: the test proves nothing"
+        );
+        assert_eq!(
+            settled(&pool, "2026-10-31").await,
+            (0, 0),
+            "a batch committed after the lagging standby's connection dropped"
+        );
+    }
+    assert!(
+        log.contains("left pg_stat_replication (its connection dropped)"),
+        "no warning of the standby that left"
+    );
+
+    standby.resume_replay().await;
+    let (code, _) = crate::helpers::exit_of(child, Duration::from_secs(60)).await;
+    let stderr = log.finish();
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(
+        settled(&pool, "2026-10-31").await,
+        oracle(&pool, "2026-10-31").await
+    );
+    assert_eq!(
+        stderr.matches("left pg_stat_replication").count(),
+        1,
+        "warned once: {stderr}"
+    );
+    pool.close().await;
+}
+
 /// Lag that existed before the run: replay paused and 200,000 rows of WAL left unreplayed for 3 s, then a run that
 /// fits in one batch, the standby reporting at PostgreSQL's default 10 s. The first batch waits (the standby's lag
 /// is not known: it had not replayed the run's first noted position) until a report later than the limit proves

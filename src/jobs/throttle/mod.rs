@@ -29,7 +29,7 @@
 //! compensation pass — ask the same verdict ([`Throttle::settled_verdict`]).
 
 use std::{
-    collections::{HashSet, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
     fmt,
     sync::{Arc, Mutex},
     time::Duration,
@@ -188,6 +188,20 @@ pub struct WalHistory {
     /// Standbys (by name) whose lag is still unknown after [`unknown_wait`] from the oldest noted position:
     /// warned about once, judged by the rule alone while they stay so.
     gave_up: HashSet<String>,
+    /// Standbys (by identity) that lagged more than the limit at their last report, with what they had replayed
+    /// then: one that leaves the view (its connection dropped) is taken to lag still, until it is back.
+    lagged: HashMap<String, Departed>,
+}
+
+/// What is known of a standby that lagged at its last report, should it leave the view.
+#[derive(Debug, Clone)]
+struct Departed {
+    /// Its name, as the log had it.
+    name: String,
+    /// The position it had replayed by then.
+    replayed: i64,
+    /// Whether its leaving was warned about.
+    warned: bool,
 }
 
 impl WalHistory {
@@ -214,6 +228,7 @@ impl WalHistory {
         {
             self.samples.clear();
             self.gave_up.clear();
+            self.lagged.clear();
             self.server = server.to_string();
         }
         if self
@@ -318,11 +333,74 @@ pub fn judge(history: &mut WalHistory, look: &Replication, limit: Duration) -> V
         }
     }
     history.gave_up.retain(|name| undated.contains(name));
+    if let Some(departed) = departed_lagging(history, look, lsn, limit) {
+        lagging.get_or_insert(departed);
+    }
     match (lagging, unknown) {
         (Some(lagging), _) => Verdict::Lagging(lagging),
         (None, Some(unknown)) => Verdict::Unknown(unknown),
         (None, None) => Verdict::Clear,
     }
+}
+
+/// Keeps `history`'s record of the standbys that lag at this look, and judges those that lagged at an earlier
+/// look and have left the view (a network blip, a primary restart, `wal_sender_timeout`: a standby whose replay
+/// is paused or behind does not reconnect until its replay needs more WAL). Nothing says it replayed anything
+/// since, so it is judged by its last report, as of now: it lags until it reconnects and its reports say
+/// otherwise (a healthy standby reconnects as soon as its replay needs WAL it does not have), a failover, or the
+/// process ends. Warned about once when it leaves. Returns the most behind of them.
+fn departed_lagging(
+    history: &mut WalHistory,
+    look: &Replication,
+    lsn: i64,
+    limit: Duration,
+) -> Option<Lagging> {
+    let present: HashSet<&str> = look.standbys.iter().map(|s| s.identity.as_str()).collect();
+    let mut kept = HashMap::new();
+    let mut worst: Option<Lagging> = None;
+    for (identity, mut d) in std::mem::take(&mut history.lagged) {
+        if present.contains(identity.as_str()) {
+            continue;
+        }
+        let behind = history.behind(d.replayed, look.at);
+        if behind <= limit {
+            continue;
+        }
+        let unreplayed_bytes = lsn.saturating_sub(d.replayed).max(0);
+        if !d.warned {
+            tracing::warn!(standby = %d.name, unreplayed_bytes,
+                "a standby that lagged more than throttle.max_replica_lag left pg_stat_replication (its connection \
+                 dropped): batches wait until it reconnects and replays; restart this process to stop waiting for \
+                 a standby gone for good, or leave it out of throttle.standbys");
+            d.warned = true;
+        }
+        if worst.as_ref().is_none_or(|w| behind > w.behind) {
+            worst = Some(Lagging {
+                standby: format!("{} (disconnected while it lagged)", d.name),
+                behind,
+                unreplayed_bytes,
+                replay_lag: None,
+            });
+        }
+        kept.insert(identity, d);
+    }
+    for s in &look.standbys {
+        let (Some(replay), Some(reply_time)) = (s.replay_lsn, s.reply_time) else {
+            continue;
+        };
+        if history.behind(replay, reply_time) > limit {
+            kept.insert(
+                s.identity.clone(),
+                Departed {
+                    name: s.name.clone(),
+                    replayed: replay,
+                    warned: false,
+                },
+            );
+        }
+    }
+    history.lagged = kept;
+    worst
 }
 
 /// The throttle of one process, shared by all its runs (the daemon's, a backfill's concurrent keys): the pace and
@@ -627,6 +705,7 @@ mod tests {
                 .map(|(i, (replay, sent_ms))| StandbyReport {
                     application_name: format!("standby{i}"),
                     name: format!("standby{i} at 127.0.0.1 (pid {})", 100 + i),
+                    identity: format!("standby{i} at 127.0.0.1"),
                     replay_lsn: Some(*replay),
                     reply_time: Some(t(*sent_ms)),
                     replay_lag_seconds: Some(0.078),
@@ -677,6 +756,54 @@ mod tests {
     }
 
     #[test]
+    fn a_standby_that_leaves_the_view_while_it_lags_still_lags_until_it_is_back() {
+        let mut history = WalHistory::default();
+        let limit = Duration::from_secs(1);
+        let mut verdicts = Vec::new();
+        for l in [
+            look(0, 1_000, &[(1_000, 0), (1_000, 0)]),
+            look(300, 60_000, &[(1_000, 250), (60_000, 250)]),
+            look(1_500, 240_000, &[(1_000, 1_450), (240_000, 1_450)]),
+        ] {
+            verdicts.push(judge(&mut history, &l, limit));
+        }
+        assert!(matches!(verdicts[2], Verdict::Lagging(_)), "{verdicts:?}");
+        // Its connection drops: the healthy one alone is left in the view, for as long as it stays away.
+        let mut gone = look(5_000, 300_000, &[(300_000, 4_990), (300_000, 4_990)]);
+        gone.standbys.remove(0);
+        let Verdict::Lagging(lagging) = judge(&mut history, &gone, limit) else {
+            panic!("a standby that left while it lagged holds");
+        };
+        assert_eq!(
+            (lagging.standby.as_str(), lagging.behind),
+            (
+                "standby0 at 127.0.0.1 (pid 100) (disconnected while it lagged)",
+                Duration::from_millis(4_700)
+            )
+        );
+        assert!(judge(&mut history, &gone, limit).holds());
+        // Back, and caught up: released.
+        let back = look(9_000, 300_000, &[(300_000, 8_990), (300_000, 8_990)]);
+        assert_eq!(judge(&mut history, &back, limit), Verdict::Clear);
+        // A standby that leaves while it keeps up holds nothing.
+        let mut healthy_leaves = look(9_500, 310_000, &[(310_000, 9_490), (310_000, 9_490)]);
+        healthy_leaves.standbys.remove(0);
+        assert_eq!(judge(&mut history, &healthy_leaves, limit), Verdict::Clear);
+        // A failover forgets it.
+        let mut history = WalHistory::default();
+        for l in [
+            look(0, 1_000, &[(1_000, 0)]),
+            look(300, 60_000, &[(1_000, 250)]),
+            look(1_500, 240_000, &[(1_000, 1_450)]),
+        ] {
+            judge(&mut history, &l, limit);
+        }
+        let mut elsewhere = look(2_000, 250_000, &[]);
+        elsewhere.server = Some("10.0.0.6:5432 timeline 00000002".into());
+        assert_eq!(judge(&mut history, &elsewhere, limit), Verdict::Clear);
+    }
+
+    #[test]
     fn old_or_caught_up_reports_never_invent_a_lag() {
         // A quiet, healthy standby: its last report, 10 s old, shows it caught up at 1000. New WAL is noted
         // after that report: nothing says the standby has not replayed it.
@@ -710,6 +837,7 @@ mod tests {
         two.standbys.push(StandbyReport {
             application_name: "new".into(),
             name: "new".into(),
+            identity: "new".into(),
             replay_lsn: None,
             reply_time: None,
             replay_lag_seconds: None,
