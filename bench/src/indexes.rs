@@ -115,51 +115,120 @@ struct Row {
 pub(crate) struct IndexLeg {
     loans: u64,
     rows: Vec<Row>,
+    /// Settled loans of earlier years added to the template for the second round (0: none measured).
+    history: u64,
+    history_years: u64,
+    history_rows: Vec<Row>,
+}
+
+/// The settled loans of `years` years before the template's month, `per_year` a year, added to the template
+/// (ids after its own, with the triggers on `loans` off, as history the re-check has long read): each returned
+/// around its due date — a tenth of them late, by 1 to 20 days — and settled, with no ledger. A real libraryd
+/// table holds such years; fine-settler's partial indexes leave most of them out (all but the late returns of
+/// `loans_returned_late_idx`), while a plan without them reads them all.
+async fn add_history(pool: &PgPool, years: u64, per_year: u64) -> Result<u64, Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::raw_sql("alter table loans disable trigger user")
+        .execute(&mut *tx)
+        .await?;
+    let added = sqlx::query(
+        "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on, fine_cents, fine_settled_at)
+         select m.top + g, 1 + g % 50000, 1 + g % 200000, d.due_on - 21, d.due_on, d.returned_on,
+                case when d.returned_on > d.due_on then 50 * (d.returned_on - d.due_on)::bigint else 0 end,
+                (d.returned_on + 40)::timestamptz
+         from (select max(id) as top from loans) m
+         cross join generate_series(1, $1::bigint) g
+         cross join lateral (select date '2026-09-01' - 1 - (g % (365 * $2::bigint))::int as due_on) d0
+         cross join lateral (select d0.due_on,
+                                    d0.due_on + (case when g % 10 = 0 then 1 + (g / 10) % 20
+                                                      else -((g / 10) % 7) end)::int as returned_on) d",
+    )
+    .bind(i64::try_from(years * per_year)?)
+    .bind(i64::try_from(years)?)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    sqlx::raw_sql("alter table loans enable trigger user")
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    sqlx::raw_sql("vacuum analyze loans").execute(pool).await?;
+    Ok(added)
 }
 
 impl Bench {
-    /// The section on `loans` generated loans, `ops` checkouts and `ops` returns per copy.
-    pub(crate) async fn indexes(&self, loans: u64, ops: usize) -> Result<IndexLeg, Error> {
+    /// The section on `loans` generated loans, `ops` checkouts and `ops` returns per copy; then again on the
+    /// template with `history_years` years of settled loans added (`loans` a year), unless that is 0.
+    pub(crate) async fn indexes(
+        &self,
+        loans: u64,
+        ops: usize,
+        history_years: u64,
+    ) -> Result<IndexLeg, Error> {
         let template = self.template(loans).await?;
         let mut rows = Vec::new();
         for kept in Kept::sets() {
             eprintln!("   indexes: {}", kept.label());
-            let db = self.copy(&template, "fsb_indexes").await?;
-            let pool = self.pool(&db, 1).await?;
-            for name in kept.dropped() {
-                sqlx::raw_sql(&format!("drop index {name}"))
-                    .execute(&pool)
-                    .await?;
-            }
-            sqlx::raw_sql("checkpoint").execute(&pool).await?;
-            let first: i64 = sqlx::query_scalar("select max(id) + 1 from loans")
-                .fetch_one(&pool)
-                .await?;
-            let inserts = checkouts(&pool, ops, first).await?;
-            let (returns, hot_share) = returns(&pool, ops, first).await?;
+            rows.push(self.index_copy(&template, kept, ops).await?);
+        }
+        let mut history = 0;
+        let mut history_rows = Vec::new();
+        if history_years > 0 {
+            eprintln!("   indexes: adding {history_years} years of settled loans");
+            let pool = self.pool(&template, 1).await?;
+            history = add_history(&pool, history_years, loans).await?;
             pool.close().await;
-            let settle_ms = self
-                .command(&db, &["settle", "--business-date", MONTH_END], "settled")
-                .await?;
-            let settle_rerun_ms = self
-                .command(&db, &["settle", "--business-date", MONTH_END], "skipped")
-                .await?;
-            let accrue_ms = self.command(&db, &["accrue", "--date", DAY], "settled").await?;
-            let accrue_rerun_ms = self.command(&db, &["accrue", "--date", DAY], "skipped").await?;
-            self.drop_db(&db).await?;
-            rows.push(Row {
-                kept,
-                inserts,
-                returns,
-                hot_share,
-                settle_ms,
-                settle_rerun_ms,
-                accrue_ms,
-                accrue_rerun_ms,
-            });
+            for kept in Kept::sets() {
+                eprintln!("   indexes, with history: {}", kept.label());
+                history_rows.push(self.index_copy(&template, kept, ops).await?);
+            }
         }
         self.drop_db(&template).await?;
-        Ok(IndexLeg { loans, rows })
+        Ok(IndexLeg {
+            loans,
+            rows,
+            history,
+            history_years,
+            history_rows,
+        })
+    }
+
+    /// One copy of `template` keeping the indexes `kept` names, measured.
+    async fn index_copy(&self, template: &str, kept: Kept, ops: usize) -> Result<Row, Error> {
+        let db = self.copy(template, "fsb_indexes").await?;
+        let pool = self.pool(&db, 1).await?;
+        for name in kept.dropped() {
+            sqlx::raw_sql(&format!("drop index {name}"))
+                .execute(&pool)
+                .await?;
+        }
+        sqlx::raw_sql("checkpoint").execute(&pool).await?;
+        // Checkouts take ids after every loan; returns pick among the loans still out (none of the history's).
+        let first: i64 = sqlx::query_scalar("select max(id) + 1 from loans")
+            .fetch_one(&pool)
+            .await?;
+        let inserts = checkouts(&pool, ops, first).await?;
+        let (returns, hot_share) = returns(&pool, ops, first).await?;
+        pool.close().await;
+        let settle_ms = self
+            .command(&db, &["settle", "--business-date", MONTH_END], "settled")
+            .await?;
+        let settle_rerun_ms = self
+            .command(&db, &["settle", "--business-date", MONTH_END], "skipped")
+            .await?;
+        let accrue_ms = self.command(&db, &["accrue", "--date", DAY], "settled").await?;
+        let accrue_rerun_ms = self.command(&db, &["accrue", "--date", DAY], "skipped").await?;
+        self.drop_db(&db).await?;
+        Ok(Row {
+            kept,
+            inserts,
+            returns,
+            hot_share,
+            settle_ms,
+            settle_rerun_ms,
+            accrue_ms,
+            accrue_rerun_ms,
+        })
     }
 
     /// `fine-settler ARGS` on `db`: its report's `elapsed_ms`, once its outcome is `outcome`.
@@ -308,37 +377,7 @@ impl IndexLeg {
             self.loans,
             self.rows.first().map_or(0, |r| r.inserts.n)
         );
-        let _ = writeln!(
-            r,
-            "| indexes kept | checkout p50 | checkout p99 | checkout WAL (records, images) | return p50 | return p99 | \
-             return WAL (records, images) | returns HOT | settle | settle rerun | accrue | accrue rerun |"
-        );
-        let _ = writeln!(
-            r,
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-        );
-        for row in &self.rows {
-            let _ = writeln!(
-                r,
-                "| {} | {:.0} µs | {:.0} µs | {:.0} B ({:.2}, {:.2}) | {:.0} µs | {:.0} µs | {:.0} B ({:.2}, {:.2}) | {:.0} % | {} ms | {} ms | {} ms | {} ms |",
-                row.kept.label(),
-                row.inserts.p50_us,
-                row.inserts.p99_us,
-                row.inserts.wal_per_op,
-                row.inserts.records_per_op,
-                row.inserts.fpi_per_op,
-                row.returns.p50_us,
-                row.returns.p99_us,
-                row.returns.wal_per_op,
-                row.returns.records_per_op,
-                row.returns.fpi_per_op,
-                row.hot_share * 100.0,
-                row.settle_ms,
-                row.settle_rerun_ms,
-                row.accrue_ms,
-                row.accrue_rerun_ms
-            );
-        }
+        table(&mut r, &self.rows);
         let _ = writeln!(r);
         let _ = writeln!(r, "What reads each index:\n");
         for (name, what) in INDEXES {
@@ -358,6 +397,85 @@ impl IndexLeg {
                 all.returns.wal_per_op / none.returns.wal_per_op
             );
         }
+        if !self.history_rows.is_empty() {
+            self.history_report(&mut r);
+        }
         r
+    }
+
+    /// The second round: the same copies and measurements on the template with years of settled loans.
+    fn history_report(&self, r: &mut String) {
+        let _ = writeln!(
+            r,
+            "\n### With {} years of history\n\nThe same, on the template with {} settled loans of the {} years \
+             before its month added ({} a year: returned around their due dates, a tenth of them late by 1 to 20 \
+             days; settled; no ledger), {} loans in all — the history a real libraryd table holds, which the \
+             partial indexes leave out (but for the late returns, in `loans_returned_late_idx`):\n",
+            self.history_years,
+            self.history,
+            self.history_years,
+            self.loans,
+            self.loans + self.history
+        );
+        table(r, &self.history_rows);
+        let all = self.history_rows.iter().find(|r| r.kept == Kept::All);
+        let _ = writeln!(
+            r,
+            "\nEach index left out, against all four, with the history (the questions it serves, in ms: \
+             settle, its rerun, accrue, its rerun):\n"
+        );
+        for row in &self.history_rows {
+            let (Kept::AllBut(i), Some(all)) = (row.kept, all) else {
+                continue;
+            };
+            let _ = writeln!(
+                r,
+                "- without `{}`: {} / {} / {} / {} against {} / {} / {} / {}",
+                INDEXES[i].0,
+                row.settle_ms,
+                row.settle_rerun_ms,
+                row.accrue_ms,
+                row.accrue_rerun_ms,
+                all.settle_ms,
+                all.settle_rerun_ms,
+                all.accrue_ms,
+                all.accrue_rerun_ms
+            );
+        }
+    }
+}
+
+/// The figures of `rows`, one table row each.
+fn table(r: &mut String, rows: &[Row]) {
+    let _ = writeln!(
+        r,
+        "| indexes kept | checkout p50 | checkout p99 | checkout WAL (records, images) | return p50 | return p99 | \
+         return WAL (records, images) | returns HOT | settle | settle rerun | accrue | accrue rerun |"
+    );
+    let _ = writeln!(
+        r,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for row in rows {
+        let _ = writeln!(
+            r,
+            "| {} | {:.0} µs | {:.0} µs | {:.0} B ({:.2}, {:.2}) | {:.0} µs | {:.0} µs | {:.0} B ({:.2}, {:.2}) | {:.0} % | {} ms | {} ms | {} ms | {} ms |",
+            row.kept.label(),
+            row.inserts.p50_us,
+            row.inserts.p99_us,
+            row.inserts.wal_per_op,
+            row.inserts.records_per_op,
+            row.inserts.fpi_per_op,
+            row.returns.p50_us,
+            row.returns.p99_us,
+            row.returns.wal_per_op,
+            row.returns.records_per_op,
+            row.returns.fpi_per_op,
+            row.hot_share * 100.0,
+            row.settle_ms,
+            row.settle_rerun_ms,
+            row.accrue_ms,
+            row.accrue_rerun_ms
+        );
     }
 }

@@ -133,6 +133,10 @@ struct Args {
     /// Loans of the indexes section's template.
     #[arg(long, default_value_t = 1_000_000)]
     index_loans: u64,
+    /// Years of settled loans (`--index-loans` a year) added to the indexes section's template for its second
+    /// round (0: no second round).
+    #[arg(long, default_value_t = 4)]
+    index_history_years: u64,
     /// Checkouts and returns timed on each copy of the indexes section.
     #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(1..))]
     index_ops: u64,
@@ -907,7 +911,15 @@ async fn main() -> Result<(), Error> {
         None
     } else {
         eprintln!("   indexes");
-        Some(bench.indexes(args.index_loans, args.index_ops as usize).await?)
+        Some(
+            bench
+                .indexes(
+                    args.index_loans,
+                    args.index_ops as usize,
+                    args.index_history_years,
+                )
+                .await?,
+        )
     };
 
     // ---- the report ----
@@ -1322,7 +1334,11 @@ async fn impact_only(bench: &Bench, args: &Args) -> Result<(), Error> {
 /// `--indexes-only`: the indexes section alone, printed, and written to `--out` or merged into `--merge-into`.
 async fn indexes_only(bench: &Bench, args: &Args) -> Result<(), Error> {
     let section = bench
-        .indexes(args.index_loans, args.index_ops as usize)
+        .indexes(
+            args.index_loans,
+            args.index_ops as usize,
+            args.index_history_years,
+        )
         .await?
         .report();
     print!("{section}");
