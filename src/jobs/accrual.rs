@@ -169,10 +169,11 @@ impl BatchJob for Accrual {
     ) -> Result<Written, JobError> {
         // One day per batch: a loan gets either a correction (the day is charged) or a charge (it is not). When
         // some policy has a cap, every loan's lock is taken first, in the one lock order, and held to the batch's
-        // end (a loan another transaction holds is left to the re-check); a loan whose day does not fit under
+        // end (a loan another transaction holds is left out, and queued); a loan whose day does not fit under
         // its cap is held back, and written once its other days are relieved (a loan without a cap is never
         // held back).
-        let ids = lock_batch(tx, rows.iter().map(|r| r.id).collect()).await?;
+        let (day, retry_in) = (key.business_date, self.backoff.delay(1));
+        let ids = lock_batch(tx, day, rows.iter().map(|r| r.id).collect(), retry_in).await?;
         let clamp = Clamp::Hold;
         let (mut corrected, mut held) = corrections::correct(tx, key, epoch, &ids, clamp).await?;
         let charged = self.charge_batch(tx, key.business_date, ids, clamp).await?;
@@ -192,12 +193,19 @@ impl BatchJob for Accrual {
 
 /// Takes the batch's loan locks ([`ledger::lock_loans`]) under a savepoint, and returns the loans the batch then
 /// writes. If a lock waits past `claim.lock_timeout` (or is chosen to break a deadlock) — another transaction
-/// holds the loan: a peer's batch, a compensation retry, anything taking that lock — the batch takes instead
-/// every lock it can without waiting, and leaves out the loans whose lock is held: neither charged nor corrected
-/// by this run, and queued for the accrual's re-check ([`corrections::note_changes`]), which re-opens the day for
-/// them once it finds them owed (a day outside the catch-up window: a plain `accrue --date D` re-opens it). A lock
-/// wait never fails a run: before this, one loan held past the lock timeout failed the whole run at every tick.
-async fn lock_batch(tx: &mut PgConnection, ids: Vec<i64>) -> Result<Vec<i64>, JobError> {
+/// holds the loan: a concurrent key of a backfill, a peer's batch, a compensation retry, a manual `accrue` —
+/// the batch takes instead every lock it can without waiting, and leaves out the loans whose lock is held (a
+/// lock wait never fails a run: before this, one loan held past the lock timeout failed the whole run at every
+/// tick). A left-out loan not yet charged on the day is queued in `fine_pending`, whose compensation pass charges
+/// it once the lock is let go, whatever the day; one charged on the day (a correction) is queued for the
+/// accrual's re-check ([`corrections::note_changes`]), which re-opens the day while it is in the catch-up
+/// window — outside it, a plain `accrue --date D` re-opens the day (its late-row question sees the correction).
+async fn lock_batch(
+    tx: &mut PgConnection,
+    day: NaiveDate,
+    ids: Vec<i64>,
+    retry_in: Duration,
+) -> Result<Vec<i64>, JobError> {
     let mut all = tx.begin().await?;
     match ledger::lock_loans(&mut all, &ids).await {
         Ok(()) => {
@@ -215,10 +223,23 @@ async fn lock_batch(tx: &mut PgConnection, ids: Vec<i64>) -> Result<Vec<i64>, Jo
     if held.is_empty() {
         return Ok(ids);
     }
-    corrections::note_changes(tx, &held).await?;
+    let charged = ledger::charged_on(tx, day, &held).await?;
+    let (corrections, charges): (Vec<i64>, Vec<i64>) =
+        held.iter().partition(|id| charged.binary_search(id).is_ok());
+    let error = "the loan was locked by another transaction past claim.lock_timeout; left out of its batch";
+    for id in &charges {
+        ledger::enqueue(tx, *id, day, error, millis(retry_in)).await?;
+    }
+    corrections::note_changes(tx, &corrections).await?;
+    const SHOWN: usize = 20;
     tracing::warn!(
-        loans = ?held,
-        "loans locked by another transaction were left out of the batch; the re-check re-opens the day for them"
+        accrual_date = %day,
+        left_out = held.len(),
+        loans = ?&held[..held.len().min(SHOWN)],
+        charges_queued = charges.len(),
+        corrections_queued = corrections.len(),
+        "loans locked by another transaction were left out of the batch: their charges are queued for \
+         compensation, their corrections for the re-check"
     );
     Ok(ids
         .into_iter()

@@ -242,10 +242,14 @@ pub async fn note_change(tx: &mut PgConnection, loan_id: i64) -> Result<(), sqlx
     note_changes(tx, &[loan_id]).await
 }
 
-/// Queues each loan of `ids` for the re-check (see [`note_change`]).
+/// Queues each loan of `ids` for the re-check (see [`note_change`]), unless a change of it is queued and not
+/// yet found owed (such a change is not removed before a later re-check, at least `settle` after this
+/// transaction, has looked at the loan again: a change already found owed might be, so it does not count).
 pub async fn note_changes(tx: &mut PgConnection, ids: &[i64]) -> Result<(), sqlx::Error> {
     sqlx::query!(
-        "insert into fine_loan_changes (loan_id) select unnest($1::bigint[])",
+        "insert into fine_loan_changes (loan_id)
+         select x.id from unnest($1::bigint[]) as x (id)
+         where not exists (select 1 from fine_loan_changes c where c.loan_id = x.id and c.cleared_at is null)",
         ids
     )
     .execute(&mut *tx)

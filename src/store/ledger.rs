@@ -282,6 +282,19 @@ pub async fn try_lock_loans(tx: &mut PgConnection, ids: &[i64]) -> Result<Vec<i6
     .await
 }
 
+/// The loans of `ids` charged on `day` (a first charge in `fine_ledger`), in ascending order.
+pub async fn charged_on(tx: &mut PgConnection, day: NaiveDate, ids: &[i64]) -> Result<Vec<i64>, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select f.loan_id as "loan_id!" from fine_ledger f
+           where f.loan_id = any($2::bigint[]) and f.accrual_date = $1
+           order by f.loan_id"#,
+        day,
+        ids,
+    )
+    .fetch_all(&mut *tx)
+    .await
+}
+
 /// How a charge or a correction treats a positive amount that does not fit under the cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Clamp {

@@ -24,8 +24,13 @@ pub struct StandbyReport {
     pub application_name: String,
     /// `application_name` (the standby's `cluster_name` by default), address and walsender pid, for the log.
     pub name: String,
-    /// `application_name` and address, without the pid: the same standby after it reconnects.
+    /// The same standby after it reconnects: its `application_name` when it has its own (a standby's
+    /// `cluster_name`, as `throttle.standbys` names it), else with its address (`walreceiver`, the default, is
+    /// shared by every standby without a `cluster_name`).
     pub identity: String,
+    /// Whether it reports a replay position of its own (a standby, a subscription), as opposed to a client
+    /// that only receives WAL (`pg_basebackup`, `pg_receivewal`).
+    pub replays: bool,
     /// The replay position of its last report, in bytes from `0/0` (`None`: no report yet, or hidden from this
     /// role); for a logical consumer that reports no apply position (`pg_recvlogical`), what it has flushed.
     pub replay_lsn: Option<i64>,
@@ -54,8 +59,10 @@ pub async fn look(pool: &Db, names: &[String]) -> Result<Replication, sqlx::Erro
                   s.application_name as "application_name?",
                   coalesce(nullif(s.application_name, ''), 'standby') || coalesce(' at ' || host(s.client_addr), '')
                       || ' (pid ' || s.pid || ')' as name,
-                  coalesce(nullif(s.application_name, ''), 'standby') || coalesce(' at ' || host(s.client_addr), '')
-                      as identity,
+                  case when s.application_name not in ('', 'walreceiver') then s.application_name
+                       else coalesce(nullif(s.application_name, ''), 'standby')
+                            || coalesce(' at ' || host(s.client_addr), '') end as identity,
+                  s.replay_lsn is not null as replays,
                   pg_wal_lsn_diff(coalesce(s.replay_lsn, s.flush_lsn), '0/0')::bigint as replay_lsn,
                   s.reply_time,
                   extract(epoch from s.replay_lag)::float8 as replay_lag_seconds
@@ -88,6 +95,7 @@ pub async fn look(pool: &Db, names: &[String]) -> Result<Replication, sqlx::Erro
             application_name: r.application_name.unwrap_or_default(),
             name: r.name.unwrap_or_else(|| "standby".into()),
             identity: r.identity.unwrap_or_else(|| "standby".into()),
+            replays: r.replays.unwrap_or(false),
             replay_lsn: r.replay_lsn,
             reply_time: r.reply_time,
             replay_lag_seconds: r.replay_lag_seconds,

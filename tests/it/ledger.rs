@@ -8,7 +8,10 @@ use chrono::NaiveDate;
 use fine_settler::{
     backoff::Backoff,
     fine::FinePolicy,
-    jobs::{accrual::Accrual, JobName, Outcome, RunKey},
+    jobs::{
+        accrual::{compensate, Accrual},
+        JobName, Outcome, RunKey,
+    },
     shard::ShardSpec,
     store::{
         corrections,
@@ -673,12 +676,12 @@ async fn a_pending_charge_held_back_by_the_cap_is_left_to_the_recheck(pool: PgPo
     assert_eq!(net(&pool).await, owed(&pool, &policy, &window).await);
 }
 
-/// Under a cap a batch locks its loans (their sums guard the cap). One loan whose lock another transaction holds
-/// past `claim.lock_timeout` is left for later: the rest of the batch is charged and corrected, the run succeeds,
-/// and the loan is queued for the re-check, which re-opens the day once the lock is let go — instead of the whole
-/// run failing, at every tick, for as long as the lock is held.
+/// Under a cap a batch locks its loans (their sums guard the cap). A loan whose lock another transaction holds past
+/// `claim.lock_timeout` is left out: the rest of the batch is charged and corrected and the run succeeds; the
+/// left-out charge is queued for compensation and the left-out correction for the re-check, each done once the
+/// lock is let go — instead of the whole run failing, at every tick, for as long as the lock is held.
 #[sqlx::test(fixtures("default_policy"))]
-async fn a_loan_locked_past_the_lock_timeout_is_left_for_the_recheck_not_a_failed_run(pool: PgPool) {
+async fn a_loan_locked_past_the_lock_timeout_is_left_out_and_queued_not_a_failed_run(pool: PgPool) {
     let day = d("2026-10-10");
     insert(
         &pool,
@@ -703,7 +706,7 @@ async fn a_loan_locked_past_the_lock_timeout_is_left_for_the_recheck_not_a_faile
         .await
         .expect("nothing queued");
 
-    // Another transaction holds loans 2 and 3 (a peer's batch, a compensation retry).
+    // Another transaction holds loans 2 and 3 (a concurrent key of a backfill, a compensation retry).
     let mut peer = pool.begin().await.expect("begin");
     ledger::lock_loans(&mut peer, &[2, 3])
         .await
@@ -716,23 +719,34 @@ async fn a_loan_locked_past_the_lock_timeout_is_left_for_the_recheck_not_a_faile
         vec![(1, day, 100), (3, day, 100), (4, day, 100)],
         "the loans not held are charged; the held ones are left as they were"
     );
-    let queued: Vec<i64> = sqlx::query_scalar("select distinct loan_id from fine_loan_changes order by 1")
+    let pending: Vec<(i64, String)> = sqlx::query_as("select loan_id, status from fine_pending")
+        .fetch_all(&pool)
+        .await
+        .expect("pending");
+    assert_eq!(
+        pending,
+        vec![(2, "PENDING".to_string())],
+        "the held charge is queued"
+    );
+    let queued: Vec<i64> = sqlx::query_scalar("select loan_id from fine_loan_changes")
         .fetch_all(&pool)
         .await
         .expect("queued");
-    assert_eq!(queued, vec![2, 3], "the held loans are queued for the re-check");
+    assert_eq!(queued, vec![3], "the held correction is queued for the re-check");
 
     peer.rollback().await.expect("let go");
     let found = corrections::recheck(&db(&pool), ShardSpec::SINGLE, day, day, 100, true, Duration::ZERO)
         .await
         .expect("recheck");
-    assert_eq!((found.days.clone(), found.dirty), (vec![day], 2), "{found:?}");
+    assert_eq!((found.days.clone(), found.dirty), (vec![day], 1), "{found:?}");
     let again = runner(&pool, "b", 10)
         .run(&job.within(Scope::Changed), day_key(day, 0, 1), false)
         .await;
     assert_eq!(again.outcome, Outcome::Settled, "{again:?}");
     assert!(again.reopened, "{again:?}");
-    assert_eq!((again.updated, again.corrections), (1, 1), "{again:?}");
+    assert_eq!((again.updated, again.corrections), (0, 1), "{again:?}");
+    let pass = compensate(&db(&pool), &job, None, false, 5).await.expect("pass");
+    assert_eq!(pass.charged, 1, "{pass:?}");
     let mut expected = BTreeMap::new();
     for id in [1, 2, 4] {
         expected.insert((id, day), 100);

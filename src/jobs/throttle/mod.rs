@@ -200,6 +200,9 @@ struct Departed {
     name: String,
     /// The position it had replayed by then.
     replayed: i64,
+    /// When WAL it had not replayed was first noted (it has waited since; kept here, as the noted positions are
+    /// forgotten past their horizon).
+    since: DateTime<Utc>,
     /// Whether its leaving was warned about.
     warned: bool,
 }
@@ -263,6 +266,11 @@ impl WalHistory {
     /// positions: it had replayed a noted position (or every one), so all it had not was written after that one.
     pub fn dated(&self, replay_lsn: i64) -> bool {
         self.samples.front().is_none_or(|oldest| oldest.lsn <= replay_lsn)
+    }
+
+    /// When the first noted position beyond `replay_lsn` was noted, if any.
+    fn first_beyond(&self, replay_lsn: i64) -> Option<DateTime<Utc>> {
+        self.samples.iter().find(|s| s.lsn > replay_lsn).map(|s| s.at)
     }
 
     /// When the oldest kept position was noted.
@@ -355,17 +363,24 @@ fn departed_lagging(
     lsn: i64,
     limit: Duration,
 ) -> Option<Lagging> {
-    let present: HashSet<&str> = look.standbys.iter().map(|s| s.identity.as_str()).collect();
+    // A standby counts as back once it has reported: a new walsender shows no position until its first reply.
+    let back: HashSet<&str> = look
+        .standbys
+        .iter()
+        .filter(|s| s.replay_lsn.is_some() && s.reply_time.is_some())
+        .map(|s| s.identity.as_str())
+        .collect();
     let mut kept = HashMap::new();
     let mut worst: Option<Lagging> = None;
     for (identity, mut d) in std::mem::take(&mut history.lagged) {
-        if present.contains(identity.as_str()) {
+        if back.contains(identity.as_str()) {
+            if d.warned {
+                tracing::info!(standby = %identity, "the standby that left while it lagged is back; judged by its reports again");
+            }
+            kept.insert(identity, Departed { warned: false, ..d });
             continue;
         }
-        let behind = history.behind(d.replayed, look.at);
-        if behind <= limit {
-            continue;
-        }
+        let behind = (look.at - d.since).to_std().unwrap_or_default();
         let unreplayed_bytes = lsn.saturating_sub(d.replayed).max(0);
         if !d.warned {
             tracing::warn!(standby = %d.name, unreplayed_bytes,
@@ -374,7 +389,7 @@ fn departed_lagging(
                  a standby gone for good, or leave it out of throttle.standbys");
             d.warned = true;
         }
-        if worst.as_ref().is_none_or(|w| behind > w.behind) {
+        if behind > limit && worst.as_ref().is_none_or(|w| behind > w.behind) {
             worst = Some(Lagging {
                 standby: format!("{} (disconnected while it lagged)", d.name),
                 behind,
@@ -384,19 +399,30 @@ fn departed_lagging(
         }
         kept.insert(identity, d);
     }
-    for s in &look.standbys {
+    for s in look.standbys.iter().filter(|s| s.replays) {
         let (Some(replay), Some(reply_time)) = (s.replay_lsn, s.reply_time) else {
             continue;
         };
-        if history.behind(replay, reply_time) > limit {
-            kept.insert(
-                s.identity.clone(),
-                Departed {
-                    name: s.name.clone(),
-                    replayed: replay,
-                    warned: false,
-                },
-            );
+        let lags = history.behind(replay, reply_time) > limit;
+        let since = history.first_beyond(replay);
+        match (lags, since) {
+            (true, Some(since)) => {
+                let since = kept
+                    .get(&s.identity)
+                    .map_or(since, |d: &Departed| d.since.min(since));
+                kept.insert(
+                    s.identity.clone(),
+                    Departed {
+                        name: s.name.clone(),
+                        replayed: replay,
+                        since,
+                        warned: false,
+                    },
+                );
+            }
+            _ => {
+                kept.remove(&s.identity);
+            }
         }
     }
     history.lagged = kept;
@@ -706,6 +732,7 @@ mod tests {
                     application_name: format!("standby{i}"),
                     name: format!("standby{i} at 127.0.0.1 (pid {})", 100 + i),
                     identity: format!("standby{i} at 127.0.0.1"),
+                    replays: true,
                     replay_lsn: Some(*replay),
                     reply_time: Some(t(*sent_ms)),
                     replay_lag_seconds: Some(0.078),
@@ -782,11 +809,23 @@ mod tests {
             )
         );
         assert!(judge(&mut history, &gone, limit).holds());
+        // Long after, every position it had not replayed forgotten past the horizon: still held.
+        let mut later = look(200_000, 900_000, &[(900_000, 199_990), (900_000, 199_990)]);
+        later.standbys.remove(0);
+        let Verdict::Lagging(lagging) = judge(&mut history, &later, limit) else {
+            panic!("the hold outlives the noted positions");
+        };
+        assert_eq!(lagging.behind, Duration::from_millis(199_700));
+        // Reconnected, not reported yet: still held.
+        let mut reconnected = look(200_500, 900_000, &[(900_000, 200_490), (900_000, 200_490)]);
+        reconnected.standbys[0].replay_lsn = None;
+        reconnected.standbys[0].reply_time = None;
+        assert!(judge(&mut history, &reconnected, limit).holds());
         // Back, and caught up: released.
-        let back = look(9_000, 300_000, &[(300_000, 8_990), (300_000, 8_990)]);
+        let back = look(201_000, 900_000, &[(900_000, 200_990), (900_000, 200_990)]);
         assert_eq!(judge(&mut history, &back, limit), Verdict::Clear);
         // A standby that leaves while it keeps up holds nothing.
-        let mut healthy_leaves = look(9_500, 310_000, &[(310_000, 9_490), (310_000, 9_490)]);
+        let mut healthy_leaves = look(201_500, 910_000, &[(910_000, 201_490), (910_000, 201_490)]);
         healthy_leaves.standbys.remove(0);
         assert_eq!(judge(&mut history, &healthy_leaves, limit), Verdict::Clear);
         // A failover forgets it.
@@ -838,6 +877,7 @@ mod tests {
             application_name: "new".into(),
             name: "new".into(),
             identity: "new".into(),
+            replays: false,
             replay_lsn: None,
             reply_time: None,
             replay_lag_seconds: None,
