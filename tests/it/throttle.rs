@@ -63,6 +63,34 @@ fn throttle(settings: ThrottleSettings) -> Arc<Throttle> {
     Throttle::new(settings)
 }
 
+/// Slows each loan's settlement down (half a millisecond a row: about 3 s of work unthrottled for 6,000 loans,
+/// batches of 200 take 0.1 s each), starts a standby of `primary`, lets it catch up, pauses its replay and writes
+/// WAL it does not replay.
+async fn slow_loans_and_a_paused_standby(primary: &Cluster, pool: &PgPool) -> Cluster {
+    slow_down(pool, "update on loans", 0.0005).await;
+    let standby = primary.standby().await;
+    standby.wait_replayed(primary).await;
+    standby.pause_replay().await;
+    sqlx::query("create table libraryd_traffic as select g from generate_series(1, 1000) g")
+        .execute(pool)
+        .await
+        .expect("WAL the standby does not replay");
+    standby
+}
+
+/// `settle` of October on `url` in batches of 200 under a lag limit of 1 s and a short lease (6 s, so that a wait
+/// outlasts it), its output piped.
+fn settle_under_a_lag_limit(url: &str) -> std::process::Command {
+    let mut cmd = fine_settler(url);
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "200")
+        .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "1s")
+        .env("FINE_SETTLER__CLAIM__LEASE", "6s")
+        .args(["settle", "--business-date", "2026-10-31"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_run_under_a_rows_per_second_cap_takes_at_least_rows_over_cap(pool: PgPool) {
     october(&pool, 2_000).await;
@@ -175,29 +203,14 @@ async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
     .execute(&pool)
     .await
     .expect("batch trigger");
-    // Half a millisecond a row: about 3 s of work unthrottled, batches of 200 (0.1 s each).
-    slow_down(&pool, "update on loans", 0.0005).await;
-    let standby = primary.standby().await;
-    standby.wait_replayed(&primary).await;
-    standby.pause_replay().await;
-    sqlx::query("create table libraryd_traffic as select g from generate_series(1, 1000) g")
-        .execute(&pool)
-        .await
-        .expect("WAL the standby does not replay");
+    let standby = slow_loans_and_a_paused_standby(&primary, &pool).await;
 
-    let mut cmd = fine_settler(&url);
-    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "200")
-        .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "1s")
-        // Named, as an operator would list the standbys to watch.
-        .env("FINE_SETTLER__THROTTLE__STANDBYS", standby.name())
-        .env("FINE_SETTLER__CLAIM__LEASE", "6s")
-        .env(
-            "FINE_SETTLER__LOG__LEVEL",
-            "info,fine_settler::jobs::runner=debug",
-        )
-        .args(["settle", "--business-date", "2026-10-31"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut cmd = settle_under_a_lag_limit(&url);
+    // Named, as an operator would list the standbys to watch.
+    cmd.env("FINE_SETTLER__THROTTLE__STANDBYS", standby.name()).env(
+        "FINE_SETTLER__LOG__LEVEL",
+        "info,fine_settler::jobs::runner=debug",
+    );
     let mut child = spawn(&mut cmd);
     let log = StderrLog::collect(&mut child);
     wait_until(
@@ -268,22 +281,9 @@ async fn a_paused_standby_holds_every_batch_until_replay_resumes() {
 #[tokio::test]
 async fn a_standby_whose_connection_drops_while_it_lags_still_holds_batches_until_it_is_back() {
     let (primary, url, pool) = primary_with_october(6_000).await;
-    slow_down(&pool, "update on loans", 0.0005).await;
-    let standby = primary.standby().await;
-    standby.wait_replayed(&primary).await;
-    standby.pause_replay().await;
-    sqlx::query("create table libraryd_traffic as select g from generate_series(1, 1000) g")
-        .execute(&pool)
-        .await
-        .expect("WAL the standby does not replay");
+    let standby = slow_loans_and_a_paused_standby(&primary, &pool).await;
 
-    let mut cmd = fine_settler(&url);
-    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "200")
-        .env("FINE_SETTLER__THROTTLE__MAX_REPLICA_LAG", "1s")
-        .env("FINE_SETTLER__CLAIM__LEASE", "6s")
-        .args(["settle", "--business-date", "2026-10-31"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut cmd = settle_under_a_lag_limit(&url);
     let mut child = spawn(&mut cmd);
     let log = StderrLog::collect(&mut child);
     wait_until(
