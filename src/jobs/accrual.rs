@@ -227,9 +227,7 @@ async fn lock_batch(
     let (corrections, charges): (Vec<i64>, Vec<i64>) =
         held.iter().partition(|id| charged.binary_search(id).is_ok());
     let error = "the loan was locked by another transaction past claim.lock_timeout; left out of its batch";
-    for id in &charges {
-        ledger::enqueue(tx, *id, day, error, millis(retry_in)).await?;
-    }
+    ledger::enqueue(tx, &charges, day, error, millis(retry_in)).await?;
     corrections::note_changes(tx, &corrections).await?;
     const SHOWN: usize = 20;
     tracing::warn!(
@@ -307,7 +305,7 @@ impl Accrual {
                 "not tried: isolating a rejected batch ran out of time; the compensation pass retries it"
                     .into()
             };
-            ledger::enqueue(tx, id, day, &error, delay).await?;
+            ledger::enqueue(tx, &[id], day, &error, delay).await?;
             queued += 1;
             tracing::warn!(loan_id = id, accrual_date = %day, error = %error, "charge failed; queued for compensation");
         }

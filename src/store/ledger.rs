@@ -444,27 +444,29 @@ pub async fn day_has_work(pool: &Db, day: NaiveDate, shard: ShardSpec) -> Result
     .await
 }
 
-/// Queues a failed charge, with the day's amount under the loan's policy as it is now (for the operator: a retry
-/// charges what is owed when it runs). A row already queued for that day is left as it is.
+/// Queues the failed charges of `ids` for `day`, each with the day's amount under the loan's policy as it is now
+/// (for the operator: a retry charges what is owed when it runs), all with `error`. A row already queued for that
+/// day is left as it is.
 pub async fn enqueue(
     tx: &mut PgConnection,
-    loan_id: i64,
+    ids: &[i64],
     day: NaiveDate,
     error: &str,
     retry_in_ms: i64,
 ) -> Result<(), sqlx::Error> {
     sqlx::query!(
         r#"insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
-           values ($1, $2,
-                   coalesce((select a.amount_cents from loans l
-                             cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
-                             cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $2,
-                                                                               p.daily_rate_cents, p.grace_days,
-                                                                               p.cap_cents, p.charge_closed_days) a
-                             where l.id = $1), 0),
-                   1, $3, now() + $4 * interval '1 millisecond')
+           select b.id, $2,
+                  coalesce((select a.amount_cents from loans l
+                            cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+                            cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $2,
+                                                                              p.daily_rate_cents, p.grace_days,
+                                                                              p.cap_cents, p.charge_closed_days) a
+                            where l.id = b.id), 0),
+                  1, $3, now() + $4 * interval '1 millisecond'
+           from unnest($1::bigint[]) as b (id)
            on conflict on constraint fine_pending_pkey do nothing"#,
-        loan_id,
+        ids,
         day,
         error,
         retry_in_ms as f64,

@@ -9,9 +9,9 @@
 //! So, for each host whose URL says `prefer`, [`PreferTls`] remembers what its handshake came to: once a TLS
 //! handshake with it failed and a connection without TLS then succeeded, the pool connects to that host without
 //! TLS, and the process says so once (a warning naming the host and the handshake's error). A host whose TLS
-//! worked is asked again after a connection error (its server may have changed behind the same address). `require`, `verify-ca`
-//! and `verify-full` are never downgraded: their connections fail, and [`database_error`] says what was wrong
-//! with the certificate and what to do about it.
+//! worked is asked again after a connection error (its server may have changed behind the same address).
+//! `require`, `verify-ca` and `verify-full` are never downgraded: their connections fail, and [`database_error`]
+//! says what was wrong with the certificate and what to do about it.
 
 use std::{
     collections::HashSet,

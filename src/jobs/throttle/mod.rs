@@ -304,6 +304,7 @@ pub fn judge(history: &mut WalHistory, look: &Replication, limit: Duration) -> V
     let mut lagging = None;
     let mut unknown = None;
     let mut undated = HashSet::new();
+    let mut lag_now = HashMap::new();
     for s in &look.standbys {
         let (Some(replay), Some(reply_time)) = (s.replay_lsn, s.reply_time) else {
             continue;
@@ -311,6 +312,9 @@ pub fn judge(history: &mut WalHistory, look: &Replication, limit: Duration) -> V
         let unreplayed_bytes = lsn.saturating_sub(replay).max(0);
         let behind = history.behind(replay, reply_time);
         if behind > limit {
+            if s.replays {
+                lag_now.insert(s.identity.as_str(), replay);
+            }
             lagging.get_or_insert_with(|| Lagging {
                 standby: s.name.clone(),
                 behind,
@@ -341,7 +345,7 @@ pub fn judge(history: &mut WalHistory, look: &Replication, limit: Duration) -> V
         }
     }
     history.gave_up.retain(|name| undated.contains(name));
-    if let Some(departed) = departed_lagging(history, look, lsn, limit) {
+    if let Some(departed) = departed_lagging(history, look, lsn, limit, &lag_now) {
         lagging.get_or_insert(departed);
     }
     match (lagging, unknown) {
@@ -351,7 +355,8 @@ pub fn judge(history: &mut WalHistory, look: &Replication, limit: Duration) -> V
     }
 }
 
-/// Keeps `history`'s record of the standbys that lag at this look, and judges those that lagged at an earlier
+/// Keeps `history`'s record of the standbys that lag at this look (`lag_now`: identity and replay position of
+/// each that replays), and judges those that lagged at an earlier
 /// look and have left the view (a network blip, a primary restart, `wal_sender_timeout`: a standby whose replay
 /// is paused or behind does not reconnect until its replay needs more WAL). Nothing says it replayed anything
 /// since, so it is judged by its last report, as of now: it lags until it reconnects and its reports say
@@ -362,6 +367,7 @@ fn departed_lagging(
     look: &Replication,
     lsn: i64,
     limit: Duration,
+    lag_now: &HashMap<&str, i64>,
 ) -> Option<Lagging> {
     // A standby counts as back once it has reported: a new walsender shows no position until its first reply.
     let back: HashSet<&str> = look
@@ -399,31 +405,28 @@ fn departed_lagging(
         }
         kept.insert(identity, d);
     }
-    for s in look.standbys.iter().filter(|s| s.replays) {
-        let (Some(replay), Some(reply_time)) = (s.replay_lsn, s.reply_time) else {
+    for s in look
+        .standbys
+        .iter()
+        .filter(|s| back.contains(s.identity.as_str()))
+    {
+        let lags = lag_now.get(s.identity.as_str());
+        let Some((&replayed, since)) = lags.and_then(|r| Some((r, history.first_beyond(*r)?))) else {
+            kept.remove(&s.identity);
             continue;
         };
-        let lags = history.behind(replay, reply_time) > limit;
-        let since = history.first_beyond(replay);
-        match (lags, since) {
-            (true, Some(since)) => {
-                let since = kept
-                    .get(&s.identity)
-                    .map_or(since, |d: &Departed| d.since.min(since));
-                kept.insert(
-                    s.identity.clone(),
-                    Departed {
-                        name: s.name.clone(),
-                        replayed: replay,
-                        since,
-                        warned: false,
-                    },
-                );
-            }
-            _ => {
-                kept.remove(&s.identity);
-            }
-        }
+        let since = kept
+            .get(&s.identity)
+            .map_or(since, |d: &Departed| d.since.min(since));
+        kept.insert(
+            s.identity.clone(),
+            Departed {
+                name: s.name.clone(),
+                replayed,
+                since,
+                warned: false,
+            },
+        );
     }
     history.lagged = kept;
     worst
