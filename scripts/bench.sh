@@ -21,7 +21,8 @@
 #   scripts/bench.sh --rules   the fine rules section alone (settlement and an accrual day under versioned policies,
 #                              item classes and closed days; a loan's cost by its overdue span), merged likewise
 #   scripts/bench.sh --indexes what fine-settler's four indexes on loans cost libraryd's checkouts and returns (all,
-#                              none, each left out) and what each buys settlement and accrual, merged likewise
+#                              none, each left out) and what each buys settlement, accrual, the daemon's idle tick
+#                              and re-check, and verify, merged likewise
 #   scripts/bench.sh --impact  the impact section alone (1M loans: settle beside a pgbench load with its defaults,
 #                              throttled, under a commit latency budget, each against a plain writer of its WAL
 #                              rate), merged likewise with its rows of the targets table
@@ -55,7 +56,8 @@ if [ "${1:-}" = "--quick" ]; then
   exec target/release/fine-settler-bench --loans 20000 --sweep 1000,5000 "${pooler[@]}" "${load[@]}" \
     --idle-secs 3 --warmup-secs 1 --cooldown-secs 1 "${before[@]}" --accrual-loans 20000 --accrual-rounds 1 \
     --recheck-returns 200 --recheck-loans 20000 --recheck-changed 100 --tick-secs 2 --rules-loans 20000 \
-    --rules-rounds 1 --index-loans 20000 --index-ops 200 --out target/bench-smoke.md
+    --rules-rounds 1 --index-loans 20000 --index-ops 200 --index-plan-runs 3 --index-verify-runs 2 \
+    --out target/bench-smoke.md
 elif [ "${1:-}" = "--accrual" ]; then
   shift
   exec target/release/fine-settler-bench --accrual-only "${before[@]}" --merge-into bench/RESULTS.md "$@"

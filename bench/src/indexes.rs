@@ -3,7 +3,8 @@
 //! libraryd's checkouts (`insert` of a new loan) and returns (`update loans set returned_on` of a loan still out),
 //! one session, each statement its own transaction, timed one by one and their WAL counted; then, on the same
 //! copy, the work the indexes serve — the month's settlement and its rerun (which asks for late rows), an accrual
-//! day and its rerun (the late-row question of an accrual day).
+//! day and its rerun (the late-row question of an accrual day) — and the questions asked between runs (the
+//! `questions` module: the daemon's idle tick and re-check, `verify`).
 
 use std::{fmt::Write as _, time::Instant};
 
@@ -11,24 +12,54 @@ use sqlx::PgPool;
 
 use crate::{binary, Bench, Error, MONTH_END};
 
-/// fine-settler's indexes on `loans`, in the order of their migrations, with what reads them.
-pub(crate) const INDEXES: [(&str, &str); 4] = [
-    (
-        "loans_unsettled_returned_idx",
-        "settlement's batch walk (unsettled returned loans by id)",
-    ),
-    (
-        "loans_unsettled_by_return_idx",
-        "settlement's month probe (is any loan of the month unsettled?), its rerun's late-row question",
-    ),
-    (
-        "loans_open_by_due_idx",
-        "accrual's open overdue loans (the day's walk and its late-row question), the audit",
-    ),
-    (
-        "loans_returned_late_idx",
-        "accrual's loans returned late (the day's walk and its late-row question), the audit",
-    ),
+mod questions;
+
+use questions::Questions;
+
+/// One of fine-settler's indexes on `loans`: its name, what reads it, and the decision the section's figures
+/// support (kept, or to be dropped by a migration).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Index {
+    pub name: &'static str,
+    pub readers: &'static str,
+    pub decision: &'static str,
+}
+
+/// fine-settler's indexes on `loans`, in the order of their migrations.
+pub(crate) const INDEXES: [Index; 4] = [
+    Index {
+        name: "loans_unsettled_returned_idx",
+        readers: "settlement's batch walk (the shard's unsettled returned loans by id); `verify`'s not-finite \
+                  check (its returned branch)",
+        decision: "keep: without it every batch walks the primary key through the settled history, so `settle` \
+                   slows with the table's age; what it costs libraryd is WAL on returns (an entry in an id-ordered \
+                   index: a page image after each checkpoint), not time",
+    },
+    Index {
+        name: "loans_unsettled_by_return_idx",
+        readers: "the tick's status statement (at every tick, each settled month of the window probed for late \
+                  rows), settlement's month probe and its rerun",
+        decision: "keep: the daemon asks its question at every tick of every replica, and without it each probe \
+                   reads every unsettled loan (a month of returns); it costs a return one small WAL record (it is \
+                   ordered by return date: returns append to its last page) and no measurable time",
+    },
+    Index {
+        name: "loans_open_by_due_idx",
+        readers: "`verify`'s not-finite check (its open branch), `accrue`/`backfill`'s question whether a done \
+                  day has work (its open branch), `calendar close`/`open` queueing the loans of a changed day; \
+                  no longer the daemon's (its re-check reads the queue of changed loans)",
+        decision: "drop (recommended): every checkout pays an entry and about a third more WAL, for operator \
+                   commands that gain well under a second each and are bounded by other reads",
+    },
+    Index {
+        name: "loans_returned_late_idx",
+        readers: "`accrue`/`backfill`'s question whether a done day has work (its returned branch), `calendar \
+                  close`/`open` queueing; no longer the daemon's (the re-check it was built for reads the queue \
+                  of changed loans)",
+        decision: "drop (recommended): late returns and every settlement of a late loan pay an entry, and it \
+                   keeps every late return of history, for one branch of an operator's question that gains within \
+                   the noise",
+    },
 ];
 
 /// The accrual day measured: loans of the generated month still out or returned on or after it.
@@ -58,7 +89,7 @@ impl Kept {
                 Kept::None => true,
                 Kept::AllBut(d) => d == *i,
             })
-            .map(|(_, (name, _))| *name)
+            .map(|(_, index)| index.name)
             .collect()
     }
 
@@ -66,7 +97,7 @@ impl Kept {
         match self {
             Kept::All => "all four (as migrated)".into(),
             Kept::None => "none".into(),
-            Kept::AllBut(i) => format!("all but `{}`", INDEXES[i].0),
+            Kept::AllBut(i) => format!("all but `{}`", INDEXES[i].name),
         }
     }
 }
@@ -108,16 +139,32 @@ struct Row {
     settle_rerun_ms: u64,
     accrue_ms: u64,
     accrue_rerun_ms: u64,
+    /// The idle tick's and the re-check's statements, and `verify`.
+    questions: Questions,
+}
+
+/// How the section runs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IndexArgs {
+    /// Loans of the template.
+    pub loans: u64,
+    /// Checkouts and returns timed on each copy.
+    pub ops: usize,
+    /// Years of settled loans (`loans` a year) added for the second round (0: no second round).
+    pub history_years: u64,
+    /// Runs of `plan` (the idle tick's questions) on each copy.
+    pub plan_runs: usize,
+    /// Runs of `verify` on each copy.
+    pub verify_runs: usize,
 }
 
 /// What the section measured.
 #[derive(Debug, Clone)]
 pub(crate) struct IndexLeg {
-    loans: u64,
+    args: IndexArgs,
     rows: Vec<Row>,
     /// Settled loans of earlier years added to the template for the second round (0: none measured).
     history: u64,
-    history_years: u64,
     history_rows: Vec<Row>,
 }
 
@@ -157,19 +204,17 @@ async fn add_history(pool: &PgPool, years: u64, per_year: u64) -> Result<u64, Er
 }
 
 impl Bench {
-    /// The section on `loans` generated loans, `ops` checkouts and `ops` returns per copy; then again on the
-    /// template with `history_years` years of settled loans added (`loans` a year), unless that is 0.
-    pub(crate) async fn indexes(
-        &self,
-        loans: u64,
-        ops: usize,
-        history_years: u64,
-    ) -> Result<IndexLeg, Error> {
+    /// The section on `args.loans` generated loans, `args.ops` checkouts and returns per copy; then again on the
+    /// template with `args.history_years` years of settled loans added (`loans` a year), unless that is 0.
+    pub(crate) async fn indexes(&self, args: IndexArgs) -> Result<IndexLeg, Error> {
+        let IndexArgs {
+            loans, history_years, ..
+        } = args;
         let template = self.template(loans).await?;
         let mut rows = Vec::new();
         for kept in Kept::sets() {
             eprintln!("   indexes: {}", kept.label());
-            rows.push(self.index_copy(&template, kept, ops).await?);
+            rows.push(self.index_copy(&template, kept, args).await?);
         }
         let mut history = 0;
         let mut history_rows = Vec::new();
@@ -180,21 +225,21 @@ impl Bench {
             pool.close().await;
             for kept in Kept::sets() {
                 eprintln!("   indexes, with history: {}", kept.label());
-                history_rows.push(self.index_copy(&template, kept, ops).await?);
+                history_rows.push(self.index_copy(&template, kept, args).await?);
             }
         }
         self.drop_db(&template).await?;
         Ok(IndexLeg {
-            loans,
+            args,
             rows,
             history,
-            history_years,
             history_rows,
         })
     }
 
     /// One copy of `template` keeping the indexes `kept` names, measured.
-    async fn index_copy(&self, template: &str, kept: Kept, ops: usize) -> Result<Row, Error> {
+    async fn index_copy(&self, template: &str, kept: Kept, args: IndexArgs) -> Result<Row, Error> {
+        let ops = args.ops;
         let db = self.copy(template, "fsb_indexes").await?;
         let pool = self.pool(&db, 1).await?;
         for name in kept.dropped() {
@@ -218,6 +263,7 @@ impl Bench {
             .await?;
         let accrue_ms = self.command(&db, &["accrue", "--date", DAY], "settled").await?;
         let accrue_rerun_ms = self.command(&db, &["accrue", "--date", DAY], "skipped").await?;
+        let questions = self.questions(&db, args.plan_runs, args.verify_runs).await?;
         self.drop_db(&db).await?;
         Ok(Row {
             kept,
@@ -228,6 +274,7 @@ impl Bench {
             settle_rerun_ms,
             accrue_ms,
             accrue_rerun_ms,
+            questions,
         })
     }
 
@@ -374,14 +421,35 @@ impl IndexLeg {
              `settle` of the month ending {MONTH_END} and its rerun, `accrue` of {DAY} and its rerun (a rerun \
              finds the key done and asks whether late rows re-open it), each the report's `elapsed_ms`. \
              The template's own indexes besides these: the primary key.\n",
-            self.loans,
+            self.args.loans,
             self.rows.first().map_or(0, |r| r.inserts.n)
         );
         table(&mut r, &self.rows);
-        let _ = writeln!(r);
-        let _ = writeln!(r, "What reads each index:\n");
-        for (name, what) in INDEXES {
-            let _ = writeln!(r, "- `{name}`: {what}.");
+        let _ = writeln!(
+            r,
+            "\nThen, on the same copy, the questions asked between runs, with the months ending {} settled too \
+             (so that every month end of the window of a tick at {} is done): `fine-settler plan --at {}` (the \
+             accrual enabled) {} times — the idle tick's status statement, which probes each of the three settled \
+             months for late rows, and the accrual re-check, which prices up to 10,000 queued changed loans (the \
+             template's and the copy's own) over the window's 7 days — and `verify --business-date {MONTH_END}` \
+             {} times. Each cell is the median of the runs after the first, the first in brackets (each run a new \
+             process, so each statement is planned anew, as the daemon's own generic plans were found to be the \
+             same); a statement's time is the server's (`pg_stat_statements`, reset before each run), `verify`'s \
+             the command's wall clock, and its not-finite check the one of its statements that can read these \
+             indexes (its others read the month by `returned_on`, which none of them holds whole):\n",
+            questions::EARLIER_MONTH_ENDS.join(" and "),
+            questions::PLAN_AT,
+            questions::PLAN_AT,
+            self.args.plan_runs,
+            self.args.verify_runs
+        );
+        questions::table(
+            &mut r,
+            self.rows.iter().map(|row| (row.kept.label(), &row.questions)),
+        );
+        let _ = writeln!(r, "\nWhat reads each index:\n");
+        for index in INDEXES {
+            let _ = writeln!(r, "- `{}`: {}.", index.name, index.readers);
         }
         if let (Some(all), Some(none)) = (
             self.rows.iter().find(|r| r.kept == Kept::All),
@@ -397,8 +465,29 @@ impl IndexLeg {
                 all.returns.wal_per_op / none.returns.wal_per_op
             );
         }
-        if !self.history_rows.is_empty() {
+        let decided_on = if self.history_rows.is_empty() {
+            &self.rows
+        } else {
             self.history_report(&mut r);
+            &self.history_rows
+        };
+        let _ = writeln!(
+            r,
+            "\nEach index left out, against all four{} — what libraryd's writes save, and what fine-settler's \
+             questions take without it:\n",
+            if self.history_rows.is_empty() {
+                ""
+            } else {
+                ", with the history"
+            }
+        );
+        left_out(&mut r, decided_on);
+        let _ = writeln!(
+            r,
+            "\nThe decision (each index pays for itself or goes; a drop is a migration of its own):\n"
+        );
+        for index in INDEXES {
+            let _ = writeln!(r, "- `{}`: {}.", index.name, index.decision);
         }
         r
     }
@@ -411,37 +500,64 @@ impl IndexLeg {
              before its month added ({} a year: returned around their due dates, a tenth of them late by 1 to 20 \
              days; settled; no ledger), {} loans in all — the history a real libraryd table holds, which the \
              partial indexes leave out (but for the late returns, in `loans_returned_late_idx`):\n",
-            self.history_years,
+            self.args.history_years,
             self.history,
-            self.history_years,
-            self.loans,
-            self.loans + self.history
+            self.args.history_years,
+            self.args.loans,
+            self.args.loans + self.history
         );
         table(r, &self.history_rows);
-        let all = self.history_rows.iter().find(|r| r.kept == Kept::All);
+        let _ = writeln!(r, "\nThe questions asked between runs, measured as above:\n");
+        questions::table(
+            r,
+            self.history_rows
+                .iter()
+                .map(|row| (row.kept.label(), &row.questions)),
+        );
+    }
+}
+
+/// One line per index of `rows` left out, against the copy with all four.
+fn left_out(r: &mut String, rows: &[Row]) {
+    let Some(all) = rows.iter().find(|r| r.kept == Kept::All) else {
+        return;
+    };
+    let (qa, ms) = (&all.questions, questions::ms);
+    for row in rows {
+        let Kept::AllBut(i) = row.kept else {
+            continue;
+        };
+        let q = &row.questions;
         let _ = writeln!(
             r,
-            "\nEach index left out, against all four, with the history (the questions it serves, in ms: \
-             settle, its rerun, accrue, its rerun):\n"
+            "- without `{}`: a checkout writes {:.0} B of WAL against {:.0} B, a return {:.0} B against {:.0} B \
+             ({:.2} page images against {:.2}); `settle` {} ms against {}, its rerun {} against {}, `accrue` {} \
+             against {}, its rerun {} against {}; the idle tick's status statement {} against {}, the re-check {} \
+             against {}, `verify` {} against {} (its not-finite check {} against {}).",
+            INDEXES[i].name,
+            row.inserts.wal_per_op,
+            all.inserts.wal_per_op,
+            row.returns.wal_per_op,
+            all.returns.wal_per_op,
+            row.returns.fpi_per_op,
+            all.returns.fpi_per_op,
+            row.settle_ms,
+            all.settle_ms,
+            row.settle_rerun_ms,
+            all.settle_rerun_ms,
+            row.accrue_ms,
+            all.accrue_ms,
+            row.accrue_rerun_ms,
+            all.accrue_rerun_ms,
+            ms(q.status.median),
+            ms(qa.status.median),
+            ms(q.recheck.median),
+            ms(qa.recheck.median),
+            ms(q.verify.median),
+            ms(qa.verify.median),
+            ms(q.not_finite.median),
+            ms(qa.not_finite.median)
         );
-        for row in &self.history_rows {
-            let (Kept::AllBut(i), Some(all)) = (row.kept, all) else {
-                continue;
-            };
-            let _ = writeln!(
-                r,
-                "- without `{}`: {} / {} / {} / {} against {} / {} / {} / {}",
-                INDEXES[i].0,
-                row.settle_ms,
-                row.settle_rerun_ms,
-                row.accrue_ms,
-                row.accrue_rerun_ms,
-                all.settle_ms,
-                all.settle_rerun_ms,
-                all.accrue_ms,
-                all.accrue_rerun_ms
-            );
-        }
     }
 }
 

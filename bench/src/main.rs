@@ -23,6 +23,7 @@ use std::{
 use accrual::AccrualArgs;
 use clap::Parser;
 use impact::ImpactArgs;
+use indexes::IndexArgs;
 use sqlx::{
     postgres::{PgConnectOptions, PgPoolOptions},
     Connection, PgConnection, PgPool,
@@ -140,6 +141,13 @@ struct Args {
     /// Checkouts and returns timed on each copy of the indexes section.
     #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(1..))]
     index_ops: u64,
+    /// Runs of `plan` (the idle tick's status statement and the re-check) on each copy of the indexes section;
+    /// the report gives the first and the median of the others.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    index_plan_runs: u64,
+    /// Runs of `verify` on each copy of the indexes section.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=100))]
+    index_verify_runs: u64,
     /// Rounds of the fine rules section (each way on a fresh copy in each); the report takes the medians.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
     rules_rounds: u32,
@@ -178,6 +186,16 @@ impl Args {
             warmup: Duration::from_secs(self.warmup_secs),
             cooldown: Duration::from_secs(self.cooldown_secs),
         })
+    }
+
+    fn indexes(&self) -> IndexArgs {
+        IndexArgs {
+            loans: self.index_loans,
+            ops: self.index_ops as usize,
+            history_years: self.index_history_years,
+            plan_runs: self.index_plan_runs as usize,
+            verify_runs: self.index_verify_runs as usize,
+        }
     }
 
     fn accrual(&self) -> AccrualArgs {
@@ -911,15 +929,7 @@ async fn main() -> Result<(), Error> {
         None
     } else {
         eprintln!("   indexes");
-        Some(
-            bench
-                .indexes(
-                    args.index_loans,
-                    args.index_ops as usize,
-                    args.index_history_years,
-                )
-                .await?,
-        )
+        Some(bench.indexes(args.indexes()).await?)
     };
 
     // ---- the report ----
@@ -1333,14 +1343,7 @@ async fn impact_only(bench: &Bench, args: &Args) -> Result<(), Error> {
 
 /// `--indexes-only`: the indexes section alone, printed, and written to `--out` or merged into `--merge-into`.
 async fn indexes_only(bench: &Bench, args: &Args) -> Result<(), Error> {
-    let section = bench
-        .indexes(
-            args.index_loans,
-            args.index_ops as usize,
-            args.index_history_years,
-        )
-        .await?
-        .report();
+    let section = bench.indexes(args.indexes()).await?.report();
     print!("{section}");
     if let Some(path) = &args.merge_into {
         let existing =
