@@ -25,9 +25,9 @@ pub use database_url::{DatabaseUrl, DatabaseUrlError, PoolerOptionsError, Target
 pub use fine_keys::{FineKey, FineKeys, FineKeysDiffer};
 pub use raw::RawSettings;
 pub use settings::{
-    derived_batch_timeout, derived_lock_timeout, AccrualSettings, ClaimSettings, DatabaseSettings, Lease,
-    LeaseError, LogFilter, LogFormat, Pooler, ScheduleMode, ScheduleSettings, Settings, SettlementSettings,
-    ThrottleSettings, TimeSource,
+    derived_batch_timeout, derived_lock_timeout, AccrualSettings, ClaimSettings, DatabaseSettings, Engine,
+    Lease, LeaseError, LogFilter, LogFormat, Pooler, ScheduleMode, ScheduleSettings, Settings,
+    SettlementSettings, ThrottleSettings, TimeSource,
 };
 pub use validate::{pod_ordinal, MAX_BATCH_SIZE};
 

@@ -31,6 +31,7 @@ pub struct RawDatabase {
     pub max_connections: i64,
     pub connect_timeout: String,
     pub pooler: String,
+    pub engine: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -49,6 +49,8 @@ pub struct DatabaseSettings {
     pub connect_timeout: Duration,
     /// What sits between the replica and PostgreSQL (`database.pooler`).
     pub pooler: Pooler,
+    /// What the server is (`database.engine`).
+    pub engine: Engine,
 }
 
 impl DatabaseSettings {
@@ -81,6 +83,26 @@ impl Pooler {
             Pooler::None => "none",
             Pooler::Session => "session",
             Pooler::Transaction => "transaction",
+        }
+    }
+}
+
+/// The database engine (`database.engine`): what `migrate` builds and how statements are planned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Engine {
+    /// One PostgreSQL server (with its standbys).
+    #[default]
+    Postgresql,
+    /// A Citus coordinator: `loans` and fine-settler's per-loan tables are distributed by loan id, colocated;
+    /// the policies and the calendar are reference tables; the claims stay on the coordinator (docs/citus.md).
+    Citus,
+}
+
+impl Engine {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Engine::Postgresql => "postgresql",
+            Engine::Citus => "citus",
         }
     }
 }

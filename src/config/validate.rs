@@ -12,9 +12,9 @@ use super::{
         RawThrottle, RawTime,
     },
     settings::{MIN_DERIVING_LEASE, MIN_LOCK_TIMEOUT},
-    AccrualSettings, ClaimSettings, ConfigError, DatabaseSettings, DatabaseUrl, Lease, LeaseError, LogFilter,
-    LogFormat, Pooler, Problem, RawSettings, ScheduleMode, ScheduleSettings, Settings, SettlementSettings,
-    ThrottleSettings, TimeSource,
+    AccrualSettings, ClaimSettings, ConfigError, DatabaseSettings, DatabaseUrl, Engine, Lease, LeaseError,
+    LogFilter, LogFormat, Pooler, Problem, RawSettings, ScheduleMode, ScheduleSettings, Settings,
+    SettlementSettings, ThrottleSettings, TimeSource,
 };
 use crate::{
     fine::{FinePolicy, PolicyError},
@@ -155,6 +155,17 @@ fn database(c: &mut Checker, raw: &RawDatabase, env: &HashMap<String, String>) -
             None
         }
     };
+    let engine = match raw.engine.trim() {
+        "postgresql" => Some(Engine::Postgresql),
+        "citus" => Some(Engine::Citus),
+        other => {
+            c.fail(
+                "database.engine",
+                format!("{other:?} is not one of postgresql, citus"),
+            );
+            None
+        }
+    };
     if let (Some(url), Some(pooler)) = (&url, pooler) {
         c.check("database.pooler", url.check_pooler(pooler, env));
     }
@@ -163,6 +174,7 @@ fn database(c: &mut Checker, raw: &RawDatabase, env: &HashMap<String, String>) -
         max_connections: max_connections?,
         connect_timeout: connect_timeout?,
         pooler: pooler?,
+        engine: engine?,
     })
 }
 
@@ -521,6 +533,17 @@ mod tests {
         assert_eq!(settings.zone, chrono_tz::Asia::Shanghai);
         assert_eq!(settings.fine, FinePolicy::default());
         assert!(settings.http_listen.is_none());
+    }
+
+    #[test]
+    fn the_engine_is_postgresql_unless_citus_is_named() {
+        assert_eq!(settings(&[]).database.engine, Engine::Postgresql);
+        let citus = settings(&[("FINE_SETTLER__DATABASE__ENGINE", "citus")]);
+        assert_eq!(citus.database.engine, Engine::Citus);
+        assert_eq!(
+            problems(&[("FINE_SETTLER__DATABASE__ENGINE", "mysql")]),
+            vec!["invalid configuration: database.engine: \"mysql\" is not one of postgresql, citus"]
+        );
     }
 
     #[test]

@@ -18,7 +18,12 @@ pub async fn connect(
     application_name: &str,
     batch_timeout: Duration,
 ) -> Result<Db, StoreError> {
-    let pool = Db::lazy(db, application_name, &Gucs::jobs(batch_timeout), pool_options(db));
+    let pool = Db::lazy(
+        db,
+        application_name,
+        &Gucs::jobs(batch_timeout, db.engine),
+        pool_options(db),
+    );
     pool.reconnect().await?;
     let mut conn = pool.pool().acquire().await?;
     if let Some(server) = ReadOnlyServer::ask(&mut conn).await? {
@@ -42,7 +47,12 @@ fn pool_options(db: &DatabaseSettings) -> PgPoolOptions {
 /// at whether the server can write: the daemon does, at every tick): the daemon starts (and keeps running)
 /// while the database is down.
 pub fn connect_lazy(db: &DatabaseSettings, application_name: &str, batch_timeout: Duration) -> Db {
-    Db::lazy(db, application_name, &Gucs::jobs(batch_timeout), pool_options(db))
+    Db::lazy(
+        db,
+        application_name,
+        &Gucs::jobs(batch_timeout, db.engine),
+        pool_options(db),
+    )
 }
 
 /// The status page's own pool: one connection at most, opened when a page is first loaded and closed after a

@@ -7,6 +7,7 @@ use std::time::Duration;
 use sqlx::{postgres::PgConnectOptions, Connection, Executor, PgConnection};
 
 use super::{job_runs, Db};
+use crate::config::Engine;
 
 /// The session settings a pool's connections run under, each a PostgreSQL parameter and its value.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,13 +49,21 @@ impl Gucs {
     /// index; a table with no index for a statement is still scanned. Where two indexes could serve a key and
     /// an empty table makes them cost the same, the kept plan can still pick the wrong one: an accrual batch
     /// has its statements planned afresh ([`crate::store::ledger::lock_loans`]).
-    pub(super) fn jobs(batch_timeout: Duration) -> Self {
+    ///
+    /// On Citus the plans are custom: the coordinator cannot build a distributed plan of a generic one whose
+    /// parameters reach the shards ("could not create distributed plan"), and the workers plan each shard's
+    /// statement afresh with the values in it anyway (docs/citus.md).
+    pub(super) fn jobs(batch_timeout: Duration, engine: Engine) -> Self {
         let timeout = batch_timeout.as_millis().max(1).to_string();
+        let plans = match engine {
+            Engine::Postgresql => "force_generic_plan",
+            Engine::Citus => "force_custom_plan",
+        };
         Gucs(vec![
             ("statement_timeout", timeout.clone()),
             ("idle_in_transaction_session_timeout", timeout),
             ("max_parallel_workers_per_gather", "0".into()),
-            ("plan_cache_mode", "force_generic_plan".into()),
+            ("plan_cache_mode", plans.into()),
             ("jit", "off".into()),
             ("enable_seqscan", "off".into()),
         ])

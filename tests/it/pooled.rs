@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use chrono::Datelike;
 use fine_settler::{
-    config::{DatabaseSettings, DatabaseUrl, Pooler},
+    config::{DatabaseSettings, DatabaseUrl, Engine, Pooler},
     store::{self, Db},
 };
 use sqlx::PgPool;
@@ -48,6 +48,7 @@ async fn jobs_through(pool: &PgPool, bouncer: &PgBouncer, mode: PoolMode) -> Db 
             PoolMode::Transaction => Pooler::Transaction,
             PoolMode::Session => Pooler::Session,
         },
+        engine: Engine::Postgresql,
     };
     store::connect(&settings, "fine-settler test", Duration::from_secs(5))
         .await
