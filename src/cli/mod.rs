@@ -64,6 +64,8 @@ impl CliError {
                 ExitCode::from(2)
             }
             CliError::Backfill(BackfillError::Usage { .. }) => ExitCode::from(2),
+            // `database.engine` does not say what the server is: a configuration error, found before writing.
+            CliError::Store(StoreError::Citus(e)) if e.is_engine_mismatch() => ExitCode::from(2),
             CliError::Backfill(BackfillError::Paused(_)) => ExitCode::from(1),
             CliError::Store(_)
             | CliError::Tick(_)

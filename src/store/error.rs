@@ -16,6 +16,9 @@ pub enum StoreError {
     /// Applying migrations failed.
     #[error("migration failed: {}", redact_secrets_in(&.0.to_string()))]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The schema cannot be built on this Citus coordinator, or `database.engine` does not say what the server is.
+    #[error("{0}")]
+    Citus(#[from] crate::store::migrations::CitusError),
     /// The server cannot write; nothing was done.
     #[error("{server} at {host}; nothing was done")]
     ReadOnly { server: ReadOnlyServer, host: String },

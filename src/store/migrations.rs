@@ -8,20 +8,23 @@
 //! checks the result. Two `migrate`s never look at the schema at the same time, so neither takes the other's
 //! build in progress (INVALID until it ends) for a leftover.
 
+mod citus;
 mod lock;
 pub mod owned;
 mod repair;
 pub mod schema;
+pub mod statements;
 
 use std::time::Duration;
 
 use sqlx::{postgres::PgPoolOptions, Connection, PgConnection};
 
+pub use citus::CitusError;
 pub use owned::{owned_indexes, OwnedIndex};
 pub use schema::Gaps;
 
 use super::{route::Route, session::Gucs, StoreError};
-use crate::config::DatabaseSettings;
+use crate::config::{DatabaseSettings, Engine};
 
 /// The migrations in `migrations/`, embedded in the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -82,7 +85,7 @@ pub async fn migrate(
         }
         None => None,
     };
-    let result = migrate_locked(&mut conn).await;
+    let result = migrate_locked(&mut conn, db.engine).await;
     if let Some(watcher) = watcher {
         watcher.abort();
         let _ = watcher.await;
@@ -95,9 +98,18 @@ pub async fn migrate(
 }
 
 /// What `migrate` does once it holds the lock.
-async fn migrate_locked(conn: &mut PgConnection) -> Result<Migrated, StoreError> {
+async fn migrate_locked(conn: &mut PgConnection, engine: Engine) -> Result<Migrated, StoreError> {
+    // Before anything is written: `database.engine` must say what the server is.
+    match (engine, citus::has_extension(conn).await?) {
+        (Engine::Postgresql, true) => return Err(CitusError::Undeclared.into()),
+        (Engine::Citus, false) => return Err(CitusError::NoExtension.into()),
+        _ => {}
+    }
     let rebuilt = repair::prepare_rebuilds(conn).await?;
-    MIGRATOR.run(&mut *conn).await?;
+    match engine {
+        Engine::Postgresql => MIGRATOR.run(&mut *conn).await?,
+        Engine::Citus => citus::migrate(conn).await?,
+    }
     let recorded = schema::recorded(&mut *conn).await?;
     let indexes = schema::index_states(&mut *conn).await?;
     Ok(Migrated {

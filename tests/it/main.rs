@@ -6,6 +6,7 @@ mod backfill;
 mod bad_input;
 mod calendar;
 mod chaos;
+mod citus;
 mod claim;
 mod claimed;
 mod cli;

@@ -306,3 +306,29 @@ async fn migrate_waits_on_a_lock(pool: &PgPool) -> bool {
     .await
     .expect("pg_stat_activity")
 }
+
+/// Every migration, cut into its statements (as `migrate` sends them to a Citus coordinator) and run one
+/// statement at a time, in its order, builds the schema on a fresh database: no statement is cut inside a
+/// string, a body or a comment (a wrong cut is a syntax error here).
+#[sqlx::test(migrations = false)]
+async fn every_migration_runs_statement_by_statement(pool: PgPool) {
+    use fine_settler::store::{migrations::statements::split, MIGRATOR};
+    let mut conn = pool.acquire().await.expect("a connection");
+    let mut statements = 0;
+    for migration in MIGRATOR.iter() {
+        for statement in split(&migration.sql) {
+            sqlx::raw_sql(&statement)
+                .execute(&mut *conn)
+                .await
+                .unwrap_or_else(|e| panic!("migration {}: {e}\n{statement}", migration.version));
+            statements += 1;
+        }
+    }
+    assert!(statements > MIGRATOR.iter().count(), "{statements} statements");
+    let functions: i64 =
+        sqlx::query_scalar("select count(*) from pg_proc where proname = 'fine_settler_policy_day_amount'")
+            .fetch_one(&mut *conn)
+            .await
+            .expect("count");
+    assert_eq!(functions, 1);
+}

@@ -1,0 +1,367 @@
+//! fine-settler's schema on a real Citus cluster (`database.engine = "citus"`): `migrate` distributes `loans`
+//! by id (or keeps libraryd's distribution by id, and refuses any other), colocates the per-loan tables with it,
+//! makes the rules' tables reference tables, and leaves the claims on the coordinator; the triggers work on the
+//! shards; and an engine that does not match the server is a configuration error that writes nothing.
+//!
+//! The Citus tests need the cluster of `scripts/citus.sh` (a coordinator and two workers on the ports after
+//! it): `scripts/test.sh --citus` starts it and runs them with `FINE_SETTLER_CITUS_URL` set to the coordinator's
+//! URL. Each makes a database of its own on the cluster and drops it at the end.
+
+use std::process::Output;
+
+use sqlx::{postgres::PgPoolOptions, PgPool};
+
+use crate::helpers::{assert_success, fine_settler, output};
+
+/// `fine-settler migrate` with `database.engine = engine` against `url`.
+fn migrate(url: &str, engine: &str) -> Output {
+    let mut cmd = fine_settler(url);
+    cmd.env("FINE_SETTLER__DATABASE__ENGINE", engine).arg("migrate");
+    output(cmd)
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// `engine = "citus"` against a server without Citus: exit 2, the key named, nothing written.
+#[sqlx::test(migrations = false)]
+async fn the_citus_engine_on_a_server_without_citus_is_refused_before_writing(pool: PgPool) {
+    let out = migrate(&crate::helpers::database_url(&pool), "citus");
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("database.engine"), "{}", stderr(&out));
+    let written: bool = sqlx::query_scalar("select to_regclass('_sqlx_migrations') is not null")
+        .fetch_one(&pool)
+        .await
+        .expect("a statement on the cluster");
+    assert!(!written, "the migrations table was created");
+}
+
+/// A database of its own on the Citus cluster, with the extension on every node and the workers added.
+struct CitusDb {
+    admin: PgPool,
+    name: String,
+    url: String,
+    pool: PgPool,
+    /// The workers' URLs for this database.
+    workers: Vec<String>,
+}
+
+impl CitusDb {
+    async fn new(tag: &str) -> CitusDb {
+        let coordinator = std::env::var("FINE_SETTLER_CITUS_URL")
+            .expect("FINE_SETTLER_CITUS_URL (run the Citus tests with scripts/test.sh --citus)");
+        let (base, _) = coordinator.rsplit_once('/').expect("a database path");
+        let port: u16 = base
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .expect("a port");
+        let name = format!("citus_{tag}_{}", std::process::id());
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&format!("{base}/postgres?sslmode=disable"))
+            .await
+            .expect("connect to the coordinator");
+        sqlx::query(&format!("drop database if exists {name} with (force)"))
+            .execute(&admin)
+            .await
+            .expect("a statement on the cluster");
+        sqlx::query(&format!("create database {name}"))
+            .execute(&admin)
+            .await
+            .expect("a statement on the cluster");
+        let url = format!("{base}/{name}?sslmode=disable");
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&url)
+            .await
+            .expect("a statement on the cluster");
+        let workers = [port + 1, port + 2];
+        sqlx::raw_sql("create extension citus")
+            .execute(&pool)
+            .await
+            .expect("a statement on the cluster");
+        sqlx::query(
+            "select master_run_on_worker(array['127.0.0.1', '127.0.0.1'], array[$1, $2],
+                    array['create extension if not exists citus', 'create extension if not exists citus'], true)",
+        )
+        .bind(i32::from(workers[0]))
+        .bind(i32::from(workers[1]))
+        .execute(&pool)
+        .await
+        .expect("a statement on the cluster");
+        sqlx::query("select citus_set_coordinator_host('127.0.0.1', $1)")
+            .bind(i32::from(port))
+            .execute(&pool)
+            .await
+            .expect("a statement on the cluster");
+        for w in workers {
+            sqlx::query("select citus_add_node('127.0.0.1', $1)")
+                .bind(i32::from(w))
+                .execute(&pool)
+                .await
+                .expect("a statement on the cluster");
+        }
+        let host = base.rsplit_once(':').expect("a port").0;
+        CitusDb {
+            admin,
+            workers: workers
+                .iter()
+                .map(|w| format!("{host}:{w}/{name}?sslmode=disable"))
+                .collect(),
+            name,
+            url,
+            pool,
+        }
+    }
+
+    /// libraryd's `loans` (its own columns only), with `n` loans, one in two returned.
+    async fn libraryd_loans(&self, n: i64) {
+        sqlx::raw_sql(
+            "create table loans (id bigint primary key, member_id bigint not null, book_id bigint not null,
+                                 borrowed_on date not null, due_on date not null, returned_on date)",
+        )
+        .execute(&self.pool)
+        .await
+        .expect("a statement on the cluster");
+        sqlx::query(
+            "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+             select g, g % 100, g, date '2026-10-01', date '2026-10-10',
+                    case when g % 2 = 0 then date '2026-10-20' end
+             from generate_series(1, $1) g",
+        )
+        .bind(n)
+        .execute(&self.pool)
+        .await
+        .expect("a statement on the cluster");
+    }
+
+    /// Each table of fine-settler's schema as `citus_tables` shows it: (name, type, distribution column,
+    /// colocation group, shard count); a table missing from it is a plain table of the coordinator.
+    async fn placements(&self) -> Vec<(String, String, String, i32, i32)> {
+        sqlx::query_as(
+            "select table_name::text, citus_table_type, distribution_column, colocation_id, shard_count::int
+             from citus_tables order by 1",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .expect("a statement on the cluster")
+    }
+
+    async fn drop(self) {
+        self.pool.close().await;
+        sqlx::query(&format!("drop database if exists {} with (force)", self.name))
+            .execute(&self.admin)
+            .await
+            .expect("a statement on the cluster");
+    }
+}
+
+async fn on_worker(url: &str, sql: &str) -> Vec<(String,)> {
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(url)
+        .await
+        .expect("connect to a worker");
+    let rows = sqlx::query_as(sql)
+        .fetch_all(&pool)
+        .await
+        .expect("a statement on the cluster");
+    pool.close().await;
+    rows
+}
+
+fn expected(shards: i32) -> Vec<(String, String, String, i32, i32)> {
+    let loans = |t: &str, col: &str| {
+        (
+            t.to_string(),
+            "distributed".to_string(),
+            col.to_string(),
+            1,
+            shards,
+        )
+    };
+    let reference = |t: &str| (t.to_string(), "reference".to_string(), "<none>".to_string(), 2, 1);
+    vec![
+        loans("fine_ledger", "loan_id"),
+        loans("fine_ledger_corrections", "loan_id"),
+        loans("fine_loan_changes", "loan_id"),
+        loans("fine_pending", "loan_id"),
+        reference("fine_policies"),
+        reference("library_closed_days"),
+        loans("loans", "id"),
+    ]
+}
+
+/// Only the placement's kinds (the colocation groups' numbers are Citus's to pick): loans and the per-loan
+/// tables share one group, the reference tables another.
+fn normalised(mut rows: Vec<(String, String, String, i32, i32)>) -> Vec<(String, String, String, i32, i32)> {
+    let loans_group = rows.iter().find(|r| r.0 == "loans").map(|r| r.3);
+    for r in &mut rows {
+        r.3 = if Some(r.3) == loans_group { 1 } else { 2 };
+    }
+    rows
+}
+
+#[tokio::test]
+#[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
+async fn migrate_distributes_a_local_loans_table_and_places_every_table_beside_it() {
+    let db = CitusDb::new("local").await;
+    db.libraryd_loans(1000).await;
+    let out = migrate(&db.url, "citus");
+    assert_success(&out);
+    let shards: i32 = sqlx::query_scalar("select current_setting('citus.shard_count')::int")
+        .fetch_one(&db.pool)
+        .await
+        .expect("a statement on the cluster");
+    assert_eq!(normalised(db.placements().await), expected(shards));
+    // The rows moved to the shards, none lost; the coordinator's own copy emptied.
+    let (all, local): (i64, i64) =
+        sqlx::query_as("select (select count(*) from loans), pg_relation_size('loans')")
+            .fetch_one(&db.pool)
+            .await
+            .expect("a statement on the cluster");
+    assert_eq!((all, local), (1000, 0));
+    // Again: nothing to do, nothing changed.
+    assert_success(&migrate(&db.url, "citus"));
+    assert_eq!(normalised(db.placements().await), expected(shards));
+    // The claims stay on the coordinator.
+    let job_runs: Option<String> = sqlx::query_scalar(
+        "select table_name::text from citus_tables where table_name = 'job_runs'::regclass",
+    )
+    .fetch_optional(&db.pool)
+    .await
+    .expect("a statement on the cluster");
+    assert_eq!(job_runs, None);
+    // The engine must say what the server is.
+    let out = migrate(&db.url, "postgresql");
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("database.engine = \"citus\""),
+        "{}",
+        stderr(&out)
+    );
+    db.drop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
+async fn libraryds_own_distribution_by_id_is_kept_and_any_other_refused() {
+    let db = CitusDb::new("byid").await;
+    db.libraryd_loans(100).await;
+    sqlx::raw_sql("select create_distributed_table('loans', 'id', shard_count => 4)")
+        .execute(&db.pool)
+        .await
+        .expect("a statement on the cluster");
+    assert_success(&migrate(&db.url, "citus"));
+    assert_eq!(normalised(db.placements().await), expected(4));
+    db.drop().await;
+
+    let db = CitusDb::new("bymember").await;
+    db.libraryd_loans(100).await;
+    // (A table distributed by member_id has its key include it.)
+    sqlx::raw_sql(
+        "alter table loans drop constraint loans_pkey, add primary key (member_id, id);
+         select create_distributed_table('loans', 'member_id')",
+    )
+    .execute(&db.pool)
+    .await
+    .expect("a statement on the cluster");
+    let out = migrate(&db.url, "citus");
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("loans is hash-distributed by member_id on this Citus cluster; fine-settler needs it hash-distributed by id"),
+        "{}",
+        stderr(&out)
+    );
+    db.drop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
+async fn the_triggers_work_on_the_shards_and_on_every_copy_of_a_reference_table() {
+    let db = CitusDb::new("triggers").await;
+    db.libraryd_loans(10).await;
+    assert_success(&migrate(&db.url, "citus"));
+    // The change capture: a loan's change is queued on its own worker (the queue's shard of the same loan).
+    sqlx::raw_sql(
+        "delete from fine_loan_changes; update loans set returned_on = date '2026-10-15' where id = 7",
+    )
+    .execute(&db.pool)
+    .await
+    .expect("a statement on the cluster");
+    let queued: Vec<i64> = sqlx::query_scalar("select loan_id from fine_loan_changes")
+        .fetch_all(&db.pool)
+        .await
+        .expect("a statement on the cluster");
+    assert_eq!(queued, vec![7]);
+    // The calendar's numbering runs on every copy, each numbering itself.
+    let mut cmd = fine_settler(&db.url);
+    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus").args([
+        "calendar",
+        "close",
+        "--from",
+        "2027-01-04",
+        "--to",
+        "2027-01-05",
+        "--reason",
+        "inventory",
+    ]);
+    let out = output(cmd);
+    assert_success(&out);
+    let mut cmd = fine_settler(&db.url);
+    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus").args([
+        "calendar",
+        "close",
+        "--from",
+        "2027-01-02",
+        "--to",
+        "2027-01-02",
+        "--reason",
+        "holiday",
+    ]);
+    assert_success(&output(cmd));
+    for worker in &db.workers {
+        let rows = on_worker(
+            worker,
+            "select string_agg(day::text || '=' || ordinal, ',' order by day) from library_closed_days",
+        )
+        .await;
+        assert_eq!(
+            rows,
+            vec![("2027-01-02=1,2027-01-04=2,2027-01-05=3".to_string(),)],
+            "{worker}"
+        );
+    }
+    // A policy version is history, and a new one takes effect from today on — on every copy.
+    let refused = sqlx::raw_sql("update fine_policies set daily_rate_cents = 1")
+        .execute(&db.pool)
+        .await
+        .expect_err("a policy row was updated");
+    assert!(
+        refused.to_string().contains("never updated or deleted"),
+        "{refused}"
+    );
+    let refused = sqlx::raw_sql(
+        "insert into fine_policies (fine_class, effective_from, daily_rate_cents) values ('dvd', current_date - 1, 5)",
+    )
+    .execute(&db.pool)
+    .await
+    .expect_err("a policy in the past was added");
+    assert!(refused.to_string().contains("from today on"), "{refused}");
+    sqlx::raw_sql(
+        "insert into fine_policies (fine_class, effective_from, daily_rate_cents) values ('dvd', current_date + 1, 5)",
+    )
+    .execute(&db.pool)
+    .await
+    .expect("a policy from tomorrow is added");
+    for worker in &db.workers {
+        let rows = on_worker(
+            worker,
+            "select string_agg(fine_class, ',' order by fine_class) from fine_policies",
+        )
+        .await;
+        assert_eq!(rows, vec![("default,dvd".to_string(),)], "{worker}");
+    }
+    db.drop().await;
+}
