@@ -365,3 +365,50 @@ async fn the_triggers_work_on_the_shards_and_on_every_copy_of_a_reference_table(
     }
     db.drop().await;
 }
+
+/// The fine rules read the reference tables' shards, where the rows are: a statement routed to one worker and a
+/// statement on every shard both price a loan by the policy and the closed days.
+#[tokio::test]
+#[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
+async fn the_fine_rules_read_the_policies_and_closed_days_on_the_workers() {
+    let db = CitusDb::new("rules").await;
+    // Due 2026-10-10, one in two returned 2026-10-20: ten days at the default 100 cents a day.
+    db.libraryd_loans(1000).await;
+    assert_success(&migrate(&db.url, "citus"));
+    sqlx::raw_sql("insert into library_closed_days (day, reason) values ('2026-10-15', 'inventory')")
+        .execute(&db.pool)
+        .await
+        .expect("close a day");
+    // One loan: the statement is routed whole to its worker, where the rule functions are inlined.
+    let one: i64 = sqlx::query_scalar(
+        "select fine_settler_loan_fine(fine_class, due_on, returned_on) from loans where id = 8",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .expect("a routed fine");
+    assert_eq!(one, 900, "nine chargeable days");
+    // Every shard.
+    let all: i64 = sqlx::query_scalar(
+        "select sum(fine_settler_loan_fine(fine_class, due_on, returned_on))::bigint from loans
+         where returned_on is not null",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .expect("fines on every shard");
+    assert_eq!(all, 500 * 900);
+    // A new policy version reaches the workers' copies as well (from tomorrow: for loans due then).
+    sqlx::raw_sql(
+        "insert into fine_policies (fine_class, effective_from, daily_rate_cents) values ('default', current_date + 1, 7)",
+    )
+    .execute(&db.pool)
+    .await
+    .expect("a new version");
+    let later: i64 = sqlx::query_scalar(
+        "select fine_settler_loan_fine(null, current_date + 1, current_date + 4) from loans where id = 8",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .expect("a routed fine under the new version");
+    assert_eq!(later, 3 * 7);
+    db.drop().await;
+}

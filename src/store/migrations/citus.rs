@@ -65,6 +65,11 @@ pub enum CitusError {
         column: &'static str,
         colocated: &'static str,
     },
+    #[error(
+        "the reference table {table} has no copy on the coordinator, whose statements read it: add the \
+         coordinator to the cluster's metadata (select citus_set_coordinator_host('<its host>', <its port>))"
+    )]
+    NoCoordinatorCopy { table: String },
 }
 
 impl CitusError {
@@ -86,6 +91,7 @@ pub(super) async fn migrate(conn: &mut PgConnection) -> Result<(), StoreError> {
     conn.execute("set citus.enable_unsafe_triggers = on").await?;
     apply_migrations(conn).await?;
     place(conn).await?;
+    bind_rules(conn).await?;
     conn.execute("reset citus.enable_unsafe_triggers").await?;
     Ok(())
 }
@@ -335,7 +341,104 @@ async fn distribute(conn: &mut PgConnection, table: &'static str, kind: Kind) ->
     Ok(())
 }
 
+/// The fine rules' functions made to read the reference tables' shards: on Citus a reference table's rows are
+/// in its one shard (`fine_policies_<shard id>`, the same name on every node, the coordinator included), and
+/// the table's own name on a worker is an empty stand-in. A statement routed to a worker runs there as plain
+/// PostgreSQL, which inlines the rule functions: named by the table, they would find no policy and no closed
+/// day. Every function of fine-settler's schema whose body names `fine_policies` or `library_closed_days`
+/// (qualified, as the migrations write them) is defined again with the shard's name instead; Citus sends the
+/// new definition to every node. Done at every `migrate` (a later migration may define a rule function again).
+async fn bind_rules(conn: &mut PgConnection) -> Result<(), StoreError> {
+    let schema: String = sqlx::query_scalar("select quote_ident(current_schema())")
+        .fetch_one(&mut *conn)
+        .await?;
+    let shards: Vec<(String, i64, bool)> = sqlx::query_as(
+        "select c.relname::text, s.shardid,
+                exists (select 1 from pg_dist_placement p where p.shardid = s.shardid and p.groupid = 0)
+         from pg_dist_shard s join pg_class c on c.oid = s.logicalrelid
+         where c.relnamespace = current_schema()::regnamespace
+           and c.relname in ('fine_policies', 'library_closed_days')",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    if let Some((table, _, _)) = shards.iter().find(|(_, _, on_coordinator)| !on_coordinator) {
+        return Err(CitusError::NoCoordinatorCopy { table: table.clone() }.into());
+    }
+    let functions: Vec<(String, String)> = sqlx::query_as(
+        "select p.oid::regprocedure::text, pg_get_functiondef(p.oid) from pg_proc p
+         where p.pronamespace = current_schema()::regnamespace and p.prokind = 'f'
+           and p.proname like 'fine\\_settler\\_%'
+           and (p.prosrc like '%.fine_policies%' or p.prosrc like '%.library_closed_days%')",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut bound = 0;
+    for (function, definition) in functions {
+        let mut new = definition.clone();
+        for (table, shard, _) in &shards {
+            new = bind(
+                &new,
+                &format!("{schema}.{table}"),
+                &format!("{schema}.{table}_{shard}"),
+            );
+        }
+        if new != definition {
+            conn.execute(sqlx::raw_sql(&new)).await?;
+            tracing::debug!(function, "a rule function reads the reference tables' shards");
+            bound += 1;
+        }
+    }
+    if bound > 0 {
+        tracing::info!(
+            functions = bound,
+            "bound the fine rules to the reference tables' shards"
+        );
+    }
+    Ok(())
+}
+
+/// `text` with every `name` that is a whole name (not followed by a letter, digit, `_` or `$`) replaced by
+/// `with`.
+fn bind(text: &str, name: &str, with: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(name) {
+        let after = &rest[at + name.len()..];
+        out.push_str(&rest[..at]);
+        if after.starts_with(|c: char| c.is_alphanumeric() || c == '_' || c == '$') {
+            out.push_str(name);
+        } else {
+            out.push_str(with);
+        }
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
+
 /// `name` as a quoted SQL identifier.
 fn quote(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bind;
+
+    #[test]
+    fn a_table_name_is_bound_where_it_is_a_whole_name() {
+        let body = "select 1 from public.fine_policies f, public.fine_policies_9 g, public.fine_policies\n \
+                    where x = public.fine_policiesx or public.fine_policies$";
+        assert_eq!(
+            bind(body, "public.fine_policies", "public.fine_policies_102"),
+            "select 1 from public.fine_policies_102 f, public.fine_policies_9 g, public.fine_policies_102\n \
+             where x = public.fine_policiesx or public.fine_policies$"
+        );
+        // Bound twice: the same.
+        let once = bind(body, "public.fine_policies", "public.fine_policies_102");
+        assert_eq!(
+            bind(&once, "public.fine_policies", "public.fine_policies_102"),
+            once
+        );
+    }
 }
