@@ -17,11 +17,12 @@ mod questions;
 use questions::Questions;
 
 /// One of fine-settler's indexes on `loans`: its name, what reads it, and the decision the section's figures
-/// support (kept, or to be dropped by a migration).
+/// support (kept, or to be dropped by a migration), with its reason.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Index {
     pub name: &'static str,
     pub readers: &'static str,
+    pub keep: bool,
     pub decision: &'static str,
 }
 
@@ -31,6 +32,7 @@ pub(crate) const INDEXES: [Index; 4] = [
         name: "loans_unsettled_returned_idx",
         readers: "settlement's batch walk (the shard's unsettled returned loans by id); `verify`'s not-finite \
                   check (its returned branch)",
+        keep: true,
         decision: "keep: without it every batch walks the primary key through the settled history, so `settle` \
                    slows with the table's age; what it costs libraryd is WAL on returns (an entry in an id-ordered \
                    index: a page image after each checkpoint), not time",
@@ -39,6 +41,7 @@ pub(crate) const INDEXES: [Index; 4] = [
         name: "loans_unsettled_by_return_idx",
         readers: "the tick's status statement (at every tick, each settled month of the window probed for late \
                   rows), settlement's month probe and its rerun",
+        keep: true,
         decision: "keep: the daemon asks its question at every tick of every replica, and without it each probe \
                    reads every unsettled loan (a month of returns); it costs a return one small WAL record (it is \
                    ordered by return date: returns append to its last page) and no measurable time",
@@ -48,6 +51,7 @@ pub(crate) const INDEXES: [Index; 4] = [
         readers: "`verify`'s not-finite check (its open branch), `accrue`/`backfill`'s question whether a done \
                   day has work (its open branch), `calendar close`/`open` queueing the loans of a changed day; \
                   no longer the daemon's (its re-check reads the queue of changed loans)",
+        keep: false,
         decision: "drop (recommended): every checkout pays an entry and about a third more WAL, for operator \
                    commands that gain well under a second each and are bounded by other reads",
     },
@@ -56,6 +60,7 @@ pub(crate) const INDEXES: [Index; 4] = [
         readers: "`accrue`/`backfill`'s question whether a done day has work (its returned branch), `calendar \
                   close`/`open` queueing; no longer the daemon's (the re-check it was built for reads the queue \
                   of changed loans)",
+        keep: false,
         decision: "drop (recommended): late returns and every settlement of a late loan pay an entry, and it \
                    keeps every late return of history, for one branch of an operator's question that gains within \
                    the noise",
@@ -71,12 +76,18 @@ enum Kept {
     All,
     None,
     AllBut(usize),
+    /// Those the decision keeps ([`Index::keep`]).
+    Decided,
 }
 
 impl Kept {
     fn sets() -> Vec<Kept> {
         let mut sets = vec![Kept::All, Kept::None];
         sets.extend((0..INDEXES.len()).map(Kept::AllBut));
+        let kept = INDEXES.iter().filter(|index| index.keep).count();
+        if kept > 0 && kept < INDEXES.len() - 1 {
+            sets.push(Kept::Decided);
+        }
         sets
     }
 
@@ -88,6 +99,7 @@ impl Kept {
                 Kept::All => false,
                 Kept::None => true,
                 Kept::AllBut(d) => d == *i,
+                Kept::Decided => !INDEXES[*i].keep,
             })
             .map(|(_, index)| index.name)
             .collect()
@@ -98,7 +110,17 @@ impl Kept {
             Kept::All => "all four (as migrated)".into(),
             Kept::None => "none".into(),
             Kept::AllBut(i) => format!("all but `{}`", INDEXES[i].name),
+            Kept::Decided => format!("the decision's: {}", names(INDEXES.iter().filter(|i| i.keep))),
         }
+    }
+}
+
+/// `indexes`' names, quoted, joined with commas and a last "and".
+fn names<'a>(indexes: impl Iterator<Item = &'a Index>) -> String {
+    let names: Vec<String> = indexes.map(|i| format!("`{}`", i.name)).collect();
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => names.concat(),
     }
 }
 
@@ -247,6 +269,11 @@ impl Bench {
                 .execute(&pool)
                 .await?;
         }
+        // Each figure is taken in a known state of the table — right after the runs before it, or, for the
+        // questions, also after `vacuum analyze` — not in whichever one autovacuum left it.
+        sqlx::raw_sql("alter table loans set (autovacuum_enabled = off)")
+            .execute(&pool)
+            .await?;
         sqlx::raw_sql("checkpoint").execute(&pool).await?;
         // Checkouts take ids after every loan; returns pick among the loans still out (none of the history's).
         let first: i64 = sqlx::query_scalar("select max(id) + 1 from loans")
@@ -431,9 +458,12 @@ impl IndexLeg {
              (so that every month end of the window of a tick at {} is done): `fine-settler plan --at {}` (the \
              accrual enabled) {} times — the idle tick's status statement, which probes each of the three settled \
              months for late rows, and the accrual re-check, which prices up to 10,000 queued changed loans (the \
-             template's and the copy's own) over the window's 7 days — and `verify --business-date {MONTH_END}` \
-             {} times. Each cell is the median of the runs after the first, the first in brackets (each run a new \
-             process, so each statement is planned anew, as the daemon's own generic plans were found to be the \
+             template's and the copy's own) over the window's 7 days — then, after `vacuum analyze loans`, `plan` \
+             as many times again and `verify --business-date {MONTH_END}` {} times. Autovacuum is off on the \
+             copy's `loans`, so the first `plan`s see the table as the runs left it until autovacuum comes by \
+             (the settled months' dead entries in the indexes, the planner's statistics from before the \
+             settlements). Each cell is the median of the runs after the first, the first in brackets (each run a \
+             new process, so each statement is planned anew; the daemon's generic plans were found to be the \
              same); a statement's time is the server's (`pg_stat_statements`, reset before each run), `verify`'s \
              the command's wall clock, and its not-finite check the one of its statements that can read these \
              indexes (its others read the month by `returned_on`, which none of them holds whole):\n",
@@ -524,17 +554,22 @@ fn left_out(r: &mut String, rows: &[Row]) {
     };
     let (qa, ms) = (&all.questions, questions::ms);
     for row in rows {
-        let Kept::AllBut(i) = row.kept else {
-            continue;
+        let without = match row.kept {
+            Kept::AllBut(i) => format!("without `{}`", INDEXES[i].name),
+            Kept::Decided => format!(
+                "without {} (the decision)",
+                names(INDEXES.iter().filter(|i| !i.keep))
+            ),
+            Kept::All | Kept::None => continue,
         };
         let q = &row.questions;
         let _ = writeln!(
             r,
-            "- without `{}`: a checkout writes {:.0} B of WAL against {:.0} B, a return {:.0} B against {:.0} B \
+            "- {without}: a checkout writes {:.0} B of WAL against {:.0} B, a return {:.0} B against {:.0} B \
              ({:.2} page images against {:.2}); `settle` {} ms against {}, its rerun {} against {}, `accrue` {} \
-             against {}, its rerun {} against {}; the idle tick's status statement {} against {}, the re-check {} \
-             against {}, `verify` {} against {} (its not-finite check {} against {}).",
-            INDEXES[i].name,
+             against {}, its rerun {} against {}; the idle tick's status statement {} against {} right after the \
+             runs and {} against {} vacuumed, the re-check {} against {}, `verify` {} against {} (its not-finite \
+             check {} against {}).",
             row.inserts.wal_per_op,
             all.inserts.wal_per_op,
             row.returns.wal_per_op,
@@ -549,6 +584,8 @@ fn left_out(r: &mut String, rows: &[Row]) {
             all.accrue_ms,
             row.accrue_rerun_ms,
             all.accrue_rerun_ms,
+            ms(q.status_unvacuumed.median),
+            ms(qa.status_unvacuumed.median),
             ms(q.status.median),
             ms(qa.status.median),
             ms(q.recheck.median),

@@ -443,8 +443,20 @@ impl Bench {
     /// written during the next measurement.
     async fn copy(&self, template: &str, name: &str) -> Result<String, Error> {
         self.exec(&format!("drop database if exists {name}")).await?;
-        self.exec(&format!("create database {name} template {template}"))
-            .await?;
+        // An autovacuum worker may still be in the template (years of history just added): wait for it.
+        let mut tries = 0;
+        loop {
+            match self
+                .exec(&format!("create database {name} template {template}"))
+                .await
+            {
+                Err(e) if tries < 30 && object_in_use(&*e) => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                done => break done?,
+            }
+        }
         self.exec("checkpoint").await?;
         Ok(name.to_string())
     }
@@ -697,6 +709,14 @@ impl Bench {
         }
         Ok((statements as f64 / ticks as f64, rss, hwm))
     }
+}
+
+/// Whether `e` is PostgreSQL's "object in use" (55006: a database others are connected to).
+fn object_in_use(e: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
+    e.downcast_ref::<sqlx::Error>()
+        .and_then(sqlx::Error::as_database_error)
+        .and_then(|d| d.code())
+        .is_some_and(|code| code == "55006")
 }
 
 /// (VmRSS, VmHWM) of a process, in KiB.

@@ -59,7 +59,10 @@ impl Runs {
 /// for it.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Questions {
-    /// The idle tick's status statement.
+    /// The idle tick's status statement right after the copy's runs: the settled months' dead index entries
+    /// still there and the planner's statistics from before the settlements (until autovacuum comes by).
+    pub status_unvacuumed: Runs,
+    /// The idle tick's status statement after `vacuum analyze loans`.
     pub status: Runs,
     /// The accrual re-check (as `plan` asks it: up to 10,000 queued changes, nothing cleared).
     pub recheck: Runs,
@@ -70,8 +73,8 @@ pub(super) struct Questions {
 }
 
 impl Bench {
-    /// Settles the earlier months of `PLAN_AT`'s window on `db`, then asks `plan --at PLAN_AT` `plan_runs` times
-    /// and `verify` `verify_runs` times.
+    /// Settles the earlier months of `PLAN_AT`'s window on `db`, then asks `plan --at PLAN_AT` `plan_runs` times;
+    /// then, after `vacuum analyze loans`, `plan` as many times again and `verify` `verify_runs` times.
     pub(super) async fn questions(
         &self,
         db: &str,
@@ -86,14 +89,9 @@ impl Bench {
         sqlx::raw_sql("create extension if not exists pg_stat_statements")
             .execute(&pool)
             .await?;
-        let (mut status, mut recheck) = (Vec::new(), Vec::new());
-        for _ in 0..plan_runs {
-            reset(&pool).await?;
-            let (out, _) = self.timed(db, &["plan", "--at", PLAN_AT], &[0])?;
-            idle(&out)?;
-            status.push(statement_ms(&pool, STATUS_MARK).await?);
-            recheck.push(statement_ms(&pool, RECHECK_MARK).await?);
-        }
+        let (unvacuumed, _) = self.plans(db, &pool, plan_runs).await?;
+        sqlx::raw_sql("vacuum analyze loans").execute(&pool).await?;
+        let (status, recheck) = self.plans(db, &pool, plan_runs).await?;
         let (mut verify, mut not_finite) = (Vec::new(), Vec::new());
         for _ in 0..verify_runs {
             reset(&pool).await?;
@@ -105,11 +103,25 @@ impl Bench {
         }
         pool.close().await;
         Ok(Questions {
-            status: Runs::of(&status),
-            recheck: Runs::of(&recheck),
+            status_unvacuumed: unvacuumed,
+            status,
+            recheck,
             verify: Runs::of(&verify),
             not_finite: Runs::of(&not_finite),
         })
+    }
+
+    /// `plan --at PLAN_AT` `runs` times on `db`: the status statement's and the re-check's times.
+    async fn plans(&self, db: &str, pool: &PgPool, runs: usize) -> Result<(Runs, Runs), Error> {
+        let (mut status, mut recheck) = (Vec::new(), Vec::new());
+        for _ in 0..runs {
+            reset(pool).await?;
+            let (out, _) = self.timed(db, &["plan", "--at", PLAN_AT], &[0])?;
+            idle(&out)?;
+            status.push(statement_ms(pool, STATUS_MARK).await?);
+            recheck.push(statement_ms(pool, RECHECK_MARK).await?);
+        }
+        Ok((Runs::of(&status), Runs::of(&recheck)))
     }
 
     /// `fine-settler ARGS` on `db`, with the accrual enabled (so that `plan` asks the re-check): its stdout and
@@ -187,14 +199,16 @@ fn idle(out: &str) -> Result<(), Error> {
 pub(super) fn table<'a>(r: &mut String, rows: impl Iterator<Item = (String, &'a Questions)>) {
     let _ = writeln!(
         r,
-        "| indexes kept | idle tick: status statement | re-check | `verify` | of which the not-finite check |"
+        "| indexes kept | idle tick: status statement, right after the runs | the same, vacuumed | re-check | \
+         `verify` | of which the not-finite check |"
     );
-    let _ = writeln!(r, "| --- | ---: | ---: | ---: | ---: |");
+    let _ = writeln!(r, "| --- | ---: | ---: | ---: | ---: | ---: |");
     let cell = |t: Runs| format!("{} ({})", ms(t.median), ms(t.first));
     for (label, q) in rows {
         let _ = writeln!(
             r,
-            "| {label} | {} | {} | {} | {} |",
+            "| {label} | {} | {} | {} | {} | {} |",
+            cell(q.status_unvacuumed),
             cell(q.status),
             cell(q.recheck),
             cell(q.verify),
