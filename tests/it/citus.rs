@@ -412,3 +412,37 @@ async fn the_fine_rules_read_the_policies_and_closed_days_on_the_workers() {
     assert_eq!(later, 3 * 7);
     db.drop().await;
 }
+
+/// A `loans` with triggers of libraryd's own is left to the operator: fine-settler does not drop and re-create
+/// triggers it did not write (their comments, and whether they may run on the shards, are not its to decide).
+#[tokio::test]
+#[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
+async fn a_loans_table_with_triggers_of_its_own_is_left_for_the_operator_to_distribute() {
+    let db = CitusDb::new("foreign").await;
+    db.libraryd_loans(10).await;
+    sqlx::raw_sql(
+        "create function libraryd_audit() returns trigger language plpgsql as $$ begin return null; end $$;
+         create trigger libraryd_audit after update on loans for each row execute function libraryd_audit();
+         alter table loans disable trigger libraryd_audit",
+    )
+    .execute(&db.pool)
+    .await
+    .expect("libraryd's trigger");
+    let out = migrate(&db.url, "citus");
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("loans has triggers fine-settler did not create (libraryd_audit)"),
+        "{}",
+        stderr(&out)
+    );
+    // Nothing of the table was changed: still the coordinator's, its trigger still there and still disabled.
+    let (distributed, enabled): (bool, String) = sqlx::query_as(
+        "select exists (select 1 from citus_tables where table_name = 'loans'::regclass),
+                (select tgenabled::text from pg_trigger where tgname = 'libraryd_audit')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .expect("the table");
+    assert_eq!((distributed, enabled.as_str()), (false, "D"));
+    db.drop().await;
+}

@@ -70,12 +70,25 @@ pub enum CitusError {
          coordinator to the cluster's metadata (select citus_set_coordinator_host('<its host>', <its port>))"
     )]
     NoCoordinatorCopy { table: String },
+    #[error(
+        "this Citus node is not the coordinator: point database.url at the coordinator, where the statements of \
+         every replica go"
+    )]
+    NotCoordinator,
+    #[error(
+        "{table} has triggers fine-settler did not create ({triggers}): distribute it yourself, with its \
+         triggers as they must be on Citus (docs/citus.md), then run migrate again"
+    )]
+    ForeignTriggers { table: &'static str, triggers: String },
 }
 
 impl CitusError {
     /// `database.engine` does not say what the server is (nothing was written).
     pub fn is_engine_mismatch(&self) -> bool {
-        matches!(self, CitusError::NoExtension | CitusError::Undeclared)
+        matches!(
+            self,
+            CitusError::NoExtension | CitusError::Undeclared | CitusError::NotCoordinator
+        )
     }
 }
 
@@ -88,6 +101,12 @@ pub(super) async fn has_extension(conn: &mut PgConnection) -> Result<bool, sqlx:
 
 /// Runs the migrations not yet applied and places the tables, on a database with the citus extension.
 pub(super) async fn migrate(conn: &mut PgConnection) -> Result<(), StoreError> {
+    let coordinator: bool = sqlx::query_scalar("select citus_is_coordinator()")
+        .fetch_one(&mut *conn)
+        .await?;
+    if !coordinator {
+        return Err(CitusError::NotCoordinator.into());
+    }
     conn.execute("set citus.enable_unsafe_triggers = on").await?;
     apply_migrations(conn).await?;
     place(conn).await?;
@@ -138,6 +157,13 @@ async fn apply(conn: &mut PgConnection, migration: &sqlx::migrate::Migration) ->
     .bind(migration.version)
     .bind(&*migration.description)
     .bind(&*migration.checksum);
+    if migration.no_tx && builds_only_valid_indexes(conn, migration.version).await? {
+        // Citus turns an index that exists INVALID when `create index concurrently if not exists` runs again
+        // (citusdata/citus#8338): a migration run again after a crash between its build and its record, or
+        // one whose index was built by hand, is recorded without running.
+        record.bind(0_i64).execute(&mut *conn).await?;
+        return Ok(());
+    }
     if migration.no_tx {
         for statement in statements::split(&migration.sql) {
             conn.execute(sqlx::raw_sql(&statement)).await.map_err(failed)?;
@@ -154,6 +180,13 @@ async fn apply(conn: &mut PgConnection, migration: &sqlx::migrate::Migration) ->
         tx.commit().await?;
     }
     Ok(())
+}
+
+/// Whether migration `version` builds indexes fine-settler owns and every one of them exists and is valid.
+async fn builds_only_valid_indexes(conn: &mut PgConnection, version: i64) -> Result<bool, sqlx::Error> {
+    let states = super::schema::index_states(&mut *conn).await?;
+    let mine: Vec<_> = states.iter().filter(|s| s.index.migration == version).collect();
+    Ok(!mine.is_empty() && mine.iter().all(|s| s.state == super::schema::IndexState::Valid))
 }
 
 /// How Citus holds a table now.
@@ -213,9 +246,6 @@ async fn place(conn: &mut PgConnection) -> Result<(), StoreError> {
     for table in COLOCATED {
         match placement(conn, table).await? {
             Placement::Local => {
-                if table == "fine_loan_changes" {
-                    key_by_loan(conn).await?;
-                }
                 let kind = Kind::Hash {
                     column: "loan_id",
                     with: Some("loans"),
@@ -250,9 +280,16 @@ fn misplaced(
     colocated: &'static str,
     now: Placement,
 ) -> CitusError {
+    let how = match &now {
+        // The right column, in another colocation group than loans.
+        Placement::Hash { column: c, group } if c == column => {
+            format!("hash-distributed by {c} but not colocated with loans (colocation group {group})")
+        }
+        other => describe(other),
+    };
     CitusError::Placed {
         table,
-        how: describe(&now),
+        how,
         column,
         colocated,
     }
@@ -274,15 +311,14 @@ async fn colocation_group(conn: &mut PgConnection, table: &str) -> Result<i32, s
         .await
 }
 
-/// The change queue's primary key made to include `loan_id`, as Citus requires of a distributed table's unique
-/// keys (`seq` alone stays unique: it comes from one identity sequence).
-async fn key_by_loan(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-    conn.execute(
+/// What a table needs before Citus distributes it: the change queue's primary key made to include `loan_id`,
+/// as Citus requires of a distributed table's unique keys (`seq` alone stays unique: it comes from one identity
+/// sequence).
+fn before_distributing(table: &str) -> Option<&'static str> {
+    (table == "fine_loan_changes").then_some(
         "alter table fine_loan_changes drop constraint fine_loan_changes_pkey, \
          add constraint fine_loan_changes_pkey primary key (loan_id, seq)",
     )
-    .await?;
-    Ok(())
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -296,15 +332,33 @@ enum Kind {
 
 /// Distributes `table` in one transaction, its triggers dropped for the copy of its rows and put back after,
 /// and the coordinator's own copy of the rows (now on the shards) emptied.
-async fn distribute(conn: &mut PgConnection, table: &'static str, kind: Kind) -> Result<(), sqlx::Error> {
+async fn distribute(conn: &mut PgConnection, table: &'static str, kind: Kind) -> Result<(), StoreError> {
     let mut tx = conn.begin().await?;
     let triggers = sqlx::query!(
-        r#"select tgname::text as "name!", pg_get_triggerdef(oid) as "definition!"
+        r#"select tgname::text as "name!", pg_get_triggerdef(oid) as "definition!",
+                  tgenabled::text as "enabled!"
            from pg_trigger where tgrelid = to_regclass($1) and not tgisinternal order by tgname"#,
         table
     )
     .fetch_all(&mut *tx)
     .await?;
+    // Only fine-settler's own triggers are taken off and put back: another's (libraryd's, on `loans`) would be
+    // put back without its comment, and run on the shards without Citus's check that it may.
+    let others: Vec<&str> = triggers
+        .iter()
+        .map(|t| t.name.as_str())
+        .filter(|name| !name.starts_with("fine_settler_"))
+        .collect();
+    if !others.is_empty() {
+        return Err(CitusError::ForeignTriggers {
+            table,
+            triggers: others.join(", "),
+        }
+        .into());
+    }
+    if let Some(statement) = before_distributing(table) {
+        tx.execute(statement).await?;
+    }
     for t in &triggers {
         tx.execute(sqlx::raw_sql(&format!(
             "drop trigger {} on {table}",
@@ -335,6 +389,17 @@ async fn distribute(conn: &mut PgConnection, table: &'static str, kind: Kind) ->
         .await?;
     for t in &triggers {
         tx.execute(sqlx::raw_sql(&t.definition)).await?;
+        // Put back as it was: disabled, or firing in replica sessions too.
+        let state = match t.enabled.as_str() {
+            "D" => Some("disable trigger"),
+            "A" => Some("enable always trigger"),
+            "R" => Some("enable replica trigger"),
+            _ => None,
+        };
+        if let Some(state) = state {
+            let statement = format!("alter table {table} {state} {}", quote(&t.name));
+            tx.execute(sqlx::raw_sql(&statement)).await?;
+        }
     }
     tx.commit().await?;
     tracing::info!(table, kind = ?kind, triggers = triggers.len(), "distributed a table on Citus");
