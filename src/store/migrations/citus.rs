@@ -330,76 +330,103 @@ enum Kind {
     Reference,
 }
 
-/// Distributes `table` in one transaction, its triggers dropped for the copy of its rows and put back after,
+impl Kind {
+    /// Has Citus distribute `table` this way.
+    async fn create(self, tx: &mut PgConnection, table: &str) -> Result<(), sqlx::Error> {
+        match self {
+            Kind::Hash { column, with } => {
+                sqlx::query("select create_distributed_table($1, $2, colocate_with => $3)")
+                    .bind(table)
+                    .bind(column)
+                    .bind(with.unwrap_or("default"))
+                    .execute(tx)
+                    .await?;
+            }
+            Kind::Reference => {
+                sqlx::query("select create_reference_table($1)")
+                    .bind(table)
+                    .execute(tx)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A trigger of a table being distributed: taken off for the copy of the table's rows, put back after as it
+/// was.
+struct Trigger {
+    name: String,
+    definition: String,
+    /// `pg_trigger.tgenabled`: `O` (fires), `D` (disabled), `A` (always), `R` (replica sessions only).
+    enabled: String,
+}
+
+impl Trigger {
+    /// The triggers of `table`, which must all be fine-settler's own: another's (libraryd's, on `loans`) would
+    /// be put back without its comment, and run on the shards without Citus's check that it may.
+    async fn of(tx: &mut PgConnection, table: &'static str) -> Result<Vec<Trigger>, StoreError> {
+        let triggers: Vec<Trigger> = sqlx::query_as!(
+            Trigger,
+            r#"select tgname::text as "name!", pg_get_triggerdef(oid) as "definition!",
+                      tgenabled::text as "enabled!"
+               from pg_trigger where tgrelid = to_regclass($1) and not tgisinternal order by tgname"#,
+            table
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        let others: Vec<&str> = triggers
+            .iter()
+            .map(|t| t.name.as_str())
+            .filter(|name| !name.starts_with("fine_settler_"))
+            .collect();
+        if !others.is_empty() {
+            let triggers = others.join(", ");
+            return Err(CitusError::ForeignTriggers { table, triggers }.into());
+        }
+        Ok(triggers)
+    }
+
+    async fn take_off(&self, tx: &mut PgConnection, table: &str) -> Result<(), sqlx::Error> {
+        let statement = format!("drop trigger {} on {table}", quote(&self.name));
+        tx.execute(sqlx::raw_sql(&statement)).await?;
+        Ok(())
+    }
+
+    /// Created again, and disabled (or firing always, or in replica sessions only) if it was.
+    async fn put_back(&self, tx: &mut PgConnection, table: &str) -> Result<(), sqlx::Error> {
+        tx.execute(sqlx::raw_sql(&self.definition)).await?;
+        let state = match self.enabled.as_str() {
+            "D" => "disable trigger",
+            "A" => "enable always trigger",
+            "R" => "enable replica trigger",
+            _ => return Ok(()),
+        };
+        let statement = format!("alter table {table} {state} {}", quote(&self.name));
+        tx.execute(sqlx::raw_sql(&statement)).await?;
+        Ok(())
+    }
+}
+
+/// Distributes `table` in one transaction, its triggers taken off for the copy of its rows and put back after,
 /// and the coordinator's own copy of the rows (now on the shards) emptied.
 async fn distribute(conn: &mut PgConnection, table: &'static str, kind: Kind) -> Result<(), StoreError> {
     let mut tx = conn.begin().await?;
-    let triggers = sqlx::query!(
-        r#"select tgname::text as "name!", pg_get_triggerdef(oid) as "definition!",
-                  tgenabled::text as "enabled!"
-           from pg_trigger where tgrelid = to_regclass($1) and not tgisinternal order by tgname"#,
-        table
-    )
-    .fetch_all(&mut *tx)
-    .await?;
-    // Only fine-settler's own triggers are taken off and put back: another's (libraryd's, on `loans`) would be
-    // put back without its comment, and run on the shards without Citus's check that it may.
-    let others: Vec<&str> = triggers
-        .iter()
-        .map(|t| t.name.as_str())
-        .filter(|name| !name.starts_with("fine_settler_"))
-        .collect();
-    if !others.is_empty() {
-        return Err(CitusError::ForeignTriggers {
-            table,
-            triggers: others.join(", "),
-        }
-        .into());
-    }
+    let triggers = Trigger::of(&mut tx, table).await?;
     if let Some(statement) = before_distributing(table) {
         tx.execute(statement).await?;
     }
     for t in &triggers {
-        tx.execute(sqlx::raw_sql(&format!(
-            "drop trigger {} on {table}",
-            quote(&t.name)
-        )))
-        .await?;
+        t.take_off(&mut tx, table).await?;
     }
-    match kind {
-        Kind::Hash { column, with } => {
-            sqlx::query("select create_distributed_table($1, $2, colocate_with => $3)")
-                .bind(table)
-                .bind(column)
-                .bind(with.unwrap_or("default"))
-                .execute(&mut *tx)
-                .await?;
-        }
-        Kind::Reference => {
-            sqlx::query("select create_reference_table($1)")
-                .bind(table)
-                .execute(&mut *tx)
-                .await?;
-        }
-    }
+    kind.create(&mut tx, table).await?;
     // (Before the triggers are back: `fine_policies` has one that refuses a truncate.)
     sqlx::query("select truncate_local_data_after_distributing_table($1)")
         .bind(table)
         .execute(&mut *tx)
         .await?;
     for t in &triggers {
-        tx.execute(sqlx::raw_sql(&t.definition)).await?;
-        // Put back as it was: disabled, or firing in replica sessions too.
-        let state = match t.enabled.as_str() {
-            "D" => Some("disable trigger"),
-            "A" => Some("enable always trigger"),
-            "R" => Some("enable replica trigger"),
-            _ => None,
-        };
-        if let Some(state) = state {
-            let statement = format!("alter table {table} {state} {}", quote(&t.name));
-            tx.execute(sqlx::raw_sql(&statement)).await?;
-        }
+        t.put_back(&mut tx, table).await?;
     }
     tx.commit().await?;
     tracing::info!(table, kind = ?kind, triggers = triggers.len(), "distributed a table on Citus");
