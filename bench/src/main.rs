@@ -443,14 +443,26 @@ impl Bench {
     /// written during the next measurement.
     async fn copy(&self, template: &str, name: &str) -> Result<String, Error> {
         self.exec(&format!("drop database if exists {name}")).await?;
-        // An autovacuum worker may still be in the template (years of history just added): wait for it.
+        // Another session may still be in the template (a worker of the vacuum that followed years of history
+        // added): wait for it, for up to 10 minutes, saying once who it is.
         let mut tries = 0;
         loop {
             match self
                 .exec(&format!("create database {name} template {template}"))
                 .await
             {
-                Err(e) if tries < 30 && object_in_use(&*e) => {
+                Err(e) if tries < 100 && object_in_use(&*e) => {
+                    if tries == 0 {
+                        let sessions: Vec<String> = sqlx::query_scalar(
+                            "select format('pid %s, %s, %s, %s: %s', pid, backend_type, application_name, state,
+                                           left(query, 80))
+                             from pg_stat_activity where datname = $1",
+                        )
+                        .bind(template)
+                        .fetch_all(&self.admin)
+                        .await?;
+                        eprintln!("   waiting for the sessions in {template}: {sessions:?}");
+                    }
                     tries += 1;
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
