@@ -34,17 +34,19 @@ pub(crate) const INDEXES: [Index; 4] = [
                   check (its returned branch)",
         keep: true,
         decision: "keep: without it every batch walks the primary key through the settled history, so `settle` \
-                   slows with the table's age; what it costs libraryd is WAL on returns (an entry in an id-ordered \
-                   index: a page image after each checkpoint), not time",
+                   slows as the table ages; it costs libraryd WAL on returns (an entry in an id-ordered index: a \
+                   page image after each checkpoint), not time",
     },
     Index {
         name: "loans_unsettled_by_return_idx",
         readers: "the tick's status statement (at every tick, each settled month of the window probed for late \
                   rows), settlement's month probe and its rerun",
         keep: true,
-        decision: "keep: the daemon asks its question at every tick of every replica, and without it each probe \
-                   reads every unsettled loan (a month of returns); it costs a return one small WAL record (it is \
-                   ordered by return date: returns append to its last page) and no measurable time",
+        decision: "keep: the daemon asks at every tick of every replica whether a settled month has late rows, \
+                   and once the table has been analysed after the settlement that is one descent of this index \
+                   instead of a walk of every unsettled loan (until then the planner walks the id-ordered index \
+                   whichever is kept); it costs a return one small WAL record (ordered by return date, returns \
+                   append to its last page) and no measurable time",
     },
     Index {
         name: "loans_open_by_due_idx",
@@ -52,8 +54,9 @@ pub(crate) const INDEXES: [Index; 4] = [
                   day has work (its open branch), `calendar close`/`open` queueing the loans of a changed day; \
                   no longer the daemon's (its re-check reads the queue of changed loans)",
         keep: false,
-        decision: "drop (recommended): every checkout pays an entry and about a third more WAL, for operator \
-                   commands that gain well under a second each and are bounded by other reads",
+        decision: "drop (recommended): no question of the daemon reads it any more, and every checkout pays an \
+                   entry and about a third more WAL for operator commands (`verify`, a done day's `accrue`) that \
+                   take a second or so longer without it, a scan of the table instead of the open loans",
     },
     Index {
         name: "loans_returned_late_idx",
@@ -61,9 +64,9 @@ pub(crate) const INDEXES: [Index; 4] = [
                   close`/`open` queueing; no longer the daemon's (the re-check it was built for reads the queue \
                   of changed loans)",
         keep: false,
-        decision: "drop (recommended): late returns and every settlement of a late loan pay an entry, and it \
-                   keeps every late return of history, for one branch of an operator's question that gains within \
-                   the noise",
+        decision: "drop (recommended): no question of the daemon reads it any more, and late returns and every \
+                   settlement of a late loan pay an entry (it keeps every late return of history) for the other \
+                   branch of the same operator question, which without it scans the table",
     },
 ];
 
