@@ -260,25 +260,32 @@ impl Cluster {
         self.signal_all("CONT");
     }
 
+    /// Sends `signal` to the postmaster first (stopped, it starts no new process), then to every process it
+    /// started. A child that exits meanwhile (a backend ending, an autovacuum worker done) is not an error: `kill`
+    /// fails for it alone, after signalling the others.
     fn signal_all(&self, signal: &str) {
         let pid = std::fs::read_to_string(self.data().join("postmaster.pid")).expect("postmaster.pid");
         let pid = pid.lines().next().expect("pid").trim().to_string();
+        let kill = |pids: &[String]| {
+            std::process::Command::new("kill")
+                .arg(format!("-{signal}"))
+                .args(pids)
+                .stderr(std::process::Stdio::null())
+                .status()
+                .expect("kill")
+        };
+        assert!(kill(std::slice::from_ref(&pid)).success(), "kill -{signal} {pid}");
         let children = std::process::Command::new("pgrep")
             .args(["-P", &pid])
             .output()
             .expect("pgrep");
-        let mut pids = vec![pid];
-        pids.extend(
-            String::from_utf8_lossy(&children.stdout)
-                .split_whitespace()
-                .map(str::to_string),
-        );
-        let status = std::process::Command::new("kill")
-            .arg(format!("-{signal}"))
-            .args(&pids)
-            .status()
-            .expect("kill");
-        assert!(status.success(), "kill -{signal} {pids:?}");
+        let children: Vec<String> = String::from_utf8_lossy(&children.stdout)
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
+        if !children.is_empty() {
+            kill(&children);
+        }
     }
 
     /// Its `cluster_name`; a standby's row in the primary's `pg_stat_replication` has it as `application_name`.
