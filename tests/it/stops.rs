@@ -360,8 +360,11 @@ async fn claim_in_flight(pool: &PgPool) -> ClaimInFlight {
     );
     let log = StderrLog::collect(&mut replica);
     wait_until("the claim sleeping", Duration::from_secs(20), || async {
-        sqlx::query_scalar::<_, i64>("select count(*) from pg_stat_activity where wait_event = 'PgSleep'")
-            .fetch_one(pool)
+        // (This test's database only: the tests that share this helper run at once on the same server.)
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_stat_activity where datname = current_database() and wait_event = 'PgSleep'",
+        )
+        .fetch_one(pool)
             .await
             .unwrap_or(0)
             > 0
