@@ -8,9 +8,11 @@
 #   scripts/citus.sh stop     stop them
 #   scripts/citus.sh url      print the coordinator's URL
 #   scripts/citus.sh status   say which nodes run (exit 3 unless all three do)
+#   scripts/citus.sh tarball  print the Citus source tarball a build would use (exit 1 if there is none)
 #
 # Citus is built from the vendored, unmodified release tarball ../shared/vendor/citus-*.tar.gz beside the checkout
-# (FINE_SETTLER_CITUS_TARBALL names another one), in target/citus-build-CHECKSUM/ (build.log there), and installed
+# — or beside the checkout this one was cloned from, for a clone made elsewhere (FINE_SETTLER_CITUS_TARBALL names
+# another one), in target/citus-build-CHECKSUM/ (build.log there), and installed
 # into the PyPI PostgreSQL's lib/ and share/extension/; a stamp there records the tarball's checksum, so a new
 # tarball is built again. Missing build dependencies (Debian packages) are installed with apt-get.
 #
@@ -34,11 +36,11 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
-usage() { echo "citus.sh: $* (usage: citus.sh build|start|stop|url|status)" >&2; exit 2; }
+usage() { echo "citus.sh: $* (usage: citus.sh build|start|stop|url|status|tarball)" >&2; exit 2; }
 [ $# -eq 1 ] || usage "one command expected"
 cmd=$1
 case "$cmd" in
-  build|start|stop|url|status) ;;
+  build|start|stop|url|status|tarball) ;;
   *) usage "unknown command '$cmd'" ;;
 esac
 
@@ -46,6 +48,23 @@ base_port=${FINE_SETTLER_CITUS_PORT:-54340}
 nodes=(coordinator worker1 worker2) # node i listens on base_port + i
 url="postgres://postgres@127.0.0.1:${base_port}/postgres"
 if [ "$cmd" = url ]; then echo "$url"; exit 0; fi
+
+# The newest citus-*.tar.gz in ../shared/vendor beside this checkout, else beside the one it was cloned from.
+find_tarball() {
+  local dir origin
+  if [ -n "${FINE_SETTLER_CITUS_TARBALL:-}" ]; then echo "$FINE_SETTLER_CITUS_TARBALL"; return; fi
+  for dir in "$root/.." "$(origin=$(git -C "$root" config --get remote.origin.url 2>/dev/null) &&
+                           [ -d "$origin" ] && cd "$origin/.." && pwd)"; do
+    [ -n "$dir" ] || continue
+    ls "$dir"/shared/vendor/citus-*.tar.gz 2>/dev/null | sort -V | tail -n 1 | grep . && return
+  done
+  return 0
+}
+if [ "$cmd" = tarball ]; then
+  tarball=$(find_tarball)
+  [ -n "$tarball" ] && [ -f "$tarball" ] || { echo "citus.sh: no Citus source tarball found" >&2; exit 1; }
+  echo "$tarball"; exit 0
+fi
 
 dir="$root/target/citus-cluster"
 if [ "$(id -u)" = 0 ] && ! runuser -u postgres -- test -x "$root" 2>/dev/null; then
@@ -68,7 +87,7 @@ sql() { # PORT STATEMENT: run it in the postgres database of that node, quietly
 
 build() {
   local tarball sum pkglibdir extdir stamp work pkg missing=()
-  tarball=${FINE_SETTLER_CITUS_TARBALL:-$(ls "$root"/../shared/vendor/citus-*.tar.gz 2>/dev/null | sort -V | tail -n 1)}
+  tarball=$(find_tarball)
   if [ ! -f "$tarball" ]; then
     echo "citus.sh: no Citus tarball ${tarball:+at $tarball }(FINE_SETTLER_CITUS_TARBALL, else the newest" \
       "$root/../shared/vendor/citus-*.tar.gz)" >&2
