@@ -463,6 +463,16 @@ impl Bench {
                         .await?;
                         eprintln!("   waiting for the sessions in {template}: {sessions:?}");
                     }
+                    // A session of the benchmark's own left idle in the template (a pool's connection handed
+                    // back after its pool was closed) never leaves by itself: ended, as the template is ours.
+                    sqlx::query(
+                        "select pg_terminate_backend(pid) from pg_stat_activity
+                         where datname = $1 and backend_type = 'client backend' and state = 'idle'
+                           and pid <> pg_backend_pid()",
+                    )
+                    .bind(template)
+                    .execute(&self.admin)
+                    .await?;
                     tries += 1;
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
