@@ -3,6 +3,7 @@
 //! stamp `fine_settled_at`. The business date is the month's last day. A loan whose due date is not
 //! a finite date is left out (see [`crate::store::loans`]) and reported by `verify`.
 
+use chrono::NaiveDate;
 use sqlx::{Connection, PgConnection};
 
 use crate::store::Db;
@@ -13,8 +14,11 @@ use super::{
 };
 use crate::{
     calendar,
+    config::Engine,
+    shard::ShardSpec,
     store::{
         self,
+        citus::{self, Locked},
         loans::{self, SettleBatch},
     },
 };
@@ -34,7 +38,10 @@ impl BatchJob for Settlement {
         limit: i64,
     ) -> Result<Option<SettleBatch>, JobError> {
         let month = calendar::settlement_month(key.business_date)?;
-        Ok(loans::next_batch(pool, month, key.shard, from_id, limit).await?)
+        Ok(match pool.engine() {
+            Engine::Postgresql => loans::next_batch(pool, month, key.shard, from_id, limit).await?,
+            Engine::Citus => loans::next_listed(pool, month, key.shard, from_id, limit).await?,
+        })
     }
 
     async fn first_id(&self, pool: &Db, key: &RunKey) -> Result<Option<i64>, JobError> {
@@ -52,8 +59,9 @@ impl BatchJob for Settlement {
         Ok(loans::month_has_unsettled(pool, month, key.shard).await?)
     }
 
-    /// The range update, under a savepoint; if it meets a row lock it cannot get within `claim.lock_timeout`,
-    /// the batch settles every row it can lock instead and leaves the locked ones for the re-open.
+    /// The range update (on Citus, the listed loans' update, one Citus shard at a time), under a savepoint; if
+    /// it meets a row lock it cannot get within `claim.lock_timeout`, the batch settles every row it can lock
+    /// instead and leaves the locked ones for the re-open.
     async fn write(
         &self,
         tx: &mut PgConnection,
@@ -66,14 +74,14 @@ impl BatchJob for Settlement {
         // waited for it then sees this month's key and is refused.
         store::ledger::hold_calendar(tx).await?;
         let mut range = tx.begin().await?;
-        match loans::settle_range(&mut range, month, key.shard, batch).await {
+        match settle(&mut range, month, key.shard, batch, Locked::Wait).await {
             Ok(updated) => {
                 range.commit().await?;
                 Ok(Written::rows(updated))
             }
             Err(e) if store::lock_not_available(&e) => {
                 range.rollback().await?;
-                let updated = loans::settle_unlocked(tx, month, key.shard, batch).await?;
+                let updated = settle(tx, month, key.shard, batch, Locked::Skip).await?;
                 tracing::warn!(
                     from_id = batch.from_id,
                     to_id = batch.last_id,
@@ -88,4 +96,25 @@ impl BatchJob for Settlement {
             Err(e) => Err(e.into()),
         }
     }
+}
+
+/// Settles `batch`: its range on PostgreSQL; on Citus its listed loans, one Citus shard at a time.
+async fn settle(
+    tx: &mut PgConnection,
+    month: (NaiveDate, NaiveDate),
+    shard: ShardSpec,
+    batch: &SettleBatch,
+    locked: Locked,
+) -> Result<u64, sqlx::Error> {
+    if batch.listed.is_empty() {
+        return match locked {
+            Locked::Wait => loans::settle_range(tx, month, shard, batch).await,
+            Locked::Skip => loans::settle_unlocked(tx, month, shard, batch).await,
+        };
+    }
+    let mut updated = 0;
+    for ids in citus::by_shard(tx, &batch.listed).await? {
+        updated += citus::settle_listed(tx, month, shard, &ids, locked).await?;
+    }
+    Ok(updated)
 }

@@ -13,7 +13,7 @@ use super::{
     route::{host_of, Route},
     session::Gucs,
 };
-use crate::config::{DatabaseSettings, Pooler};
+use crate::config::{DatabaseSettings, Engine, Pooler};
 
 /// A pool and the way its connections reach PostgreSQL (`database.pooler`): every statement fine-settler runs
 /// against the database goes through one.
@@ -31,6 +31,9 @@ pub struct Db {
     /// Behind a transaction-mode pooler, the statement every transaction begins with.
     begin: Option<Arc<str>>,
     route: Arc<Route>,
+    /// What the server is (`database.engine`): on Citus a batch's write is routed to one shard at a time
+    /// ([`crate::store::citus`]).
+    engine: Engine,
 }
 
 impl std::fmt::Debug for Db {
@@ -51,6 +54,7 @@ impl From<PgPool> for Db {
             pooler: Pooler::None,
             begin: None,
             route: route.into(),
+            engine: Engine::Postgresql,
         }
     }
 }
@@ -140,6 +144,7 @@ impl Db {
             pooler: db.pooler,
             begin: (db.pooler == Pooler::Transaction).then(|| gucs.begin_local().into()),
             route,
+            engine: db.engine,
         }
     }
 
@@ -219,6 +224,11 @@ impl Db {
     /// The pool underneath.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// What the server is (`database.engine`).
+    pub fn engine(&self) -> Engine {
+        self.engine
     }
 
     /// What sits between this pool and PostgreSQL.

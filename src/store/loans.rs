@@ -16,13 +16,16 @@ use crate::store::Db;
 use crate::shard::ShardSpec;
 
 /// The next batch of a shard's unsettled loans returned in the business month.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SettleBatch {
     /// The batch covers ids `from_id..=last_id`.
     pub from_id: i64,
     pub last_id: i64,
     /// Loans in the batch.
     pub count: i64,
+    /// On Citus, the batch's loans, listed: its write reaches them one Citus shard at a time
+    /// ([`crate::store::citus`]). Empty on PostgreSQL, whose write is the range.
+    pub listed: Vec<i64>,
 }
 
 /// Finds the next batch: the first `limit` unsettled loans of the shard returned in `[first, last]` with
@@ -70,6 +73,45 @@ pub async fn next_batch(
         from_id,
         last_id,
         count: row.count,
+        listed: Vec::new(),
+    }))
+}
+
+/// [`next_batch`] on Citus: the same loans, listed ([`SettleBatch::listed`]), for a write that reaches them one
+/// Citus shard at a time. Citus runs the ordered, limited scan on every shard and merges the shards' first
+/// `limit` ids (the subquery kept apart that [`next_batch`] needs on PostgreSQL would, on Citus, bring every
+/// unsettled loan to the coordinator).
+pub async fn next_listed(
+    pool: &Db,
+    (first, last): (NaiveDate, NaiveDate),
+    shard: ShardSpec,
+    from_id: i64,
+    limit: i64,
+) -> Result<Option<SettleBatch>, sqlx::Error> {
+    let listed = sqlx::query_scalar!(
+        r#"select id from loans
+           where fine_settled_at is null and returned_on is not null and id >= $3
+             and returned_on between $1 and $2 and isfinite(due_on)
+             and fine_settler_shard_of(id, $4) = $5
+           order by id
+           limit $6"#,
+        first,
+        last,
+        from_id,
+        shard.shards(),
+        shard.shard(),
+        limit,
+    )
+    .fetch_all(pool)
+    .await?;
+    let Some(&last_id) = listed.last() else {
+        return Ok(None);
+    };
+    Ok(Some(SettleBatch {
+        from_id,
+        last_id,
+        count: listed.len() as i64,
+        listed,
     }))
 }
 

@@ -29,6 +29,7 @@
 
 pub mod audit;
 pub mod calendar;
+pub mod citus;
 pub mod connect;
 pub mod corrections;
 pub mod db;

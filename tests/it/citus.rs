@@ -11,7 +11,7 @@ use std::process::Output;
 
 use sqlx::{postgres::PgPoolOptions, PgPool};
 
-use crate::helpers::{assert_success, fine_settler, output};
+use crate::helpers::{assert_success, fine_settler, output, report};
 
 /// `fine-settler migrate` with `database.engine = engine` against `url`.
 fn migrate(url: &str, engine: &str) -> Output {
@@ -444,5 +444,50 @@ async fn a_loans_table_with_triggers_of_its_own_is_left_for_the_operator_to_dist
     .await
     .expect("the table");
     assert_eq!((distributed, enabled.as_str()), (false, "D"));
+    db.drop().await;
+}
+
+/// `fine-settler ARGS` with `database.engine = "citus"` and small batches against `url`: its report.
+fn run_citus(url: &str, args: &[&str]) -> serde_json::Value {
+    let mut cmd = fine_settler(url);
+    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus")
+        .env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "100")
+        .args(args);
+    let out = output(cmd);
+    assert_success(&out);
+    report(&out)
+}
+
+/// `settle` on Citus: each batch's loans lie in many shards, and its write reaches them one shard at a time,
+/// pricing each loan on its worker by the rules' copies there (a closed day included); a rerun changes nothing.
+#[tokio::test]
+#[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
+async fn settle_prices_every_returned_loan_on_its_shard_and_a_rerun_changes_nothing() {
+    let db = CitusDb::new("settle").await;
+    // Due 2026-10-10, one in two returned 2026-10-20: ten days at the default 100 cents a day, one closed.
+    db.libraryd_loans(2000).await;
+    assert_success(&migrate(&db.url, "citus"));
+    sqlx::raw_sql("insert into library_closed_days (day, reason) values ('2026-10-15', 'inventory')")
+        .execute(&db.pool)
+        .await
+        .expect("close a day");
+    let first = run_citus(&db.url, &["settle", "--business-date", "2026-10-31"]);
+    assert_eq!(first["outcome"], "settled", "{first}");
+    assert_eq!(first["updated"], 1000, "{first}");
+    let settled = || async {
+        sqlx::query_as::<_, (i64, Option<i64>, i64)>(
+            "select count(*) filter (where fine_settled_at is not null),
+                    sum(fine_cents)::bigint,
+                    count(*) filter (where returned_on is null and fine_settled_at is not null)
+             from loans",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .expect("the loans")
+    };
+    assert_eq!(settled().await, (1000, Some(1000 * 900), 0), "nine chargeable days each, open loans untouched");
+    let again = run_citus(&db.url, &["settle", "--business-date", "2026-10-31"]);
+    assert_eq!(again["outcome"], "skipped", "{again}");
+    assert_eq!(settled().await, (1000, Some(1000 * 900), 0));
     db.drop().await;
 }

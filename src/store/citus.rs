@@ -1,0 +1,98 @@
+//! A batch's write on a Citus coordinator (`database.engine = "citus"`, docs/citus.md): one Citus shard at a
+//! time.
+//!
+//! Citus runs a statement whose rows all lie in one shard — its distributed tables filtered by loan ids of that
+//! shard (`id = any(…)`, which Citus prunes to the shard) — on the shard's worker as it is: plain PostgreSQL
+//! there, with the fine rules bound to the reference tables' copies (`migrate`). The same write spread over
+//! several shards is refused: an `update` calling a rule function with the row's columns ("STABLE functions used
+//! in UPDATE queries cannot be called with column references"), a statement calling a SQL function that reads a
+//! distributed table with parameters ("parameterized queries for SQL functions referencing distributed tables
+//! are not supported") — both measured on Citus 14.0.1. So on Citus a batch lists its loans, and its write runs
+//! once per shard they fall in, each time with that shard's ids only; all in the batch's one transaction, which
+//! the coordinator commits on every worker it wrote to at once (two-phase commit), fence included.
+//!
+//! The statements here run only on Citus (`get_shard_id_for_distribution_column` exists nowhere else), so they
+//! are not checked against the migrations at build time like the rest of the store; the Citus suite
+//! (`tests/it/citus.rs`) runs each of them.
+
+use chrono::NaiveDate;
+use sqlx::PgConnection;
+
+use crate::shard::ShardSpec;
+
+/// `ids` (in ascending order) grouped by the Citus shard of `loans` they fall in: each group ascending, the
+/// groups in the order of their first id. The coordinator answers from its metadata; no worker is asked.
+pub async fn by_shard(tx: &mut PgConnection, ids: &[i64]) -> Result<Vec<Vec<i64>>, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar(
+        "select array_agg(id order by id)
+         from unnest($1::bigint[]) id
+         group by get_shard_id_for_distribution_column('loans', id)
+         order by min(id)",
+    )
+    .bind(ids)
+    .fetch_all(&mut *tx)
+    .await
+}
+
+/// The settlement's write of a batch's loans of one Citus shard: [`crate::store::loans::settle_range`]'s update
+/// with the range replaced by the list, its conditions, and its fine (`fine_settler_loan_fine` is the same
+/// expression, as a function: null where no policy governs the loan, which fails the update).
+const SETTLE_LISTED: &str = "
+    update loans
+    set fine_cents = fine_settler_loan_fine(loans.fine_class, loans.due_on, loans.returned_on),
+        fine_settled_at = now()
+    where id = any($3) and fine_settler_shard_of(id, $4) = $5
+      and fine_settled_at is null and returned_on is not null
+      and returned_on between $1 and $2
+      and isfinite(due_on)";
+
+/// [`SETTLE_LISTED`], leaving out every row another transaction holds locked
+/// ([`crate::store::loans::settle_unlocked`]).
+const SETTLE_LISTED_UNLOCKED: &str = "
+    with free as (
+        select id from loans
+        where id = any($3) and fine_settler_shard_of(id, $4) = $5
+          and fine_settled_at is null and returned_on is not null
+          and returned_on between $1 and $2
+          and isfinite(due_on)
+        for no key update skip locked
+    )
+    update loans
+    set fine_cents = fine_settler_loan_fine(loans.fine_class, loans.due_on, loans.returned_on),
+        fine_settled_at = now()
+    from free
+    where loans.id = free.id and loans.id = any($3) and loans.fine_settled_at is null";
+
+/// Whether a settlement write waits for row locks (and fails after `lock_timeout`) or leaves locked rows out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Locked {
+    Wait,
+    Skip,
+}
+
+/// Settles the loans of `ids` (one Citus shard's) that are still the settlement's: returned in `[first, last]`,
+/// unsettled, of `shard`. Returns how many it settled.
+pub async fn settle_listed(
+    tx: &mut PgConnection,
+    (first, last): (NaiveDate, NaiveDate),
+    shard: ShardSpec,
+    ids: &[i64],
+    locked: Locked,
+) -> Result<u64, sqlx::Error> {
+    let statement = match locked {
+        Locked::Wait => SETTLE_LISTED,
+        Locked::Skip => SETTLE_LISTED_UNLOCKED,
+    };
+    let done = sqlx::query(statement)
+        .bind(first)
+        .bind(last)
+        .bind(ids)
+        .bind(shard.shards())
+        .bind(shard.shard())
+        .execute(&mut *tx)
+        .await?;
+    Ok(done.rows_affected())
+}
