@@ -17,13 +17,16 @@ mod questions;
 use questions::Questions;
 
 /// One of fine-settler's indexes on `loans`: its name, what reads it, and the decision the section's figures
-/// support (kept, or to be dropped by a migration), with its reason.
+/// support (kept, or dropped by a migration), with its reason.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Index {
     pub name: &'static str,
     pub readers: &'static str,
     pub keep: bool,
     pub decision: &'static str,
+    /// For an index a migration dropped: its definition as the migration that built it had it. The section
+    /// builds it again on its template, so that each run still measures what dropping it saves.
+    pub built_as: Option<&'static str>,
 }
 
 /// fine-settler's indexes on `loans`, in the order of their migrations.
@@ -36,6 +39,7 @@ pub(crate) const INDEXES: [Index; 4] = [
         decision: "keep: without it every batch walks the primary key through the settled history, so `settle` \
                    slows as the table ages; it costs libraryd WAL on returns (an entry in an id-ordered index: a \
                    page image after each checkpoint), not time",
+        built_as: None,
     },
     Index {
         name: "loans_unsettled_by_return_idx",
@@ -47,6 +51,7 @@ pub(crate) const INDEXES: [Index; 4] = [
                    instead of a walk of every unsettled loan (until then the planner walks the id-ordered index \
                    whichever is kept); it costs a return one small WAL record (ordered by return date, returns \
                    append to its last page) and no measurable time",
+        built_as: None,
     },
     Index {
         name: "loans_open_by_due_idx",
@@ -54,9 +59,11 @@ pub(crate) const INDEXES: [Index; 4] = [
                   day has work (its open branch), `calendar close`/`open` queueing the loans of a changed day; \
                   no longer the daemon's (its re-check reads the queue of changed loans)",
         keep: false,
-        decision: "drop (recommended): no question of the daemon reads it any more, and every checkout pays an \
-                   entry and about a third more WAL for operator commands (`verify`, a done day's `accrue`) that \
-                   take a second or so longer without it, a scan of the table instead of the open loans",
+        decision: "dropped (migration 20261203000059): no question of the daemon reads it any more, and every \
+                   checkout paid an entry and about a third more WAL for operator commands (`verify`, a done \
+                   day's `accrue`) that take a second or so longer without it, a scan of the table instead of \
+                   the open loans",
+        built_as: Some("create index loans_open_by_due_idx on loans (due_on, id) where returned_on is null"),
     },
     Index {
         name: "loans_returned_late_idx",
@@ -64,9 +71,13 @@ pub(crate) const INDEXES: [Index; 4] = [
                   close`/`open` queueing; no longer the daemon's (the re-check it was built for reads the queue \
                   of changed loans)",
         keep: false,
-        decision: "drop (recommended): no question of the daemon reads it any more, and late returns and every \
-                   settlement of a late loan pay an entry (it keeps every late return of history) for the other \
-                   branch of the same operator question, which without it scans the table",
+        decision: "dropped (migration 20261203000060): no question of the daemon reads it any more, and late \
+                   returns and every settlement of a late loan paid an entry (it keeps every late return of \
+                   history) for the other branch of the same operator questions, which without it scan the table",
+        built_as: Some(
+            "create index loans_returned_late_idx on loans (returned_on, id) include (due_on) \
+             where returned_on > due_on",
+        ),
     },
 ];
 
@@ -110,12 +121,24 @@ impl Kept {
 
     fn label(self) -> String {
         match self {
-            Kept::All => "all four (as migrated)".into(),
+            Kept::All => "all four".into(),
             Kept::None => "none".into(),
             Kept::AllBut(i) => format!("all but `{}`", INDEXES[i].name),
-            Kept::Decided => format!("the decision's: {}", names(INDEXES.iter().filter(|i| i.keep))),
+            Kept::Decided => format!("as migrated: {}", names(INDEXES.iter().filter(|i| i.keep))),
         }
     }
+}
+
+/// Builds again on a template the indexes migrations dropped ([`Index::built_as`]), then analyses it.
+async fn build_retired(pool: &PgPool) -> Result<(), Error> {
+    for index in INDEXES.iter() {
+        if let Some(definition) = index.built_as {
+            sqlx::raw_sql(definition).execute(pool).await?;
+        }
+    }
+    sqlx::raw_sql("vacuum analyze loans").execute(pool).await?;
+    pool.close().await;
+    Ok(())
 }
 
 /// `indexes`' names, quoted, joined with commas and a last "and".
@@ -267,6 +290,7 @@ impl Bench {
             loans, history_years, ..
         } = args;
         let template = self.template(loans).await?;
+        build_retired(&self.pool(&template, 1).await?).await?;
         let (rows, again) = self.index_round(&template, args, "indexes").await?;
         let mut history = 0;
         let (mut history_rows, mut history_again) = (Vec::new(), Vec::new());
@@ -494,8 +518,10 @@ impl IndexLeg {
         let _ = writeln!(r, "{HEADING}\n");
         let _ = writeln!(
             r,
-            "fine-settler adds four partial indexes to libraryd's `loans`. Each row is a fresh copy of the {}-loan \
-             template keeping the indexes it names (the others dropped), on which, in order: libraryd's checkouts \
+            "fine-settler added four partial indexes to libraryd's `loans`; the figures below decided which two stay \
+             (the decision, at the end), and migrations drop the other two, which the section builds again on its \
+             template as they were built, to keep measuring what dropping them saves. Each row is a fresh copy of \
+             the {}-loan template keeping the indexes it names (the others dropped), on which, in order: libraryd's checkouts \
              (`insert` of a new loan, due in three weeks) and returns (`update loans set returned_on` of a loan \
              still out), {} each, one session, each statement its own transaction (committed with \
              `synchronous_commit = on`), timed one by one, with the WAL they wrote (`pg_current_wal_insert_lsn()` \

@@ -231,9 +231,10 @@ async fn ledger(pool: &Db, (first, last): (NaiveDate, NaiveDate)) -> Result<Reco
 /// touches, whatever their month (such a date is in no month): returned or still out; how many, and the first
 /// [`NOT_FINITE_SHOWN`] ids.
 ///
-/// Each branch is one of the partial indexes' predicates (`loans_unsettled_returned_idx`, which includes the due
-/// date; `loans_open_by_due_idx`, probed at its two ends), so the audit reads no settled loan. `d in
-/// ('-infinity', 'infinity')` is `not isfinite(d)`, in a form an index can search.
+/// The returned branch is the predicate of `loans_unsettled_returned_idx` (which includes the due date), so it
+/// reads no settled loan; the open branch scans `loans` (no index of fine-settler's serves the open loans: one
+/// that did cost every checkout of libraryd's an entry). `d in ('-infinity', 'infinity')` is `not isfinite(d)`,
+/// in a form an index can search.
 async fn unsettled_not_finite(pool: &Db) -> Result<(i64, Vec<i64>), sqlx::Error> {
     let row = sqlx::query!(
         r#"select count(*) as "count!", coalesce((array_agg(id order by id))[1:$1], '{}') as "ids!"

@@ -175,8 +175,9 @@ async fn after_change(
         return Ok(0);
     }
     // The loans out and overdue on a changed past day (grace aside: a loan queued needlessly is found as owed
-    // and leaves the queue). Two index-friendly branches, as the accrual's: loans still out, and loans
-    // returned on or after the first such day.
+    // and leaves the queue): loans still out, and loans returned late on or after the first such day. A scan of
+    // `loans` (a second or so a million loans): a past day is changed rarely, and an index for it would cost
+    // every checkout and late return of libraryd's (docs/performance.md, "fine-settler's indexes").
     let queued = sqlx::query!(
         r#"insert into fine_loan_changes (loan_id)
            select l.id from loans l

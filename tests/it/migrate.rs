@@ -189,7 +189,7 @@ async fn readiness_names_a_forgotten_migration_and_a_dropped_index_and_migrate_m
     assert_eq!(readiness(&db(&pool)).await, Ok(()));
     sqlx::raw_sql(
         "delete from _sqlx_migrations where version = 20261101000005;
-         drop index loans_open_by_due_idx;",
+         drop index loans_unsettled_returned_idx;",
     )
     .execute(&pool)
     .await
@@ -198,7 +198,7 @@ async fn readiness_names_a_forgotten_migration_and_a_dropped_index_and_migrate_m
     assert_eq!(
         reason,
         "migrations missing: 20261101000005 (loans unsettled by return index); \
-         indexes not valid: loans_open_by_due_idx missing; run `fine-settler migrate`"
+         indexes not valid: loans_unsettled_returned_idx missing; run `fine-settler migrate`"
     );
 
     let mut cmd = fine_settler(&database_url(&pool));
@@ -207,7 +207,7 @@ async fn readiness_names_a_forgotten_migration_and_a_dropped_index_and_migrate_m
     assert_success(&out);
     assert_eq!(
         report(&out)["rebuilt"],
-        serde_json::json!(["loans_open_by_due_idx"]),
+        serde_json::json!(["loans_unsettled_returned_idx"]),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
