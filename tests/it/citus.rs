@@ -485,7 +485,11 @@ async fn settle_prices_every_returned_loan_on_its_shard_and_a_rerun_changes_noth
         .await
         .expect("the loans")
     };
-    assert_eq!(settled().await, (1000, Some(1000 * 900), 0), "nine chargeable days each, open loans untouched");
+    assert_eq!(
+        settled().await,
+        (1000, Some(1000 * 900), 0),
+        "nine chargeable days each, open loans untouched"
+    );
     let again = run_citus(&db.url, &["settle", "--business-date", "2026-10-31"]);
     assert_eq!(again["outcome"], "skipped", "{again}");
     assert_eq!(settled().await, (1000, Some(1000 * 900), 0));
