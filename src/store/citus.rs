@@ -38,11 +38,16 @@ pub async fn by_shard(tx: &mut PgConnection, ids: &[i64]) -> Result<Vec<Vec<i64>
 }
 
 /// The settlement's write of a batch's loans of one Citus shard: [`crate::store::loans::settle_range`]'s update
-/// with the range replaced by the list, its conditions, and its fine (`fine_settler_loan_fine` is the same
-/// expression, as a function: null where no policy governs the loan, which fails the update).
+/// with the range replaced by the list, its conditions and its fine. (Not the scalar `fine_settler_loan_fine`,
+/// the same expression as a function: Citus refuses a STABLE function called with the row's columns in an
+/// `update` even when it is routed to one shard.)
 const SETTLE_LISTED: &str = "
     update loans
-    set fine_cents = fine_settler_loan_fine(loans.fine_class, loans.due_on, loans.returned_on),
+    set fine_cents = (select f.fine_cents
+                      from fine_settler_policy_of(loans.fine_class, loans.due_on) p
+                      cross join lateral fine_settler_policy_fine(loans.due_on, loans.returned_on,
+                                                                  p.daily_rate_cents, p.grace_days,
+                                                                  p.cap_cents, p.charge_closed_days) f),
         fine_settled_at = now()
     where id = any($3) and fine_settler_shard_of(id, $4) = $5
       and fine_settled_at is null and returned_on is not null
@@ -61,7 +66,11 @@ const SETTLE_LISTED_UNLOCKED: &str = "
         for no key update skip locked
     )
     update loans
-    set fine_cents = fine_settler_loan_fine(loans.fine_class, loans.due_on, loans.returned_on),
+    set fine_cents = (select f.fine_cents
+                      from fine_settler_policy_of(loans.fine_class, loans.due_on) p
+                      cross join lateral fine_settler_policy_fine(loans.due_on, loans.returned_on,
+                                                                  p.daily_rate_cents, p.grace_days,
+                                                                  p.cap_cents, p.charge_closed_days) f),
         fine_settled_at = now()
     from free
     where loans.id = free.id and loans.id = any($3) and loans.fine_settled_at is null";
