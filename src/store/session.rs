@@ -52,21 +52,26 @@ impl Gucs {
     ///
     /// On Citus the plans are custom: the coordinator cannot build a distributed plan of a generic one whose
     /// parameters reach the shards ("could not create distributed plan"), and the workers plan each shard's
-    /// statement afresh with the values in it anyway (docs/citus.md).
+    /// statement afresh with the values in it anyway (docs/citus.md). And a transaction's `set local` commands
+    /// reach the workers it writes on ([`set_local_lock_timeout`]).
     pub(super) fn jobs(batch_timeout: Duration, engine: Engine) -> Self {
         let timeout = batch_timeout.as_millis().max(1).to_string();
         let plans = match engine {
             Engine::Postgresql => "force_generic_plan",
             Engine::Citus => "force_custom_plan",
         };
-        Gucs(vec![
+        let mut gucs = vec![
             ("statement_timeout", timeout.clone()),
             ("idle_in_transaction_session_timeout", timeout),
             ("max_parallel_workers_per_gather", "0".into()),
             ("plan_cache_mode", plans.into()),
             ("jit", "off".into()),
             ("enable_seqscan", "off".into()),
-        ])
+        ];
+        if engine == Engine::Citus {
+            gucs.push(("citus.propagate_set_commands", "local".into()));
+        }
+        Gucs(gucs)
     }
 
     /// The status page's: every statement under `statement_timeout = timeout`, no parallel query.
@@ -110,13 +115,14 @@ impl Gucs {
 /// fails with `lock_not_available` (55P03), which the jobs handle by leaving the row for later. Set per
 /// transaction rather than per connection, so that the claim statements — which wait for an in-flight batch
 /// on purpose — are not cut short.
+///
+/// A `set local` command rather than `set_config(…, true)`: on Citus the row locks a batch waits for are the
+/// workers', and Citus passes a transaction's `set local` commands on to every worker it reaches
+/// (`citus.propagate_set_commands = local`, set for the jobs' connections there) but not a function's setting.
+/// Without it a loan libraryd held locked kept a settlement batch waiting until the batch timeout failed the run.
 pub async fn set_local_lock_timeout(tx: &mut PgConnection, timeout: Duration) -> Result<(), sqlx::Error> {
-    sqlx::query_scalar!(
-        "select set_config('lock_timeout', $1, true)",
-        timeout.as_millis().max(1).to_string()
-    )
-    .fetch_one(&mut *tx)
-    .await?;
+    let set = format!("set local lock_timeout = {}", timeout.as_millis().max(1));
+    sqlx::query(&set).execute(&mut *tx).await?;
     Ok(())
 }
 

@@ -495,3 +495,49 @@ async fn settle_prices_every_returned_loan_on_its_shard_and_a_rerun_changes_noth
     assert_eq!(settled().await, (1000, Some(1000 * 900), 0));
     db.drop().await;
 }
+
+/// A loan libraryd holds locked on its worker: the batch waits `claim.lock_timeout` there (the coordinator's
+/// `set local` reaches the worker), settles the rest of its loans around it, and the rerun after the lock is let
+/// go settles it — rather than the batch waiting until the batch timeout fails the run.
+#[tokio::test]
+#[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
+async fn a_loan_libraryd_holds_locked_is_settled_around_then_by_the_reopen() {
+    let db = CitusDb::new("locked").await;
+    db.libraryd_loans(200).await;
+    assert_success(&migrate(&db.url, "citus"));
+    let mut libraryd = db.pool.begin().await.expect("libraryd's transaction");
+    sqlx::query("update loans set member_id = member_id where id = 4")
+        .execute(&mut *libraryd)
+        .await
+        .expect("libraryd locks loan 4");
+    let run = |url: String| {
+        tokio::task::spawn_blocking(move || {
+            let mut cmd = fine_settler(&url);
+            cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus")
+                .env("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "10s")
+                .env("FINE_SETTLER__CLAIM__LOCK_TIMEOUT", "500ms")
+                .args(["settle", "--business-date", "2026-10-31"]);
+            let out = output(cmd);
+            assert_success(&out);
+            report(&out)
+        })
+    };
+    let first = run(db.url.clone()).await.expect("the run");
+    assert_eq!(
+        (&first["outcome"], &first["updated"]),
+        (&serde_json::json!("settled"), &serde_json::json!(99)),
+        "{first}"
+    );
+    libraryd.commit().await.expect("libraryd commits");
+    let again = run(db.url.clone()).await.expect("the rerun");
+    assert_eq!(
+        (&again["outcome"], &again["updated"], &again["reopened"]),
+        (
+            &serde_json::json!("settled"),
+            &serde_json::json!(1),
+            &serde_json::json!(true)
+        ),
+        "{again}"
+    );
+    db.drop().await;
+}
