@@ -38,32 +38,18 @@ pub async fn by_shard(tx: &mut PgConnection, ids: &[i64]) -> Result<Vec<Vec<i64>
 }
 
 /// The settlement's write of a batch's loans of one Citus shard: [`crate::store::loans::settle_range`]'s update
-/// with the range replaced by the list, its conditions and its fine. (Not the scalar `fine_settler_loan_fine`,
-/// the same expression as a function: Citus refuses a STABLE function called with the row's columns in an
-/// `update` even when it is routed to one shard.)
+/// with the range replaced by the list, its conditions and its fine, its rows locked first (`{locking}`: waiting
+/// for them, or skipping those another transaction holds, as [`crate::store::loans::settle_unlocked`] does).
+/// (Not the scalar `fine_settler_loan_fine`, the same expression as a function: Citus refuses a STABLE function
+/// called with the row's columns in an `update` even when it is routed to one shard.)
 const SETTLE_LISTED: &str = "
-    update loans
-    set fine_cents = (select f.fine_cents
-                      from fine_settler_policy_of(loans.fine_class, loans.due_on) p
-                      cross join lateral fine_settler_policy_fine(loans.due_on, loans.returned_on,
-                                                                  p.daily_rate_cents, p.grace_days,
-                                                                  p.cap_cents, p.charge_closed_days) f),
-        fine_settled_at = now()
-    where id = any($3) and fine_settler_shard_of(id, $4) = $5
-      and fine_settled_at is null and returned_on is not null
-      and returned_on between $1 and $2
-      and isfinite(due_on)";
-
-/// [`SETTLE_LISTED`], leaving out every row another transaction holds locked
-/// ([`crate::store::loans::settle_unlocked`]).
-const SETTLE_LISTED_UNLOCKED: &str = "
     with free as (
         select id from loans
         where id = any($3) and fine_settler_shard_of(id, $4) = $5
           and fine_settled_at is null and returned_on is not null
           and returned_on between $1 and $2
           and isfinite(due_on)
-        for no key update skip locked
+        for no key update {locking}
     )
     update loans
     set fine_cents = (select f.fine_cents
@@ -91,11 +77,12 @@ pub async fn settle_listed(
     ids: &[i64],
     locked: Locked,
 ) -> Result<u64, sqlx::Error> {
-    let statement = match locked {
-        Locked::Wait => SETTLE_LISTED,
-        Locked::Skip => SETTLE_LISTED_UNLOCKED,
+    let locking = match locked {
+        Locked::Wait => "",
+        Locked::Skip => "skip locked",
     };
-    let done = sqlx::query(statement)
+    let statement = SETTLE_LISTED.replace("{locking}", locking);
+    let done = sqlx::query(&statement)
         .bind(first)
         .bind(last)
         .bind(ids)
