@@ -56,10 +56,11 @@ pub(crate) const INDEXES: [Index; 4] = [
     Index {
         name: "loans_open_by_due_idx",
         readers: "`verify`'s not-finite check (its open branch), `accrue`/`backfill`'s question whether a done \
-                  day has work (its open branch), `calendar close`/`open` queueing the loans of a changed day; \
-                  no longer the daemon's (its re-check reads the queue of changed loans)",
+                  day has work (its open branch; the daemon asks it too, rarely: when a claim finds a key a peer \
+                  just finished), `calendar close`/`open` queueing the loans of a changed day; no longer the \
+                  daemon's re-check (it reads the queue of changed loans)",
         keep: false,
-        decision: "dropped (migration 20261203000059): no question of the daemon reads it any more, and every \
+        decision: "dropped (migration 20261203000059): none of the daemon's regular questions reads it any more, and every \
                    checkout paid an entry and about a third more WAL for operator commands (`verify`, a done \
                    day's `accrue`) that take a second or so longer without it, a scan of the table instead of \
                    the open loans",
@@ -68,10 +69,10 @@ pub(crate) const INDEXES: [Index; 4] = [
     Index {
         name: "loans_returned_late_idx",
         readers: "`accrue`/`backfill`'s question whether a done day has work (its returned branch), `calendar \
-                  close`/`open` queueing; no longer the daemon's (the re-check it was built for reads the queue \
-                  of changed loans)",
+                  close`/`open` queueing; no longer the daemon's re-check, which it was built for (it reads the \
+                  queue of changed loans)",
         keep: false,
-        decision: "dropped (migration 20261203000060): no question of the daemon reads it any more, and late \
+        decision: "dropped (migration 20261203000060): none of the daemon's regular questions reads it any more, and late \
                    returns and every settlement of a late loan paid an entry (it keeps every late return of \
                    history) for the other branch of the same operator questions, which without it scan the table",
         built_as: Some(

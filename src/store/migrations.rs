@@ -20,7 +20,7 @@ use std::time::Duration;
 use sqlx::{postgres::PgPoolOptions, Connection, PgConnection};
 
 pub use citus::CitusError;
-pub use owned::{owned_indexes, OwnedIndex};
+pub use owned::{owned_indexes, retired_indexes, OwnedIndex, RetiredIndex};
 pub use schema::Gaps;
 
 use super::{route::Route, session::Gucs, StoreError};
@@ -41,6 +41,8 @@ const INDEX_BUILD_POLL: Duration = Duration::from_millis(200);
 pub struct Migrated {
     /// Owned indexes that were INVALID or gone, rebuilt by running their migration again.
     pub rebuilt: Vec<&'static OwnedIndex>,
+    /// Indexes a migration retired, found built again (by an older release's `migrate`) and dropped again.
+    pub dropped: Vec<&'static RetiredIndex>,
     /// How the schema still falls short once the migrations have run (empty: complete).
     pub gaps: Gaps,
 }
@@ -110,10 +112,12 @@ async fn migrate_locked(conn: &mut PgConnection, engine: Engine) -> Result<Migra
         Engine::Postgresql => MIGRATOR.run(&mut *conn).await?,
         Engine::Citus => citus::migrate(conn).await?,
     }
+    let dropped = repair::drop_retired(conn).await?;
     let recorded = schema::recorded(&mut *conn).await?;
     let indexes = schema::index_states(&mut *conn).await?;
     Ok(Migrated {
         rebuilt,
+        dropped,
         gaps: Gaps::of(recorded.as_deref(), &indexes),
     })
 }

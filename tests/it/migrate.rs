@@ -332,3 +332,45 @@ async fn every_migration_runs_statement_by_statement(pool: PgPool) {
             .expect("count");
     assert_eq!(functions, 1);
 }
+
+/// An index a migration retired, built again by an older release's `migrate` (which owns it still: it finds it
+/// missing, forgets the migration that built it and runs that again), is dropped again by the next `migrate` —
+/// the drop, already recorded, would never run again — and reported.
+#[sqlx::test]
+async fn an_index_a_migration_retired_and_an_older_release_built_again_is_dropped_again(pool: PgPool) {
+    let exists = |name: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>("select to_regclass($1) is not null")
+                .bind(name)
+                .fetch_one(&pool)
+                .await
+                .expect("the catalogue")
+        }
+    };
+    assert!(!exists("loans_open_by_due_idx").await, "dropped by its migration");
+    // What an older release's `migrate` does: it forgets the migrations that built its two missing indexes.
+    sqlx::raw_sql("delete from _sqlx_migrations where version in (20261201000006, 20261201000009)")
+        .execute(&pool)
+        .await
+        .expect("forget the migrations");
+    let mut cmd = fine_settler(&database_url(&pool));
+    cmd.arg("migrate");
+    let out = output(cmd);
+    assert_success(&out);
+    assert_eq!(
+        report(&out)["dropped"],
+        serde_json::json!(["loans_open_by_due_idx", "loans_returned_late_idx"]),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!exists("loans_open_by_due_idx").await);
+    assert!(!exists("loans_returned_late_idx").await);
+    assert_eq!(readiness(&db(&pool)).await, Ok(()));
+    // Nothing left to drop.
+    let mut cmd = fine_settler(&database_url(&pool));
+    cmd.arg("migrate");
+    let out = output(cmd);
+    assert_success(&out);
+    assert_eq!(report(&out)["dropped"], serde_json::json!([]));
+}

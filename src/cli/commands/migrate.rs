@@ -8,9 +8,10 @@ use crate::{
     progress, store,
 };
 
-/// Applies every migration not yet applied, rebuilding any index fine-settler owns that is INVALID or gone, and
-/// seeds the first `default` fine policy from the `[fine]` keys when `fine_policies` is empty, and prints
-/// `{"migrate":"ok","migrations":N,"indexes":M,"rebuilt":[…],"policy_seeded":true|false}`. Exits 1, naming each migration or index
+/// Applies every migration not yet applied, rebuilding any index fine-settler owns that is INVALID or gone and
+/// dropping again any index a migration retired that was built again since, and seeds the first `default` fine
+/// policy from the `[fine]` keys when `fine_policies` is empty, and prints
+/// `{"migrate":"ok","migrations":N,"indexes":M,"rebuilt":[…],"dropped":[…],"policy_seeded":true|false}`. Exits 1, naming each migration or index
 /// that falls short, if the schema is still incomplete at the end.
 pub async fn migrate(ctx: &Context) -> Result<ExitCode, CliError> {
     if ctx.settings.database.pooler == Pooler::Transaction {
@@ -38,6 +39,7 @@ pub async fn migrate(ctx: &Context) -> Result<ExitCode, CliError> {
     pool.close().await;
     let policy_seeded = seeded?;
     let rebuilt: Vec<&str> = migrated.rebuilt.iter().map(|i| i.name.as_str()).collect();
+    let dropped: Vec<&str> = migrated.dropped.iter().map(|i| i.name.as_str()).collect();
     println!(
         "{}",
         serde_json::json!({
@@ -45,6 +47,7 @@ pub async fn migrate(ctx: &Context) -> Result<ExitCode, CliError> {
             "migrations": store::MIGRATOR.iter().count(),
             "indexes": store::owned_indexes().len(),
             "rebuilt": rebuilt,
+            "dropped": dropped,
             "policy_seeded": policy_seeded,
         })
     );

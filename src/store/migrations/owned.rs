@@ -29,13 +29,46 @@ pub fn owned_indexes() -> &'static [OwnedIndex] {
     &OWNED
 }
 
+/// An index an embedded migration created and a later one dropped (and none created again since).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetiredIndex {
+    /// The index's name, as PostgreSQL stores it.
+    pub name: String,
+    /// The version of the migration that drops it.
+    pub dropped_by: i64,
+}
+
+/// The indexes the embedded migrations retired, by name.
+///
+/// A binary from before the drop still owns such an index: its readiness reports it missing, and its `migrate`
+/// forgets the migration that built it and builds it again — after which the drop, already recorded, never runs
+/// again. So `migrate` drops a retired index it finds ([`super::repair::drop_retired`]).
+pub fn retired_indexes() -> &'static [RetiredIndex] {
+    static RETIRED: LazyLock<Vec<RetiredIndex>> = LazyLock::new(|| retired_by(MIGRATOR.iter()));
+    &RETIRED
+}
+
 /// The indexes `migrations` (in version order) leave behind, by name.
 fn owned_by<'m>(migrations: impl Iterator<Item = &'m Migration>) -> Vec<OwnedIndex> {
+    owned_and_retired(migrations).0
+}
+
+/// The indexes `migrations` (in version order) created and then dropped, by name.
+fn retired_by<'m>(migrations: impl Iterator<Item = &'m Migration>) -> Vec<RetiredIndex> {
+    owned_and_retired(migrations).1
+}
+
+/// What `migrations` (in version order) leave behind: the indexes they own, and those they retired.
+fn owned_and_retired<'m>(
+    migrations: impl Iterator<Item = &'m Migration>,
+) -> (Vec<OwnedIndex>, Vec<RetiredIndex>) {
     let mut owned = BTreeMap::new();
+    let mut retired = BTreeMap::new();
     for migration in migrations.filter(|m| m.migration_type.is_up_migration()) {
         for change in index_changes(&migration.sql) {
             match change {
                 IndexChange::Created { name, table } => {
+                    retired.remove(&name);
                     let migration = migration.version;
                     owned.insert(
                         name.clone(),
@@ -47,13 +80,16 @@ fn owned_by<'m>(migrations: impl Iterator<Item = &'m Migration>) -> Vec<OwnedInd
                     );
                 }
                 IndexChange::Dropped { name } => {
-                    owned.remove(&name);
+                    if owned.remove(&name).is_some() {
+                        let dropped_by = migration.version;
+                        retired.insert(name.clone(), RetiredIndex { name, dropped_by });
+                    }
                 }
                 IndexChange::Unnamed => {}
             }
         }
     }
-    owned.into_values().collect()
+    (owned.into_values().collect(), retired.into_values().collect())
 }
 
 /// What one statement of a migration does to an index.
@@ -300,13 +336,33 @@ mod tests {
             ),
             migration(2, "drop index concurrently if exists gone_idx;"),
             migration(3, "create index if not exists kept_idx on loans (id, due_on);"),
+            migration(
+                4,
+                "create index back_idx on loans (y); drop index back_idx; drop index never_ours_idx;",
+            ),
+            migration(5, "create index back_idx on loans (y, z);"),
         ];
         assert_eq!(
             owned_by(migrations.iter()),
-            vec![OwnedIndex {
-                name: "kept_idx".into(),
-                table: "loans".into(),
-                migration: 3
+            vec![
+                OwnedIndex {
+                    name: "back_idx".into(),
+                    table: "loans".into(),
+                    migration: 5
+                },
+                OwnedIndex {
+                    name: "kept_idx".into(),
+                    table: "loans".into(),
+                    migration: 3
+                }
+            ]
+        );
+        // Retired: dropped after it was created, and not created again since; an index never created is not.
+        assert_eq!(
+            retired_by(migrations.iter()),
+            vec![RetiredIndex {
+                name: "gone_idx".into(),
+                dropped_by: 2
             }]
         );
     }
@@ -330,6 +386,17 @@ mod tests {
         assert_eq!(
             named("job_run_attempts_key_idx").map(|i| (i.table.as_str(), i.migration)),
             Some(("job_run_attempts", 20261101000002))
+        );
+        let retired: Vec<(&str, i64)> = retired_indexes()
+            .iter()
+            .map(|i| (i.name.as_str(), i.dropped_by))
+            .collect();
+        assert_eq!(
+            retired,
+            vec![
+                ("loans_open_by_due_idx", 20261203000059),
+                ("loans_returned_late_idx", 20261203000060)
+            ]
         );
     }
 }

@@ -2,13 +2,15 @@
 //! migration that makes it runs again. An owned index left INVALID by an interrupted build is dropped and its
 //! migration forgotten (`create index … if not exists` would otherwise take the leftover for the index); an
 //! owned index that is gone while its migration is recorded has that migration forgotten. Nothing a live
-//! session is building is ever dropped: `migrate` waits for that build to end first.
+//! session is building is ever dropped: `migrate` waits for that build to end first. And after the migrations,
+//! an index a migration retired that was built again since is dropped again.
 
 use std::time::Duration;
 
 use sqlx::PgConnection;
 
 use super::{
+    owned::{retired_indexes, RetiredIndex},
     schema::{self, IndexState, IndexStatus, Recorded},
     OwnedIndex,
 };
@@ -85,4 +87,36 @@ async fn forget(conn: &mut PgConnection, version: i64) -> Result<(), sqlx::Error
         .execute(conn)
         .await?;
     Ok(())
+}
+
+/// After the migrations ran: drops every index a recorded migration retired that exists all the same — built
+/// again by a binary from before the drop (its `migrate` takes such an index for its own gone missing, forgets the
+/// migration that built it and runs that again; the drop, already recorded, would never run again). Returns
+/// those indexes.
+pub(super) async fn drop_retired(conn: &mut PgConnection) -> Result<Vec<&'static RetiredIndex>, sqlx::Error> {
+    let recorded = schema::recorded(&mut *conn).await?;
+    let mut dropped = Vec::new();
+    for index in retired_indexes() {
+        let retired = recorded
+            .as_deref()
+            .is_some_and(|r: &[Recorded]| r.iter().any(|m| m.version == index.dropped_by));
+        if !retired {
+            continue;
+        }
+        // Resolved through the search path, as the migrations that built and dropped it named it.
+        let regclass: Option<String> = sqlx::query_scalar("select to_regclass($1)::text")
+            .bind(&index.name)
+            .fetch_one(&mut *conn)
+            .await?;
+        let Some(regclass) = regclass else {
+            continue;
+        };
+        tracing::warn!(index = %index.name, migration = index.dropped_by,
+            "dropping an index a migration retired, built again since (by the migrate of an older release)");
+        sqlx::query(&format!("drop index concurrently if exists {regclass}"))
+            .execute(&mut *conn)
+            .await?;
+        dropped.push(index);
+    }
+    Ok(dropped)
 }
