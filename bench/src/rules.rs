@@ -59,6 +59,9 @@ pub(crate) struct RulesLeg {
     closed_per_year: f64,
     settle: Vec<(Run, Run)>,
     accrue: Vec<(Run, Run)>,
+    /// The day's statement cut into batches of the section's batch size (each its own transaction), and that size.
+    batched: Vec<Run>,
+    batch: u32,
     /// (µs a loan for a week late, µs a loan for five years late), each over `span_loans`.
     span_us: (f64, f64),
     span_loans: i64,
@@ -119,6 +122,19 @@ impl RulesLeg {
             ratio(accrue, statement),
             verdict(ratio(accrue, statement))
         ));
+        if !self.batched.is_empty() {
+            let batched = median(self.batched.clone());
+            r.push_str(&format!(
+                "\nWhat batches alone cost: the same `insert` cut into batches of {} loans owing a charge by id, each its own \
+                 transaction (no claim, no fence, no lock, no cap's guard), {} ms ({:.0} rows/s): {:.2} × the one \
+                 `insert`; `accrue`'s rate is {:.2} × these batches'.\n",
+                self.batch,
+                batched.ms,
+                per_sec(batched.rows, batched.ms),
+                ratio(batched, statement),
+                ratio(accrue, batched)
+            ));
+        }
         r.push_str(&format!(
             "\n| a loan's chargeable days ({} loans each, closed days counted, cap so the count is needed) | µs a loan |\n| --- | ---: |\n\
              | a week late | {week:.2} |\n| five years late (a lost book) | {years:.2} |\n| ratio (five years / a week) | {:.2} |\n",
@@ -153,6 +169,7 @@ impl Bench {
         self.until_unused(&template).await?;
         let mut leg = RulesLeg {
             loans,
+            batch,
             closed_per_year: closed as f64 / 9.0,
             ..RulesLeg::default()
         };
@@ -191,6 +208,15 @@ impl Bench {
             if (accrued.rows, accrued.checksum) != (statement.rows, statement.checksum) {
                 return Err(format!("accrue {accrued:?} and the insert {statement:?} disagree").into());
             }
+            let db = self.copy(&template, "fsb_rules_run").await?;
+            let batched = self.day_batched(&db, batch).await?;
+            self.drop_db(&db).await?;
+            if (batched.rows, batched.checksum) != (statement.rows, statement.checksum) {
+                return Err(
+                    format!("the batched insert {batched:?} and the insert {statement:?} disagree").into(),
+                );
+            }
+            leg.batched.push(batched);
             leg.accrue.push((accrued, statement));
         }
         let db = self.copy(&template, "fsb_rules_run").await?;
@@ -289,6 +315,21 @@ impl Bench {
             .bind(DAY.parse::<chrono::NaiveDate>()?)
             .execute(&pool)
             .await?;
+        let ms = u64::try_from(started.elapsed().as_millis())?;
+        pool.close().await;
+        let (rows, checksum) = self.charges(db).await?;
+        Ok(Run { rows, ms, checksum })
+    }
+}
+
+impl Bench {
+    /// The day's charges by the same statement in batches of `batch` on `db`
+    /// ([`crate::accrual::day::batched_statement`]).
+    async fn day_batched(&self, db: &str, batch: u32) -> Result<Run, Error> {
+        let pool = self.pool(db, 1).await?;
+        sqlx::raw_sql("select 1").execute(&pool).await?;
+        let started = Instant::now();
+        crate::accrual::day::batched_statement(&pool, DAY.parse::<chrono::NaiveDate>()?, batch).await?;
         let ms = u64::try_from(started.elapsed().as_millis())?;
         pool.close().await;
         let (rows, checksum) = self.charges(db).await?;

@@ -22,6 +22,15 @@ pub(crate) enum Way {
     AccrueJitOff,
     /// One `insert into fine_ledger select …` of every charge of the day: no batches, no claim, no fence.
     Statement,
+    /// The same statement with the cap's guard `accrue` keeps (current ledger only): each charge written only if
+    /// it fits under what the loan's ledger and corrections leave under its cap (their sums, read per loan), and
+    /// `on conflict do nothing` — what any one statement that keeps a loan under its cap whatever else was
+    /// charged must read; still no batches.
+    GuardedStatement,
+    /// The statement without the guard cut into batches (current ledger only): the next `accrual.batch_size`
+    /// loans owing a charge by id, each batch its own statement and transaction — what cutting the day into
+    /// commits costs by itself; no guard, no claim, no fence.
+    BatchedStatement,
 }
 
 /// One accrual of the day as measured: the charges it wrote, their sum, its time (the run's `elapsed_ms`, claim
@@ -69,6 +78,30 @@ impl DayLeg {
     }
 }
 
+/// Runs [`BATCHED_SQL`] on `pool` batch after batch (each its own transaction) until one writes nothing; returns
+/// the charges written and the statements run.
+pub(crate) async fn batched_statement(
+    pool: &sqlx::PgPool,
+    day: NaiveDate,
+    batch: u32,
+) -> Result<(u64, i64), Error> {
+    let (mut written, mut statements, mut after) = (0u64, 0i64, 0i64);
+    loop {
+        let (rows, last): (i64, i64) = sqlx::query_as(BATCHED_SQL)
+            .bind(day)
+            .bind(after)
+            .bind(i64::from(batch))
+            .fetch_one(pool)
+            .await?;
+        statements += 1;
+        if rows == 0 {
+            return Ok((written, statements));
+        }
+        written += u64::try_from(rows)?;
+        after = last;
+    }
+}
+
 /// The statement that writes the day's charges at once: on the current ledger with each loan's policy from the
 /// database (`fine_settler_policy_of`, `fine_settler_policy_day_amount`: what `accrue` computes, so that the
 /// ratio compares like with like); on the one before (which has neither) with the flat rule written out, which
@@ -104,6 +137,43 @@ fn statement_sql(schema: Schema) -> String {
         }
     }
 }
+
+/// [`Way::GuardedStatement`]: the current statement, each charge written only if it fits under its loan's cap
+/// with what the loan's ledger and corrections hold (summed per loan, as `accrue`'s charge sums them), and
+/// `on conflict do nothing`. On the generated (canonical) ledger every charge fits: it writes what the others do.
+const GUARDED_SQL: &str = "insert into fine_ledger (loan_id, accrual_date, amount_cents)
+     select c.id, $1, c.amount_cents
+     from (select l.id, a.amount_cents, p.cap_cents,
+                  (select coalesce(sum(x.amount_cents), 0)::bigint from fine_ledger x where x.loan_id = l.id)
+                  + (select coalesce(sum(y.amount_cents), 0)::bigint from fine_ledger_corrections y
+                     where y.loan_id = l.id) as held
+           from loans l
+           cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+           cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $1, p.daily_rate_cents,
+                                                             p.grace_days, p.cap_cents, p.charge_closed_days) a
+           where l.due_on < $1::date and (l.returned_on is null or l.returned_on >= $1) and a.amount_cents > 0
+           offset 0) c
+     where c.cap_cents = 0 or c.held + c.amount_cents <= c.cap_cents
+     on conflict on constraint fine_ledger_pkey do nothing";
+
+/// [`Way::BatchedStatement`]: the current statement over the next `$3` loans owing a charge after id `$2`
+/// (walking the primary key); returns the charges written and the last loan's id.
+pub(crate) const BATCHED_SQL: &str = "with c as (
+         select l.id, a.amount_cents
+         from loans l
+         cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+         cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $1, p.daily_rate_cents,
+                                                           p.grace_days, p.cap_cents, p.charge_closed_days) a
+         where l.id > $2 and l.due_on < $1::date and (l.returned_on is null or l.returned_on >= $1)
+           and a.amount_cents > 0
+         order by l.id
+         limit $3
+     ), w as (
+         insert into fine_ledger (loan_id, accrual_date, amount_cents)
+         select c.id, $1, c.amount_cents from c
+         returning loan_id
+     )
+     select count(*), coalesce(max(loan_id), 0)::bigint from w";
 
 impl Bench {
     /// The accrual day, `rounds` times: on fresh copies of each template, `accrue` and then the statement, the
@@ -145,6 +215,12 @@ impl Bench {
                 }
                 let run = self.statement_day(*schema, &template, day).await?;
                 leg.push(*schema, Way::Statement, run);
+                if *schema == Schema::Current {
+                    let run = self.guarded_day(&template, day).await?;
+                    leg.push(*schema, Way::GuardedStatement, run);
+                    let run = self.batched_day(&template, day, batch).await?;
+                    leg.push(*schema, Way::BatchedStatement, run);
+                }
             }
         }
         if before.is_some() {
@@ -243,6 +319,60 @@ impl Bench {
             cents,
             ms,
             statements: 1,
+            costliest: Vec::new(),
+            peak_rss_kib: 0,
+        })
+    }
+
+    /// The day's charges written by the guarded statement ([`Way::GuardedStatement`]) on a fresh copy of
+    /// `template`.
+    async fn guarded_day(&self, template: &str, day: NaiveDate) -> Result<DayRun, Error> {
+        let db = self.copy(template, "fsb_accrual_guarded").await?;
+        let pool = self.pool(&db, 1).await?;
+        sqlx::raw_sql("select 1").execute(&pool).await?;
+        let started = Instant::now();
+        let written = sqlx::query(GUARDED_SQL)
+            .bind(day)
+            .execute(&pool)
+            .await?
+            .rows_affected();
+        let ms = u64::try_from(started.elapsed().as_millis())?;
+        pool.close().await;
+        self.statement_run(&db, day, written, 1, ms).await
+    }
+
+    /// The day's charges written by the statement in batches of `batch` ([`Way::BatchedStatement`]) on a fresh
+    /// copy of `template`: one connection, each batch its own transaction, until a batch writes nothing.
+    async fn batched_day(&self, template: &str, day: NaiveDate, batch: u32) -> Result<DayRun, Error> {
+        let db = self.copy(template, "fsb_accrual_batched").await?;
+        let pool = self.pool(&db, 1).await?;
+        sqlx::raw_sql("select 1").execute(&pool).await?;
+        let started = Instant::now();
+        let (written, statements) = batched_statement(&pool, day, batch).await?;
+        let ms = u64::try_from(started.elapsed().as_millis())?;
+        pool.close().await;
+        self.statement_run(&db, day, written, statements, ms).await
+    }
+
+    /// A statement way's run on `db`, checked against what the ledger holds; `db` is dropped.
+    async fn statement_run(
+        &self,
+        db: &str,
+        day: NaiveDate,
+        written: u64,
+        statements: i64,
+        ms: u64,
+    ) -> Result<DayRun, Error> {
+        let (rows, cents) = self.day_charges(db, day).await?;
+        self.drop_db(db).await?;
+        if i64::try_from(written)? != rows {
+            return Err(format!("the statement wrote {written} charges, the ledger holds {rows}").into());
+        }
+        Ok(DayRun {
+            rows,
+            cents,
+            ms,
+            statements,
             costliest: Vec::new(),
             peak_rss_kib: 0,
         })

@@ -10,7 +10,7 @@
 //! report in place of the one there (`--accrual-only --merge-into`).
 
 mod data;
-mod day;
+pub(crate) mod day;
 mod recheck;
 mod replica;
 mod report;

@@ -17,6 +17,8 @@ fn way_label(way: Way) -> &'static str {
         Way::Accrue => "`fine-settler accrue --date D`",
         Way::AccrueJitOff => "the same, JIT off (`PGOPTIONS=-c jit=off`)",
         Way::Statement => "one `insert … select`",
+        Way::GuardedStatement => "the same with the cap's guard (each charge only if it fits under what the loan's ledger leaves: its sums per loan; `on conflict do nothing`)",
+        Way::BatchedStatement => "one `insert … select` without the guard, in batches (the next `accrual.batch_size` loans owing a charge by id, each its own transaction)",
     }
 }
 
@@ -95,6 +97,11 @@ impl Accrual {
             };
             let (vs, rss) = match way {
                 Way::Statement => ("1.00".to_string(), String::new()),
+                Way::GuardedStatement | Way::BatchedStatement => (
+                    leg.ratio(*schema, *way)
+                        .map_or(String::new(), |x| format!("{x:.2}")),
+                    String::new(),
+                ),
                 _ => (
                     leg.ratio(*schema, *way)
                         .map_or(String::new(), |x| format!("{x:.2}")),
@@ -116,6 +123,7 @@ impl Accrual {
                     .join(", ")
             );
         }
+        self.limits(r);
         let _ = writeln!(r, "\nWhere the median `accrue` spent its database time (`pg_stat_statements`, execution of the three costliest statements; JIT compilation counts as execution):\n");
         for (schema, way) in [Schema::Current, Schema::Before]
             .into_iter()
@@ -277,6 +285,24 @@ impl Accrual {
         );
     }
 
+    /// What bounds `accrue`'s ratio, from the two statement ways beside it: the guard alone, and batches alone.
+    fn limits(&self, r: &mut String) {
+        let leg = &self.day_leg;
+        let (Some(guarded), Some(batched), Some(accrue)) = (
+            leg.ratio(Schema::Current, Way::GuardedStatement),
+            leg.ratio(Schema::Current, Way::BatchedStatement),
+            leg.ratio(Schema::Current, Way::Accrue),
+        ) else {
+            return;
+        };
+        let _ = writeln!(
+            r,
+            "\nWhat bounds the ratio, on the current ledger: one statement that keeps each loan under its cap whatever else was charged reads each charged loan's ledger (its sum) — {guarded:.2} × the statement without the guard, with no batches at all; the statement without the guard cut into batches of {} loans owing a charge, each its own transaction — {batched:.2} × the statement, with no guard. `accrue` does both (and claims, fences, locks each loan and checks for corrections): its rate {accrue:.2} × the statement's, {:.2} × the guarded statement's.",
+            self.args.batch,
+            accrue / guarded
+        );
+    }
+
     fn targets(&self, r: &mut String) {
         let _ = writeln!(r, "### Accrual targets\n");
         let _ = writeln!(r, "| target | measured | |");
@@ -288,8 +314,11 @@ impl Accrual {
                 .unwrap_or(0.0);
             let _ = writeln!(
                 r,
-                "| `accrue` of one day over {} loans ≥ {ACCRUE_TARGET} × one statement writing the same charges | {x:.2} ({off:.2} with JIT off) | {} |",
+                "| `accrue` of one day over {} loans ≥ {ACCRUE_TARGET} × one statement writing the same charges | {x:.2} ({off:.2} with JIT off; the statement with the cap's guard alone: {}) | {} |",
                 self.day_leg.loans,
+                self.day_leg
+                    .ratio(Schema::Current, Way::GuardedStatement)
+                    .map_or("not measured".to_string(), |g| format!("{g:.2}")),
                 verdict(x >= ACCRUE_TARGET)
             );
         }
