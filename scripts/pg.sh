@@ -22,7 +22,8 @@ name=${2:?usage: pg.sh start|stop|url NAME}
 case "$name" in
   test)  base_port=54329; extra=(-c fsync=off -c synchronous_commit=off -c full_page_writes=off) ;;
   demo)  base_port=54330; extra=() ;;
-  bench) base_port=54331; extra=(-c shared_preload_libraries=pg_stat_statements -c shared_buffers=1GB -c max_wal_size=4GB) ;;
+  bench) base_port=54331; extra=(-c shared_preload_libraries=pg_stat_statements -c shared_buffers=1GB -c max_wal_size=4GB
+               -c max_locks_per_transaction=256) ;; # room for batches of 10,000 loan locks (store::lock_table)
   *) echo "pg.sh: unknown cluster '$name' (test, demo or bench)" >&2; exit 2 ;;
 esac
 case "$cmd" in

@@ -144,6 +144,8 @@ pub struct Daemon {
     in_pass: Arc<AtomicBool>,
     /// The keys the replica's runs hold now: what a stop says about them.
     held: Arc<HeldKeys>,
+    /// `accrual.batch_size` cut to the server's lock table ([`store::lock_table`]), once read.
+    accrual_batch: tokio::sync::OnceCell<u32>,
 }
 
 impl Daemon {
@@ -187,6 +189,7 @@ impl Daemon {
             throttle,
             in_pass: Arc::default(),
             held: Arc::default(),
+            accrual_batch: tokio::sync::OnceCell::new(),
         }
     }
 
@@ -230,6 +233,21 @@ impl Daemon {
     /// The pool the jobs use (for the readiness probe).
     pub fn pool(&self) -> Db {
         self.pool.clone()
+    }
+
+    /// The accrual's batch size: `accrual.batch_size`, cut to a quarter of the server's lock table if it holds
+    /// less ([`store::lock_table`]), read at the first accrual run (and again after one that could not read it).
+    async fn accrual_batch_size(&self) -> u32 {
+        let configured = self.settings.accrual.batch_size;
+        self.accrual_batch
+            .get_or_try_init(|| async {
+                store::lock_table::LockTable::read(&self.pool)
+                    .await
+                    .map(|table| table.fit(configured, 1))
+            })
+            .await
+            .copied()
+            .unwrap_or(configured)
     }
 
     fn runner(&self, batch_size: u32) -> Runner {

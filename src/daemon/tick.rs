@@ -189,7 +189,7 @@ impl Daemon {
                 _ => Scope::Full,
             };
             let accrual = Accrual::from_settings(&self.settings).within(scope);
-            self.runner(self.settings.accrual.batch_size)
+            self.runner(self.accrual_batch_size().await)
                 .run_as(&accrual, key, mode)
                 .await
         } else {

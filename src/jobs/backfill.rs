@@ -29,7 +29,7 @@ use crate::{
     store::{
         self,
         job_runs::{self, ClaimMode, RangeKey, RunStatus},
-        ledger, loans,
+        ledger, loans, lock_table,
         pauses::Pause,
         Db, StoreError,
     },
@@ -565,7 +565,11 @@ pub async fn run(
     } else {
         None
     };
-    let runner = runner(settings, request, &pool, &cancel, bar.as_ref());
+    let mut runner = runner(settings, request, &pool, &cancel, bar.as_ref());
+    if let Job::Accrual(_) = &job {
+        let at_once = u32::try_from(backfill.concurrency).unwrap_or(u32::MAX);
+        runner.batch_size = lock_table::fit_accrual_batch(&pool, runner.batch_size, at_once).await;
+    }
     summary.paused = run_keys(&runner, &job, selected, backfill.concurrency, &mut summary, emit).await;
     summary.interrupted = cancel.is_cancelled();
     summary.elapsed_ms = started.elapsed().as_millis() as u64;

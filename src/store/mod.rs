@@ -38,6 +38,7 @@ pub mod job_runs;
 pub mod latency;
 pub mod ledger;
 pub mod loans;
+pub mod lock_table;
 pub mod migrations;
 pub mod pauses;
 pub mod policies;

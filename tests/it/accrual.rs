@@ -776,3 +776,120 @@ async fn a_second_sigint_ends_pending_retry_at_once(pool: PgPool) {
     assert!(err.contains("second shutdown signal"), "{err}");
     assert!(ledger(&pool).await.is_empty(), "nothing charged");
 }
+
+/// A cap (so that a batch locks each loan), and twice as many open loans due on `due_on` (an SQL expression) as
+/// the server's lock table holds, at most a batch's maximum — more than it holds, whatever room the server has to
+/// spare. Returns how many.
+async fn more_loans_than_the_lock_table(pool: &PgPool, due_on: &str) -> i64 {
+    crate::helpers::add_versions(pool, "update fine_policies set cap_cents = 1000").await;
+    let slots: i64 = sqlx::query_scalar(
+        "select current_setting('max_locks_per_transaction')::bigint
+                * (current_setting('max_connections')::bigint + current_setting('max_prepared_transactions')::bigint)",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("lock table");
+    let loans = (2 * slots).min(100_000);
+    sqlx::query(&format!(
+        "insert into loans (id, member_id, book_id, borrowed_on, due_on)
+         select g, 1, 1, {due_on} - 20, {due_on} from generate_series(1, $1::bigint) g"
+    ))
+    .bind(loans)
+    .execute(pool)
+    .await
+    .expect("loans");
+    loans
+}
+
+/// A batch size whose loan locks (one per loan with a cap) do not fit in the server's lock table is cut to a
+/// quarter of the table: the day is accrued whole, in more batches, and the log says why. Before, every attempt
+/// of the run failed with "out of shared memory" — and filled the table libraryd shares meanwhile.
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_batch_too_big_for_the_servers_lock_table_is_cut_to_fit(pool: PgPool) {
+    let loans = more_loans_than_the_lock_table(&pool, "date '2026-10-01'").await;
+    let mut cmd = fine_settler(&database_url(&pool));
+    cmd.env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "100000")
+        .args(["accrue", "--date", "2026-10-10"]);
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .expect("join");
+    let run = report(&out);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        (run["outcome"].as_str(), run["updated"].as_i64()),
+        (Some("settled"), Some(loans)),
+        "{run}\n{log}"
+    );
+    assert!(
+        log.contains("accrual.batch_size is more loan locks than a quarter of the server's lock table"),
+        "{log}"
+    );
+    let charged: i64 =
+        sqlx::query_scalar("select count(*) from fine_ledger where accrual_date = '2026-10-10'")
+            .fetch_one(&pool)
+            .await
+            .expect("ledger");
+    assert_eq!(charged, loans);
+
+    // A backfill's batches run `--concurrency` at a time: each gets its share.
+    let mut cmd = fine_settler(&database_url(&pool));
+    cmd.env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "100000")
+        .env("FINE_SETTLER__DATABASE__MAX_CONNECTIONS", "2")
+        .args([
+            "backfill",
+            "--job",
+            "overdue-accrual",
+            "--from",
+            "2026-10-11",
+            "--to",
+            "2026-10-12",
+        ])
+        .args(["--concurrency", "2"]);
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .expect("join");
+    let summary = report(&out);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        (summary["settled"].as_i64(), summary["updated"].as_i64()),
+        (Some(2), Some(loans)),
+        "{summary}\n{log}"
+    );
+    assert!(log.contains(r#""batches_at_once":2"#), "{log}");
+}
+
+/// The same cut in a replica: its accrual runs use batches that fit the server's lock table (read once, at its
+/// first accrual run), and yesterday is accrued whole.
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_replicas_batches_too_big_for_the_servers_lock_table_are_cut_to_fit(pool: PgPool) {
+    // Due three days ago: yesterday is owed (and its day before), whatever the replica's zone.
+    let loans = more_loans_than_the_lock_table(&pool, "current_date - 3").await;
+    let mut cmd = fine_settler(&database_url(&pool));
+    cmd.env("FINE_SETTLER__ACCRUAL__ENABLED", "true")
+        .env("FINE_SETTLER__SETTLEMENT__ENABLED", "false")
+        .env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "100000")
+        .args(["run", "--once"]);
+    let out = tokio::task::spawn_blocking(move || output(cmd))
+        .await
+        .expect("join");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_success(&out);
+    let charged: i64 = sqlx::query_scalar(
+        "select count(*) from fine_ledger where accrual_date = (select max(accrual_date) from fine_ledger)",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("ledger");
+    assert_eq!(charged, loans, "{log}");
+    let failed: i64 = sqlx::query_scalar("select count(*) from job_runs where status <> 'SUCCESS'")
+        .fetch_one(&pool)
+        .await
+        .expect("runs");
+    assert_eq!(failed, 0, "{log}");
+    assert_eq!(
+        log.matches("accrual.batch_size is more loan locks than a quarter of the server's lock table")
+            .count(),
+        1,
+        "warned once: {log}"
+    );
+}
