@@ -235,19 +235,28 @@ impl Daemon {
         self.pool.clone()
     }
 
-    /// The accrual's batch size: `accrual.batch_size`, cut to a quarter of the server's lock table if it holds
-    /// less ([`store::lock_table`]), read at the first accrual run (and again after one that could not read it).
+    /// The accrual's batch size: `accrual.batch_size`, cut to this replica's share of a quarter of the server's
+    /// lock table if it holds less ([`store::lock_table`]): the fleet's replicas, one per shard, tick on the same
+    /// grid and accrue at the same time. Read at the first accrual run (and again after one that could not read
+    /// it); a replica started before the server's settings changed keeps the cut it read until it restarts.
     async fn accrual_batch_size(&self) -> u32 {
         let configured = self.settings.accrual.batch_size;
-        self.accrual_batch
+        let replicas = u32::try_from(self.settings.instance.shards()).unwrap_or(u32::MAX);
+        let read = self
+            .accrual_batch
             .get_or_try_init(|| async {
                 store::lock_table::LockTable::read(&self.pool)
                     .await
-                    .map(|table| table.fit(configured, 1))
+                    .map(|table| table.fit(configured, replicas))
             })
-            .await
-            .copied()
-            .unwrap_or(configured)
+            .await;
+        match read {
+            Ok(size) => *size,
+            Err(e) => {
+                tracing::debug!(error = %e, "could not read the server's lock table settings; this run keeps accrual.batch_size");
+                configured
+            }
+        }
     }
 
     fn runner(&self, batch_size: u32) -> Runner {

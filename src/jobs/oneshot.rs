@@ -239,16 +239,16 @@ pub async fn accrue(settings: &Settings, key: RunKey, options: Options) -> Resul
         dead: None,
     };
     let batch_size = settings.accrual.batch_size;
-    let mut runner = match one_shot_runner(settings, key, batch_size, options.shutdown).await {
+    let runner = match one_shot_runner(settings, key, batch_size, options.shutdown).await {
         Ok(runner) => runner,
         Err(e) => return Ok(not_started(e)),
     };
-    runner.batch_size = store::lock_table::fit_accrual_batch(&runner.pool, batch_size, 1).await;
-    let runner = match admitted(settings, runner, key, options.ignore_pause).await {
+    let mut runner = match admitted(settings, runner, key, options.ignore_pause).await {
         Ok(runner) => runner,
         Err(NotAdmitted::Refused(refused)) => return Err(refused),
         Err(NotAdmitted::Error(e)) => return Ok(not_started(e)),
     };
+    runner.batch_size = store::lock_table::fit_accrual_batch(&runner.pool, batch_size, 1).await;
     let job = Accrual::from_settings(settings);
     let max_attempts = settings.accrual.max_attempts;
     // The pass writes charges: not while a standby lags (as a batch would wait).

@@ -3,12 +3,14 @@
 //! (max_connections + max_prepared_transactions)` locks for every session, libraryd's included: a batch that needs
 //! more fails with "out of shared memory" (SQLSTATE 53200) at every attempt — its day never accrues — and while it
 //! fills the table, libraryd's own transactions fail the same way. So a process cuts its accrual batches to a
-//! share of the table ([`LockTable::fit`]), and says so.
+//! share of the table ([`LockTable::fit`]), and says so — whether or not a policy has a cap now: a version with a
+//! cap can be added while the process runs.
 
 use crate::store::Db;
 
-/// The share of the server's lock table one process's accrual batches may hold at once: a quarter (the rest is
-/// libraryd's, and the other replicas').
+/// The share of the server's lock table fine-settler's accrual batches may hold at once: a quarter (the rest is
+/// libraryd's), divided among the batches that run at the same time — a replica's among the fleet's replicas, a
+/// backfill's among its concurrent runs.
 const SHARE: i64 = 4;
 
 /// The server's lock table, as its settings size it.
@@ -64,9 +66,11 @@ impl LockTable {
             max_locks_per_transaction = self.per_transaction,
             max_connections = self.connections,
             max_prepared_transactions = self.prepared,
-            "accrual.batch_size is more loan locks than a quarter of the server's lock table holds \
-             (max_locks_per_transaction × (max_connections + max_prepared_transactions), shared with libraryd); \
-             accrual batches are cut to fit: lower accrual.batch_size, or raise max_locks_per_transaction"
+            "accrual.batch_size is more loan locks than a quarter of the server's lock table allows each of the \
+             batches that run at once (the table: max_locks_per_transaction × (max_connections + \
+             max_prepared_transactions), shared with libraryd; a batch takes one lock per loan when a policy has a \
+             cap); accrual batches are cut to fit: lower accrual.batch_size (or the batches at once), or raise \
+             max_locks_per_transaction and restart"
         );
         budget
     }

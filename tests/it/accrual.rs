@@ -777,10 +777,10 @@ async fn a_second_sigint_ends_pending_retry_at_once(pool: PgPool) {
     assert!(ledger(&pool).await.is_empty(), "nothing charged");
 }
 
-/// A cap (so that a batch locks each loan), and twice as many open loans due on `due_on` (an SQL expression) as
-/// the server's lock table holds, at most a batch's maximum — more than it holds, whatever room the server has to
-/// spare. Returns how many.
-async fn more_loans_than_the_lock_table(pool: &PgPool, due_on: &str) -> i64 {
+/// A cap (so that a batch locks each loan), and `times` as many open loans due on `due_on` (an SQL expression) as
+/// the server's lock table holds, at most a batch's maximum (100,000) — on the test clusters (64 × 400 slots)
+/// more than the table holds with whatever room the server has to spare. Returns how many.
+async fn more_loans_than_the_lock_table(pool: &PgPool, due_on: &str, times: i64) -> i64 {
     crate::helpers::add_versions(pool, "update fine_policies set cap_cents = 1000").await;
     let slots: i64 = sqlx::query_scalar(
         "select current_setting('max_locks_per_transaction')::bigint
@@ -789,7 +789,7 @@ async fn more_loans_than_the_lock_table(pool: &PgPool, due_on: &str) -> i64 {
     .fetch_one(pool)
     .await
     .expect("lock table");
-    let loans = (2 * slots).min(100_000);
+    let loans = (times * slots).min(100_000);
     sqlx::query(&format!(
         "insert into loans (id, member_id, book_id, borrowed_on, due_on)
          select g, 1, 1, {due_on} - 20, {due_on} from generate_series(1, $1::bigint) g"
@@ -806,7 +806,7 @@ async fn more_loans_than_the_lock_table(pool: &PgPool, due_on: &str) -> i64 {
 /// of the run failed with "out of shared memory" — and filled the table libraryd shares meanwhile.
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_batch_too_big_for_the_servers_lock_table_is_cut_to_fit(pool: PgPool) {
-    let loans = more_loans_than_the_lock_table(&pool, "date '2026-10-01'").await;
+    let loans = more_loans_than_the_lock_table(&pool, "date '2026-10-01'", 2).await;
     let mut cmd = fine_settler(&database_url(&pool));
     cmd.env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "100000")
         .args(["accrue", "--date", "2026-10-10"]);
@@ -858,29 +858,39 @@ async fn a_batch_too_big_for_the_servers_lock_table_is_cut_to_fit(pool: PgPool) 
     assert!(log.contains(r#""batches_at_once":2"#), "{log}");
 }
 
-/// The same cut in a replica: its accrual runs use batches that fit the server's lock table (read once, at its
-/// first accrual run), and yesterday is accrued whole.
+/// The same cut in a replica: its accrual runs use batches that fit its share of the server's lock table (the
+/// fleet's replicas, one per shard, accrue at once: here shard 0 of 2; read once, at its first accrual run), and
+/// yesterday is accrued whole for its shard.
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_replicas_batches_too_big_for_the_servers_lock_table_are_cut_to_fit(pool: PgPool) {
     // Due three days ago: yesterday is owed (and its day before), whatever the replica's zone.
-    let loans = more_loans_than_the_lock_table(&pool, "current_date - 3").await;
+    let loans = more_loans_than_the_lock_table(&pool, "current_date - 3", 4).await;
     let mut cmd = fine_settler(&database_url(&pool));
     cmd.env("FINE_SETTLER__ACCRUAL__ENABLED", "true")
         .env("FINE_SETTLER__SETTLEMENT__ENABLED", "false")
         .env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "100000")
+        .env("FINE_SETTLER__INSTANCE__SHARD", "0")
+        .env("FINE_SETTLER__INSTANCE__SHARDS", "2")
         .args(["run", "--once"]);
     let out = tokio::task::spawn_blocking(move || output(cmd))
         .await
         .expect("join");
     let log = String::from_utf8_lossy(&out.stderr);
     assert_success(&out);
-    let charged: i64 = sqlx::query_scalar(
-        "select count(*) from fine_ledger where accrual_date = (select max(accrual_date) from fine_ledger)",
+    let (charged, of_shard): (i64, i64) = sqlx::query_as(
+        "select (select count(*) from fine_ledger
+                 where accrual_date = (select max(accrual_date) from fine_ledger)),
+                (select count(*) from loans where fine_settler_shard_of(id, 2) = 0)",
     )
     .fetch_one(&pool)
     .await
     .expect("ledger");
-    assert_eq!(charged, loans, "{log}");
+    assert!(
+        of_shard > 0 && of_shard < loans,
+        "shard 0 holds part of the {loans} loans"
+    );
+    assert_eq!(charged, of_shard, "{log}");
+    assert!(log.contains(r#""batches_at_once":2"#), "{log}");
     let failed: i64 = sqlx::query_scalar("select count(*) from job_runs where status <> 'SUCCESS'")
         .fetch_one(&pool)
         .await
