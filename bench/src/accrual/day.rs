@@ -295,47 +295,34 @@ impl Bench {
     /// The day's charges written by one statement on a fresh copy of `template` (the connection warmed first,
     /// so connecting is not timed).
     async fn statement_day(&self, schema: Schema, template: &str, day: NaiveDate) -> Result<DayRun, Error> {
-        let db = self.copy(template, "fsb_accrual_statement").await?;
-        let pool = self.pool(&db, 1).await?;
-        sqlx::raw_sql("select 1").execute(&pool).await?;
-        let started = Instant::now();
-        let written = sqlx::query(&statement_sql(schema))
-            .bind(day)
-            .bind(RATE)
-            .bind(GRACE)
-            .bind(CAP)
-            .execute(&pool)
-            .await?
-            .rows_affected();
-        let ms = u64::try_from(started.elapsed().as_millis())?;
-        pool.close().await;
-        let (rows, cents) = self.day_charges(&db, day).await?;
-        self.drop_db(&db).await?;
-        if i64::try_from(written)? != rows {
-            return Err(format!("the statement wrote {written} charges, the ledger holds {rows}").into());
-        }
-        Ok(DayRun {
-            rows,
-            cents,
-            ms,
-            statements: 1,
-            costliest: Vec::new(),
-            peak_rss_kib: 0,
-        })
+        let sql = statement_sql(schema);
+        let query = sqlx::query(&sql).bind(day).bind(RATE).bind(GRACE).bind(CAP);
+        self.one_statement(template, "fsb_accrual_statement", day, query)
+            .await
     }
 
     /// The day's charges written by the guarded statement ([`Way::GuardedStatement`]) on a fresh copy of
     /// `template`.
     async fn guarded_day(&self, template: &str, day: NaiveDate) -> Result<DayRun, Error> {
-        let db = self.copy(template, "fsb_accrual_guarded").await?;
+        let query = sqlx::query(GUARDED_SQL).bind(day);
+        self.one_statement(template, "fsb_accrual_guarded", day, query)
+            .await
+    }
+
+    /// `query` on a fresh copy of `template` named after `name`, timed (the connection warmed first, so
+    /// connecting is not timed).
+    async fn one_statement(
+        &self,
+        template: &str,
+        name: &str,
+        day: NaiveDate,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<DayRun, Error> {
+        let db = self.copy(template, name).await?;
         let pool = self.pool(&db, 1).await?;
         sqlx::raw_sql("select 1").execute(&pool).await?;
         let started = Instant::now();
-        let written = sqlx::query(GUARDED_SQL)
-            .bind(day)
-            .execute(&pool)
-            .await?
-            .rows_affected();
+        let written = query.execute(&pool).await?.rows_affected();
         let ms = u64::try_from(started.elapsed().as_millis())?;
         pool.close().await;
         self.statement_run(&db, day, written, 1, ms).await
