@@ -320,9 +320,7 @@ impl Bench {
         let (rows, checksum) = self.charges(db).await?;
         Ok(Run { rows, ms, checksum })
     }
-}
 
-impl Bench {
     /// The day's charges by the same statement in batches of `batch` on `db`
     /// ([`crate::accrual::day::batched_statement`]).
     async fn day_batched(&self, db: &str, batch: u32) -> Result<Run, Error> {

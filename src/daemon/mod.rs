@@ -244,11 +244,7 @@ impl Daemon {
         let replicas = u32::try_from(self.settings.instance.shards()).unwrap_or(u32::MAX);
         let read = self
             .accrual_batch
-            .get_or_try_init(|| async {
-                store::lock_table::LockTable::read(&self.pool)
-                    .await
-                    .map(|table| table.fit(configured, replicas))
-            })
+            .get_or_try_init(|| store::lock_table::fitted(&self.pool, configured, replicas))
             .await;
         match read {
             Ok(size) => *size,

@@ -44,8 +44,8 @@ impl LockTable {
             .saturating_mul(self.connections.saturating_add(self.prepared))
     }
 
-    /// The most loans each of `at_once` batches running at the same time in this process may lock: a quarter of
-    /// the table shared among them, at least one.
+    /// The most loans each of `at_once` batches running at the same time (a fleet's replicas, a backfill's
+    /// concurrent runs) may lock: a quarter of the table shared among them, at least one.
     pub fn batch_budget(&self, at_once: u32) -> u32 {
         let share = self.slots() / SHARE / i64::from(at_once.max(1));
         u32::try_from(share.max(1)).unwrap_or(u32::MAX)
@@ -76,11 +76,17 @@ impl LockTable {
     }
 }
 
-/// The accrual batch size for `at_once` batches of this process on `pool`'s server ([`LockTable::fit`]); if the
-/// server's settings cannot be read, `configured` (the batch itself then fails as it would have).
+/// The accrual batch size for `at_once` batches on `pool`'s server ([`LockTable::fit`]), or why the server's
+/// settings could not be read.
+pub async fn fitted(pool: &Db, configured: u32, at_once: u32) -> Result<u32, sqlx::Error> {
+    Ok(LockTable::read(pool).await?.fit(configured, at_once))
+}
+
+/// [`fitted`]; if the server's settings cannot be read, `configured` (the batch itself then fails as it would
+/// have), with a warning.
 pub async fn fit_accrual_batch(pool: &Db, configured: u32, at_once: u32) -> u32 {
-    match LockTable::read(pool).await {
-        Ok(table) => table.fit(configured, at_once),
+    match fitted(pool, configured, at_once).await {
+        Ok(size) => size,
         Err(e) => {
             tracing::warn!(error = %e, "could not read the server's lock table settings; accrual batches keep accrual.batch_size");
             configured

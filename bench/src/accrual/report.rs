@@ -95,18 +95,15 @@ impl Accrual {
                 Schema::Current => Schema::Current.label().to_string(),
                 Schema::Before => self.before_label(),
             };
-            let (vs, rss) = match way {
-                Way::Statement => ("1.00".to_string(), String::new()),
-                Way::GuardedStatement | Way::BatchedStatement => (
-                    leg.ratio(*schema, *way)
-                        .map_or(String::new(), |x| format!("{x:.2}")),
-                    String::new(),
-                ),
-                _ => (
-                    leg.ratio(*schema, *way)
-                        .map_or(String::new(), |x| format!("{x:.2}")),
-                    format!("{:.1} MiB", m.peak_rss_kib as f64 / 1024.0),
-                ),
+            let vs = match way {
+                Way::Statement => "1.00".to_string(),
+                _ => leg
+                    .ratio(*schema, *way)
+                    .map_or(String::new(), |x| format!("{x:.2}")),
+            };
+            let rss = match way {
+                Way::Accrue | Way::AccrueJitOff => format!("{:.1} MiB", m.peak_rss_kib as f64 / 1024.0),
+                _ => String::new(),
             };
             let way_label = way_label(*way);
             let _ = writeln!(
