@@ -44,8 +44,10 @@ pub struct StatusRows {
 /// Every shard's keys with a business date from `since` on, and every key that is not SUCCESS whatever its date
 /// (so that keys abandoned by their catch-up window show), with the database clock and the queue's counts.
 ///
-/// The to-do count runs only for RUNNING keys (a `case` evaluates its subquery only for the rows that take its
-/// branch) and uses each job's batch predicate after the key's cursor: for settlement through a partial index
+/// The to-do count runs only for RUNNING keys (a `case` evaluates its function only for the rows that take its
+/// branch: `fine_settler_settlement_to_do` and `fine_settler_accrual_to_do`, migrations/20261203000061, functions
+/// so that on Citus the statement names no distributed table beside the coordinator's `job_runs`) and uses each
+/// job's batch predicate after the key's cursor: for settlement through a partial index
 /// of unsettled loans (what is left of the month, 7 ms for a month of 34,000 loans); for the accrual the
 /// primary key after the cursor, checking the ledger and the queue for each overdue loan (42 ms for 100,000
 /// loans) — the page's `statement_timeout` bounds it.
@@ -58,28 +60,11 @@ pub async fn keys(pool: &Db, since: NaiveDate) -> Result<StatusRows, sqlx::Error
                   greatest(0, extract(epoch from t.now - r.lease_until))::float8 as "lease_ended_s?",
                   r.scanned as "scanned?", r.updated as "updated?", r.last_error,
                   case when r.status = 'RUNNING' and r.job_name = 'fine-settlement' then
-                           (select count(*) from loans l
-                            where l.fine_settled_at is null and l.returned_on is not null
-                              and l.returned_on between date_trunc('month', r.business_date)::date
-                                                    and r.business_date
-                              and l.id > coalesce(r.cursor, -9223372036854775808)
-                              and fine_settler_shard_of(l.id, r.shards) = r.shard and isfinite(l.due_on))
+                           fine_settler_settlement_to_do(r.business_date, coalesce(r.cursor, -9223372036854775808),
+                                                         r.shards, r.shard)
                        when r.status = 'RUNNING' and r.job_name = 'overdue-accrual' then
-                           (select count(*) from loans l
-                            cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
-                            cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on,
-                                                                              r.business_date, p.daily_rate_cents,
-                                                                              p.grace_days, p.cap_cents,
-                                                                              p.charge_closed_days) a
-                            where l.id > coalesce(r.cursor, -9223372036854775808)
-                              and fine_settler_shard_of(l.id, r.shards) = r.shard
-                              and l.due_on < r.business_date
-                              and (l.returned_on is null or l.returned_on >= r.business_date)
-                              and a.amount_cents > 0
-                              and not exists (select 1 from fine_ledger f
-                                              where f.loan_id = l.id and f.accrual_date = r.business_date)
-                              and not exists (select 1 from fine_pending q
-                                              where q.loan_id = l.id and q.accrual_date = r.business_date))
+                           fine_settler_accrual_to_do(r.business_date, coalesce(r.cursor, -9223372036854775808),
+                                                      r.shards, r.shard)
                   end as to_do
            from (select now() as now) t
            cross join (select count(*) filter (where status = 'PENDING') as pending,

@@ -31,7 +31,9 @@ pub struct JobRun {
     pub last_error: Option<String>,
 }
 
-/// The `job_runs` rows, optionally for one job and/or business date, newest business date first.
+/// The `job_runs` rows, optionally for one job and/or business date, newest business date first, each with the
+/// corrections its runs wrote (`fine_settler_key_corrections`, migrations/20261203000061: on Citus the statement
+/// names no distributed table beside the coordinator's `job_runs`).
 pub async fn list(
     pool: &Db,
     job: Option<&str>,
@@ -44,9 +46,7 @@ pub async fn list(
                   lease_until,
                   greatest(0, extract(epoch from lease_until - now()))::float8 as "lease_left_s!",
                   finished_at, cursor, scanned, updated,
-                  (select count(*) from fine_ledger_corrections c
-                   where c.business_date = r.business_date and c.job_name = r.job_name and c.shards = r.shards
-                     and c.shard = r.shard) as "corrected!",
+                  fine_settler_key_corrections(r.job_name, r.business_date, r.shards, r.shard) as "corrected!",
                   last_error
            from job_runs r
            where ($1::text is null or job_name = $1) and ($2::date is null or business_date = $2)

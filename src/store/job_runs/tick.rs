@@ -172,8 +172,10 @@ pub struct TickStatus {
 /// of `job_runs`). An idle tick costs exactly this one round trip.
 ///
 /// The settlement probe is the predicate [`crate::store::loans::month_has_unsettled`] asks for one key (and the
-/// one the batches select); it reads the partial index of unsettled loans by return date: a settled month has no
-/// entry in it, so the probe costs one index descent per key. Accrual keys are never late here: the accrual's
+/// one the batches select), as the function `fine_settler_month_late` (migrations/20261203000061: so that on
+/// Citus the statement names no distributed table beside the coordinator's `job_runs`); it reads the partial
+/// index of unsettled loans by return date: a settled month has no entry in it, so the probe costs one index
+/// descent per key. Accrual keys are never late here: the accrual's
 /// re-check (its own statement, on its own schedule) marks them.
 pub async fn tick_status(
     conn: &mut PgConnection,
@@ -286,12 +288,7 @@ async fn status_rows(
                   r.job_name as "job_name?", r.business_date as "business_date?",
                   r.status as "status?: RunStatus", r.owner as "owner?", (r.lease_until < t.now) as "expired?",
                   (r.status = 'SUCCESS' and r.job_name = 'fine-settlement' and r.business_date >= $4::date
-                   and exists (
-                       select 1 from loans l
-                       where l.fine_settled_at is null and l.returned_on is not null
-                         and l.returned_on between date_trunc('month', r.business_date)::date and r.business_date
-                         and fine_settler_shard_of(l.id, $1::int) = $2::int and isfinite(l.due_on))
-                  ) as "late?"
+                   and fine_settler_month_late(r.business_date, $1::int, $2::int)) as "late?"
            from (select now() as now, pg_is_in_recovery() as in_recovery,
                         current_setting('transaction_read_only') = 'on' as read_only,
                         (select count(*) from fine_pending p
