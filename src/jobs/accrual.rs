@@ -16,17 +16,17 @@
 //! compensation pass ([`compensate`]) retries pending charges with capped exponential backoff until they
 //! succeed or become DEAD after `accrual.max_attempts`.
 //!
-//! The cap holds in every committed state whatever runs at the same time: with a cap, every charge and
-//! correction locks its loan (a transaction-scoped advisory lock, [`ledger::lock_loans`]) and clamps a positive
-//! amount to what is left under the cap, read after the lock. The lock is what the cap still needs with canonical
-//! amounts: each run prices a day from the loans row as its statement sees it, and two runs of different days of
-//! a loan libraryd changes meanwhile could price from different rows — one before the change, one after — whose
-//! amounts together exceed the cap; under the lock the second reads what the first wrote. While a loan's ledger is
-//! canonical the clamp never binds (canonical amounts add up to at most the cap). A changed loan's ledger can hold
-//! more than owed on some days while another is still short (a due date moved earlier); a batch whose day would
-//! not fit under the cap therefore first corrects that loan's over-charged days, whatever their date
-//! ([`corrections::relieve`]): one pass over the days, in any order, leaves every day as owed. A charge is
-//! written only while the day is owed by the loans row as the charge sees it.
+//! The cap holds in every committed state whatever runs at the same time: with a cap, every charge and correction locks
+//! its loan (a transaction-scoped advisory lock, [`ledger::lock_loans`]) and clamps a positive amount to what is left
+//! under the cap, read after the lock. The lock is what the cap still needs with canonical amounts: each run prices a
+//! day from the loans row as its statement sees it, and two runs of different days of a loan libraryd changes meanwhile
+//! could price from different rows — one before the change, one after — whose amounts together exceed the cap; under
+//! the lock the second reads what the first wrote. While a loan's ledger is canonical the clamp never binds (canonical
+//! amounts add up to at most the cap). A changed loan's ledger can hold more than owed on some days while another is
+//! still short (a due date moved earlier); a batch whose day would not fit under the cap therefore first corrects that
+//! loan's over-charged days, whatever their date ([`corrections::relieve`](crate::store::corrections::relieve)): one
+//! pass over the days, in any order, leaves every day as owed. A charge is written only while the day is owed by the
+//! loans row as the charge sees it.
 
 use std::time::Duration;
 
@@ -43,8 +43,8 @@ use crate::{
     backoff::Backoff,
     shard::ShardSpec,
     store::{
-        corrections,
         ledger::{self, Attempt, Charged, Clamp, Overdue, Pending, Scope},
+        ledger_writes::LedgerWrites,
     },
 };
 
@@ -64,6 +64,8 @@ pub struct Accrual {
     /// Which loans a run looks at: every loan of the shard, or only those libraryd changed (a day the daemon's
     /// re-check re-opened).
     pub scope: Scope,
+    /// The batch's writes as the server's engine plans them (`database.engine`).
+    pub writes: LedgerWrites,
 }
 
 fn millis(d: Duration) -> i64 {
@@ -81,6 +83,7 @@ impl Accrual {
             isolation_budget: settings.claim.lease.batch_timeout() / 2,
             lock_timeout: settings.claim.lease.lock_timeout(),
             scope: Scope::Full,
+            writes: LedgerWrites::new(settings.database.engine),
         }
     }
 
@@ -105,7 +108,7 @@ impl Accrual {
             if locks == Locks::Take {
                 ledger::lock_loans(&mut sp, ids).await?;
             }
-            let written = ledger::charge(&mut sp, day, ids, clamp).await?;
+            let written = self.writes.charge(&mut sp, day, ids, clamp).await?;
             ledger::check_deferred_now(&mut sp).await?;
             Ok::<_, sqlx::Error>(written)
         }
@@ -173,9 +176,16 @@ impl BatchJob for Accrual {
         // its cap is held back, and written once its other days are relieved (a loan without a cap is never
         // held back).
         let (day, retry_in) = (key.business_date, self.backoff.delay(1));
-        let ids = lock_batch(tx, day, rows.iter().map(|r| r.id).collect(), retry_in).await?;
+        let ids = lock_batch(
+            tx,
+            self.writes,
+            day,
+            rows.iter().map(|r| r.id).collect(),
+            retry_in,
+        )
+        .await?;
         let clamp = Clamp::Hold;
-        let (mut corrected, mut held) = corrections::correct(tx, key, epoch, &ids, clamp).await?;
+        let (mut corrected, mut held) = self.writes.correct(tx, key, epoch, &ids, clamp).await?;
         let charged = self.charge_batch(tx, key.business_date, ids, clamp).await?;
         held.extend(charged.held);
         let relieved = if held.is_empty() {
@@ -192,16 +202,18 @@ impl BatchJob for Accrual {
 }
 
 /// Takes the batch's loan locks ([`ledger::lock_loans`]) under a savepoint, and returns the loans the batch then
-/// writes. If a lock waits past `claim.lock_timeout` (or is chosen to break a deadlock) — another transaction
-/// holds the loan: a concurrent key of a backfill, a peer's batch, a compensation retry, a manual `accrue` —
-/// the batch takes instead every lock it can without waiting, and leaves out the loans whose lock is held (a
-/// lock wait never fails a run: before this, one loan held past the lock timeout failed the whole run at every
-/// tick). A left-out loan not yet charged on the day is queued in `fine_pending`, whose compensation pass charges
-/// it once the lock is let go, whatever the day; one charged on the day (a correction) is queued for the
-/// accrual's re-check ([`corrections::note_changes`]), which re-opens the day while it is in the catch-up
-/// window — outside it, a plain `accrue --date D` re-opens the day (its late-row question sees the correction).
+/// writes. If a lock waits past `claim.lock_timeout` (or is chosen to break a deadlock) — another transaction holds the
+/// loan: a concurrent key of a backfill, a peer's batch, a compensation retry, a manual `accrue` — the batch takes
+/// instead every lock it can without waiting, and leaves out the loans whose lock is held (a lock wait never fails a
+/// run: before this, one loan held past the lock timeout failed the whole run at every tick). A left-out loan not yet
+/// charged on the day is queued in `fine_pending`, whose compensation pass charges it once the lock is let go, whatever
+/// the day; one charged on the day (a correction) is queued for the accrual's re-check
+/// ([`corrections::note_changes`](crate::store::corrections::note_changes)), which re-opens the day while it is in the
+/// catch-up window — outside it, a plain `accrue --date D` re-opens the day (its late-row question sees the
+/// correction).
 async fn lock_batch(
     tx: &mut PgConnection,
+    writes: LedgerWrites,
     day: NaiveDate,
     ids: Vec<i64>,
     retry_in: Duration,
@@ -227,8 +239,8 @@ async fn lock_batch(
     let (corrections, charges): (Vec<i64>, Vec<i64>) =
         held.iter().partition(|id| charged.binary_search(id).is_ok());
     let error = "the loan was locked by another transaction past claim.lock_timeout; left out of its batch";
-    ledger::enqueue(tx, &charges, day, error, millis(retry_in)).await?;
-    corrections::note_changes(tx, &corrections).await?;
+    writes.enqueue(tx, &charges, day, error, millis(retry_in)).await?;
+    writes.note_changes(tx, &corrections).await?;
     const SHOWN: usize = 20;
     tracing::warn!(
         accrual_date = %day,
@@ -246,9 +258,10 @@ async fn lock_batch(
 }
 
 impl Accrual {
-    /// The loans a batch held back (their day did not fit under the cap): their other over-charged days are
-    /// corrected first ([`corrections::relieve`]), then their day is corrected or charged again — it fits now,
-    /// and the cap's guard cuts it should anything else have happened meanwhile. Returns what this wrote.
+    /// The loans a batch held back (their day did not fit under the cap): their other over-charged days are corrected
+    /// first ([`corrections::relieve`](crate::store::corrections::relieve)), then their day is corrected or charged
+    /// again — it fits now, and the cap's guard cuts it should anything else have happened meanwhile. Returns what this
+    /// wrote.
     async fn relieve_held(
         &self,
         tx: &mut PgConnection,
@@ -258,8 +271,8 @@ impl Accrual {
     ) -> Result<Written, JobError> {
         held.sort_unstable();
         held.dedup();
-        let mut corrected = corrections::relieve(tx, key, epoch, &held).await?;
-        let (again, _) = corrections::correct(tx, key, epoch, &held, Clamp::Cut).await?;
+        let mut corrected = self.writes.relieve(tx, key, epoch, &held).await?;
+        let (again, _) = self.writes.correct(tx, key, epoch, &held, Clamp::Cut).await?;
         corrected.add(&again);
         let charged = self.charge_batch(tx, key.business_date, held, Clamp::Cut).await?;
         Ok(Written {
@@ -305,7 +318,7 @@ impl Accrual {
                 "not tried: isolating a rejected batch ran out of time; the compensation pass retries it"
                     .into()
             };
-            ledger::enqueue(tx, &[id], day, &error, delay).await?;
+            self.writes.enqueue(tx, &[id], day, &error, delay).await?;
             queued += 1;
             tracing::warn!(loan_id = id, accrual_date = %day, error = %error, "charge failed; queued for compensation");
         }
@@ -482,7 +495,7 @@ async fn retry_pending(
             // Relieving the other days is a run's work (each correction names the run that wrote it): the
             // loan goes to the re-check, which re-opens this day once its pending row is gone.
             ledger::resolve(&mut tx, p.loan_id, p.accrual_date).await?;
-            corrections::note_change(&mut tx, p.loan_id).await?;
+            accrual.writes.note_changes(&mut tx, &[p.loan_id]).await?;
             tx.commit().await?;
             tracing::warn!(loan_id = p.loan_id, accrual_date = %p.accrual_date,
                 "pending charge held back: the loan's other days hold more than they owe under the cap; \

@@ -37,6 +37,7 @@ pub mod error;
 pub mod job_runs;
 pub mod latency;
 pub mod ledger;
+pub mod ledger_writes;
 pub mod loans;
 pub mod lock_table;
 pub mod migrations;

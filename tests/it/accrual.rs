@@ -15,6 +15,7 @@ use fine_settler::{
     shard::ShardSpec,
     store::Db,
 };
+use fine_settler::{config::Engine, store::ledger_writes::LedgerWrites};
 use sqlx::PgPool;
 
 use crate::helpers::{
@@ -31,6 +32,7 @@ async fn accrual(pool: &PgPool, policy: FinePolicy) -> Accrual {
         isolation_budget: Duration::from_secs(5),
         lock_timeout: Duration::from_secs(2),
         scope: Default::default(),
+        writes: LedgerWrites::new(Engine::Postgresql),
     }
 }
 

@@ -7,6 +7,8 @@
 //! it): `scripts/test.sh --citus` starts it and runs them with `FINE_SETTLER_CITUS_URL` set to the coordinator's
 //! URL. Each makes a database of its own on the cluster and drops it at the end.
 
+mod accrual;
+
 use std::process::Output;
 
 use sqlx::{postgres::PgPoolOptions, PgPool};

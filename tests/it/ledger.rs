@@ -18,6 +18,7 @@ use fine_settler::{
         ledger::{self, Scope},
     },
 };
+use fine_settler::{config::Engine, store::ledger_writes::LedgerWrites};
 use sqlx::PgPool;
 
 use crate::helpers::{d, db, insert, loan, runner};
@@ -31,6 +32,7 @@ async fn accrual(pool: &PgPool, policy: FinePolicy) -> Accrual {
         isolation_budget: Duration::from_secs(5),
         lock_timeout: Duration::from_secs(2),
         scope: Scope::Full,
+        writes: LedgerWrites::new(Engine::Postgresql),
     }
 }
 

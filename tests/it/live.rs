@@ -17,6 +17,7 @@ use fine_settler::{
     },
     shard::ShardSpec,
 };
+use fine_settler::{config::Engine, store::ledger_writes::LedgerWrites};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
@@ -251,6 +252,7 @@ async fn accrual(pool: &PgPool, policy: FinePolicy, backoff: Duration) -> Accrua
         isolation_budget: Duration::from_secs(5),
         lock_timeout: LOCK_TIMEOUT,
         scope: Default::default(),
+        writes: LedgerWrites::new(Engine::Postgresql),
     }
 }
 

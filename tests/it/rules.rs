@@ -12,6 +12,7 @@ use fine_settler::{
     shard::ShardSpec,
     store::{corrections, ledger::Scope, policies},
 };
+use fine_settler::{config::Engine, store::ledger_writes::LedgerWrites};
 use sqlx::PgPool;
 
 use crate::helpers::{d, database_url, db, fine_settler, key, output, report, runner};
@@ -23,6 +24,7 @@ fn accrual() -> Accrual {
         isolation_budget: Duration::from_secs(5),
         lock_timeout: Duration::from_secs(2),
         scope: Scope::Full,
+        writes: LedgerWrites::new(Engine::Postgresql),
     }
 }
 

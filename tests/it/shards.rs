@@ -14,6 +14,7 @@ use fine_settler::{
     shard::{shard_of, ShardSpec, MAX_SHARDS},
     store,
 };
+use fine_settler::{config::Engine, store::ledger_writes::LedgerWrites};
 use proptest::{
     strategy::{Strategy, ValueTree},
     test_runner::TestRunner,
@@ -123,6 +124,7 @@ async fn a_negative_loans_pending_charge_is_retried_and_counted_by_its_shard(poo
         isolation_budget: Duration::from_secs(5),
         lock_timeout: Duration::from_secs(2),
         scope: Default::default(),
+        writes: LedgerWrites::new(Engine::Postgresql),
     };
     let (zero, one) = (
         ShardSpec::new(0, 2).expect("shard"),

@@ -1,5 +1,5 @@
-//! A batch's write on a Citus coordinator (`database.engine = "citus"`, docs/citus.md): one Citus shard at a
-//! time.
+//! A batch's write on a Citus coordinator (`database.engine = "citus"`, docs/citus.md): the settlement's, one
+//! Citus shard at a time, here; the accrual's in [`ledger`], its re-check in [`recheck`].
 //!
 //! Citus runs a statement whose rows all lie in one shard — its distributed tables filtered by loan ids of that
 //! shard (`id = any(…)`, which Citus prunes to the shard) — on the shard's worker as it is: plain PostgreSQL
@@ -14,6 +14,9 @@
 //! The statements here run only on Citus (`get_shard_id_for_distribution_column` exists nowhere else), so they
 //! are not checked against the migrations at build time like the rest of the store; the Citus suite
 //! (`tests/it/citus.rs`) runs each of them.
+
+pub mod ledger;
+pub mod recheck;
 
 use chrono::NaiveDate;
 use sqlx::PgConnection;

@@ -111,6 +111,7 @@ pub(super) async fn migrate(conn: &mut PgConnection) -> Result<(), StoreError> {
     apply_migrations(conn).await?;
     place(conn).await?;
     bind_rules(conn).await?;
+    keep_rules_whole(conn).await?;
     conn.execute("reset citus.enable_unsafe_triggers").await?;
     Ok(())
 }
@@ -484,6 +485,41 @@ async fn bind_rules(conn: &mut PgConnection) -> Result<(), StoreError> {
         tracing::info!(
             functions = bound,
             "bound the fine rules to the reference tables' shards"
+        );
+    }
+    Ok(())
+}
+
+/// The fine rules' table functions (those a statement joins as `fine_settler_policy_of(…) p`) made opaque to the
+/// coordinator's planner: each gets a `search_path` setting of its own, which keeps PostgreSQL from inlining
+/// its body into the statement. Inlined, a rule function's body joins a reference table's shard into a
+/// statement over distributed tables, and Citus 14.0.1 refuses to plan it when the statement has parameters
+/// ("parameterized queries for SQL functions referencing distributed tables are not supported", measured on
+/// every accrual statement). Called as functions, the rules run where the statement runs — on each worker, over
+/// that worker's copy of the reference tables (their bodies name the shards, [`bind_rules`]) — and the
+/// statement plans. Their bodies name fine-settler's objects with its schema, which the setting keeps on the path.
+/// Only on Citus: on PostgreSQL the inlined rules are what lets the planner cache a policy per class and due date.
+async fn keep_rules_whole(conn: &mut PgConnection) -> Result<(), StoreError> {
+    let functions: Vec<String> = sqlx::query_scalar(
+        "select p.oid::regprocedure::text from pg_proc p
+         where p.pronamespace = current_schema()::regnamespace and p.prokind = 'f' and p.proretset
+           and p.prolang = (select oid from pg_language where lanname = 'sql')
+           and p.proname like 'fine\\_settler\\_%'
+           and not coalesce(exists (select 1 from unnest(p.proconfig) c where c like 'search\\_path=%'), false)",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let schema: String = sqlx::query_scalar("select quote_ident(current_schema())")
+        .fetch_one(&mut *conn)
+        .await?;
+    for function in &functions {
+        let alter = format!("alter function {function} set search_path = pg_catalog, {schema}");
+        conn.execute(sqlx::raw_sql(&alter)).await?;
+    }
+    if !functions.is_empty() {
+        tracing::info!(
+            functions = functions.len(),
+            "kept the fine rules' table functions from inlining"
         );
     }
     Ok(())
