@@ -9,8 +9,9 @@ use crate::store::Db;
 
 use crate::shard::ShardSpec;
 
-/// A loan with work on the accrual day: a charge to write, or a correction.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A loan with work on the accrual day: a charge to write, or a correction (on Citus, a loan that may have
+/// work: [`crate::store::citus::ledger::candidates`]).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct Overdue {
     pub id: i64,
 }
@@ -37,7 +38,8 @@ pub enum Scope {
 /// its charge, so what is left under the cap covers the canonical amount). The day's walk is written as a row comparison on
 /// `(accrual_date, loan_id)` so that the generic plan the jobs keep uses `fine_ledger_day_idx` from the cursor;
 /// with `loan_id >= $1` it walked the primary key over every day's charges (229 ms of a 378 ms batch at
-/// 1,000,000 loans with a week of ledger, bench/README.md).
+/// 1,000,000 loans with a week of ledger, bench/README.md). On Citus the batch is the loans that may have work,
+/// unpriced ([`crate::store::citus::ledger::candidates`]); the batch's write prices them.
 pub async fn overdue_batch(
     pool: &Db,
     day: NaiveDate,
@@ -46,9 +48,14 @@ pub async fn overdue_batch(
     from_id: i64,
     limit: i64,
 ) -> Result<Vec<Overdue>, sqlx::Error> {
-    match scope {
-        Scope::Full => full_batch(pool, day, shard, from_id, limit).await,
-        Scope::Changed => changed_batch(pool, day, shard, from_id, limit).await,
+    match (scope, pool.engine()) {
+        (Scope::Full, crate::config::Engine::Postgresql) => {
+            full_batch(pool, day, shard, from_id, limit).await
+        }
+        (Scope::Full, crate::config::Engine::Citus) => {
+            crate::store::citus::ledger::candidates(pool, day, shard, from_id, limit).await
+        }
+        (Scope::Changed, _) => changed_batch(pool, day, shard, from_id, limit).await,
     }
 }
 

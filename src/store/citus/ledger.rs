@@ -21,11 +21,55 @@ use sqlx::PgConnection;
 
 use crate::{
     jobs::RunKey,
+    shard::ShardSpec,
     store::{
         corrections::Corrected,
-        ledger::{Charged, Clamp},
+        ledger::{Charged, Clamp, Overdue},
+        Db,
     },
 };
+
+/// [`crate::store::ledger::overdue_batch`]'s batch of a day's run over every loan of the shard, on Citus: the next
+/// loans (ascending id, from `from_id`) that may have work on `day`, unpriced — those overdue on the day (due
+/// before it, not returned before it) neither charged nor queued for it, and those charged on it. The write
+/// prices them: a loan owed nothing that day (in its grace period, a closed day, past its cap) is charged
+/// nothing, and a charged day already at its amount gets no correction. Priced here as on PostgreSQL, the scan
+/// would price the batch's size of loans on every Citus shard (each shard's ordered, limited scan is run in full
+/// before the coordinator merges them): 540 ms a batch of 1,000 against 55 ms unpriced, measured at 20,000 loans
+/// on 32 shards of the test cluster.
+pub async fn candidates(
+    pool: &Db,
+    day: NaiveDate,
+    shard: ShardSpec,
+    from_id: i64,
+    limit: i64,
+) -> Result<Vec<Overdue>, sqlx::Error> {
+    sqlx::query_as(
+        "select u.id from (
+             (select l.id from loans l
+              where l.id >= $1 and fine_settler_shard_of(l.id, $2) = $3
+                and l.due_on < $4::date and (l.returned_on is null or l.returned_on >= $4)
+                and not exists (select 1 from fine_ledger f where f.loan_id = l.id and f.accrual_date = $4)
+                and not exists (select 1 from fine_pending q where q.loan_id = l.id and q.accrual_date = $4)
+              order by l.id
+              limit $5)
+             union all
+             (select f.loan_id from fine_ledger f
+              where f.accrual_date = $4 and f.loan_id >= $1 and fine_settler_shard_of(f.loan_id, $2) = $3
+              order by f.loan_id
+              limit $5)
+         ) u
+         order by u.id
+         limit $5",
+    )
+    .bind(from_id)
+    .bind(shard.shards())
+    .bind(shard.shard())
+    .bind(day)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
 
 /// [`crate::store::ledger::charge`] on Citus: each loan of `ids` charged for `day` its canonical amount under
 /// its policy, when it fits under the cap (held back or cut by `clamp` otherwise); a day already charged is
