@@ -455,7 +455,9 @@ pub async fn day_has_work(pool: &Db, day: NaiveDate, shard: ShardSpec) -> Result
 
 /// Queues the failed charges of `ids` for `day`, each with the day's amount under the loan's policy as it is now
 /// (for the operator: a retry charges what is owed when it runs), all with `error`. A row already queued for that
-/// day is left as it is.
+/// day is left as it is. A loan owed nothing that day by its row as it is now (libraryd changed or deleted it
+/// since the batch was read; on Citus, a batch's loans are not priced before the write) is not queued: there is
+/// nothing to charge, and the queue holds only positive amounts (`fine_pending_amount_positive`).
 pub async fn enqueue(
     tx: &mut PgConnection,
     ids: &[i64],
@@ -465,15 +467,17 @@ pub async fn enqueue(
 ) -> Result<(), sqlx::Error> {
     sqlx::query!(
         r#"insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
-           select b.id, $2,
-                  coalesce((select a.amount_cents from loans l
-                            cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
-                            cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $2,
-                                                                              p.daily_rate_cents, p.grace_days,
-                                                                              p.cap_cents, p.charge_closed_days) a
-                            where l.id = b.id), 0),
-                  1, $3, now() + $4 * interval '1 millisecond'
-           from unnest($1::bigint[]) as b (id)
+           select o.id, $2, o.amount_cents, 1, $3, now() + $4 * interval '1 millisecond'
+           from (select b.id,
+                        (select a.amount_cents from loans l
+                         cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+                         cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $2,
+                                                                           p.daily_rate_cents, p.grace_days,
+                                                                           p.cap_cents, p.charge_closed_days) a
+                         where l.id = b.id) as amount_cents
+                 from unnest($1::bigint[]) as b (id)
+                 offset 0) o
+           where o.amount_cents > 0
            on conflict on constraint fine_pending_pkey do nothing"#,
         ids,
         day,

@@ -759,3 +759,47 @@ async fn a_loan_locked_past_the_lock_timeout_is_left_out_and_queued_not_a_failed
         "every day as owed once the lock is let go"
     );
 }
+
+/// A loan left out of its batch (another transaction held it past `claim.lock_timeout`) whose day libraryd made
+/// not owed while the batch waited (its return back-dated before the day) is not queued: there is nothing to
+/// charge, and the queue holds only positive amounts — queued with nothing, it failed the whole run.
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_left_out_loan_owing_nothing_by_then_is_not_queued_and_the_run_succeeds(pool: PgPool) {
+    let day = d("2026-10-10");
+    insert(&pool, &[loan(1, "2026-10-01", None), loan(2, "2026-10-01", None)]).await;
+    let job = accrual(&pool, FinePolicy::new(100, 0, 10_000).expect("policy")).await;
+    let mut peer = pool.begin().await.expect("begin");
+    ledger::lock_loans(&mut peer, &[2]).await.expect("lock the loan");
+    let run = tokio::spawn({
+        let (pool, job) = (pool.clone(), job);
+        async move { runner(&pool, "a", 10).run(&job, day_key(day, 0, 1), false).await }
+    });
+    // The batch waits for loan 2's lock; meanwhile libraryd records its return as before the day.
+    crate::helpers::wait_until(
+        "the batch waiting for loan 2",
+        Duration::from_secs(10),
+        || async {
+            sqlx::query_scalar::<_, bool>(
+                "select exists (select 1 from pg_locks where locktype = 'advisory' and classid = 1718832228
+                                                     and not granted)",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(false)
+        },
+    )
+    .await;
+    sqlx::query("update loans set returned_on = '2026-10-05' where id = 2")
+        .execute(&pool)
+        .await
+        .expect("back-date the return");
+    let run = run.await.expect("the run");
+    assert_eq!(run.outcome, Outcome::Settled, "{run:?}");
+    assert_eq!(run.updated, 1, "{run:?}");
+    let pending: i64 = sqlx::query_scalar("select count(*) from fine_pending")
+        .fetch_one(&pool)
+        .await
+        .expect("pending");
+    assert_eq!(pending, 0, "nothing to charge is not queued");
+    peer.rollback().await.expect("let go");
+}

@@ -13,8 +13,9 @@
 //! `loan_id`), so each loan's sums are read in one place; Citus runs the statement on every worker the batch's
 //! loans reach, in the batch's one transaction.
 //!
-//! Like the settlement's statements in [`super`], these run only on Citus and are tested by the Citus suite
-//! (`tests/it/citus.rs`), not checked against the migrations at build time.
+//! Like the settlement's statements in [`super`], these are meant for Citus (plain SQL, they also run on
+//! PostgreSQL) and are tested by the Citus suite (`tests/it/citus/`), not checked against the migrations at build
+//! time.
 
 use chrono::NaiveDate;
 use sqlx::PgConnection;
@@ -246,8 +247,7 @@ pub async fn relieve(
 }
 
 /// [`crate::store::ledger::enqueue`] on Citus: the failed charges of `ids` for `day` queued, each with the day's
-/// amount under the loan's policy as it is now. A loan libraryd deleted is not queued (on PostgreSQL it is, with
-/// nothing to charge, and the retry resolves it).
+/// amount under the loan's policy as it is now; a loan owed nothing that day (or deleted) is not queued.
 pub async fn enqueue(
     tx: &mut PgConnection,
     ids: &[i64],
@@ -262,7 +262,7 @@ pub async fn enqueue(
          cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
          cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $2, p.daily_rate_cents,
                                                            p.grace_days, p.cap_cents, p.charge_closed_days) a
-         where l.id = any($1::bigint[])
+         where l.id = any($1::bigint[]) and a.amount_cents > 0
          on conflict on constraint fine_pending_pkey do nothing",
     )
     .bind(ids)
