@@ -9,6 +9,9 @@
 #   scripts/citus.sh url      print the coordinator's URL
 #   scripts/citus.sh status   say which nodes run (exit 3 unless all three do)
 #   scripts/citus.sh tarball  print the Citus source tarball a build would use (exit 1 if there is none)
+#   scripts/citus.sh crash-worker
+#                             stop the first worker at once, as a crash does (`pg_ctl -m immediate`: no checkpoint,
+#                             its connections cut, its prepared transactions kept), and start it again (recovery)
 #
 # Citus is built from the vendored, unmodified release tarball ../shared/vendor/citus-*.tar.gz beside the checkout
 # — or beside the checkout this one was cloned from, for a clone made elsewhere (FINE_SETTLER_CITUS_TARBALL names
@@ -36,11 +39,11 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
-usage() { echo "citus.sh: $* (usage: citus.sh build|start|stop|url|status|tarball)" >&2; exit 2; }
+usage() { echo "citus.sh: $* (usage: citus.sh build|start|stop|url|status|tarball|crash-worker)" >&2; exit 2; }
 [ $# -eq 1 ] || usage "one command expected"
 cmd=$1
 case "$cmd" in
-  build|start|stop|url|status|tarball) ;;
+  build|start|stop|url|status|tarball|crash-worker) ;;
   *) usage "unknown command '$cmd'" ;;
 esac
 
@@ -187,6 +190,11 @@ EOF
         run "$pgbin/pg_ctl" -D "$dir/$node/data" -m fast -w stop >/dev/null 2>&1 || true
       fi
     done
+    ;;
+  crash-worker)
+    # pg_ctl restart starts the server again with the options it was started with (postmaster.opts).
+    run "$pgbin/pg_ctl" -D "$dir/worker1/data" -l "$dir/worker1/server.log" -m immediate -w -t 60 restart \
+      >/dev/null || { tail -n 20 "$dir/worker1/server.log" >&2; exit 1; }
     ;;
   status)
     all=0

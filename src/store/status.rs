@@ -47,7 +47,8 @@ pub struct StatusRows {
 /// The to-do count runs only for RUNNING keys (a `case` evaluates its function only for the rows that take its
 /// branch: `fine_settler_settlement_to_do` and `fine_settler_accrual_to_do`, migrations/20261203000061, functions
 /// so that on Citus the statement names no distributed table beside the coordinator's `job_runs`) and uses each
-/// job's batch predicate after the key's cursor: for settlement through a partial index
+/// job's batch predicate after the key's cursor (the queue's counts, every shard's, are
+/// `fine_settler_pending_counts` of the one shard of one): for settlement through a partial index
 /// of unsettled loans (what is left of the month, 7 ms for a month of 34,000 loans); for the accrual the
 /// primary key after the cursor, checking the ledger and the queue for each overdue loan (42 ms for 100,000
 /// loans) — the page's `statement_timeout` bounds it.
@@ -67,10 +68,8 @@ pub async fn keys(pool: &Db, since: NaiveDate) -> Result<StatusRows, sqlx::Error
                                                       r.shards, r.shard)
                   end as to_do
            from (select now() as now) t
-           cross join (select count(*) filter (where status = 'PENDING') as pending,
-                              count(*) filter (where status = 'PENDING' and next_attempt_at <= now()) as pending_due,
-                              count(*) filter (where status = 'DEAD') as dead
-                       from fine_pending) q
+           cross join (select c.pending, c.due_pending as pending_due, c.dead
+                       from fine_settler_pending_counts(1, 0) c) q
            left join job_runs r on r.business_date >= $1 or r.status <> 'SUCCESS'
            order by r.job_name, r.business_date desc, r.shards, r.shard"#,
         since,

@@ -15,6 +15,7 @@ mod commit_latency;
 mod daemon;
 mod deploy;
 mod docs;
+mod engines;
 mod failover;
 mod fencing;
 mod fleet;

@@ -1,5 +1,5 @@
 //! The accrual's re-check on a Citus coordinator: what [`crate::store::corrections::recheck`] finds and does in
-//! one statement, in four, in one transaction.
+//! one statement, in several, in one transaction.
 //!
 //! On PostgreSQL the re-check is one statement whose CTEs read the queued changes, join each changed loan to
 //! the window's days, and clear or mark the changes found owed. Citus refuses that join of a CTE's rows to the
@@ -92,7 +92,12 @@ pub async fn recheck(
         .collect();
     let (clean, owed): (Vec<Change>, Vec<Change>) = seen.iter().partition(|(_, id)| !dirty.contains(id));
     let (cleared, marked) = if clear {
-        mark(&mut tx, &clean, &owed, settle).await?
+        // A change is marked found owed as of now, after the loans were read: in one statement the two coincide;
+        // the transaction's start (`now()`) would be before the reads, and shorten the wait for a second look.
+        let looked: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("select clock_timestamp()")
+            .fetch_one(&mut *tx)
+            .await?;
+        mark(&mut tx, &clean, &owed, looked, settle).await?
     } else {
         (0, 0)
     };
@@ -109,12 +114,13 @@ pub async fn recheck(
 }
 
 /// The changes' bookkeeping: of the `clean` changes (seq, loan), those found owed a `settle` ago or more are
-/// removed and those never found owed are marked; of the `owed` ones, those marked are unmarked. Returns (removed,
+/// removed and those never found owed are marked (as found at `looked`); of the `owed` ones, those marked are unmarked. Returns (removed,
 /// marked + unmarked).
 async fn mark(
     tx: &mut sqlx::PgConnection,
     clean: &[Change],
     owed: &[Change],
+    looked: chrono::DateTime<chrono::Utc>,
     settle: std::time::Duration,
 ) -> Result<(i64, i64), sqlx::Error> {
     let settle_ms = i64::try_from(settle.as_millis()).unwrap_or(i64::MAX) as f64;
@@ -133,11 +139,12 @@ async fn mark(
     .await?
     .rows_affected();
     let marked = sqlx::query(
-        "update fine_loan_changes set cleared_at = now()
+        "update fine_loan_changes set cleared_at = $3
          where loan_id = any($1::bigint[]) and seq = any($2::bigint[]) and cleared_at is null",
     )
     .bind(&clean_loans)
     .bind(&clean_seqs)
+    .bind(looked)
     .execute(&mut *tx)
     .await?
     .rows_affected();

@@ -173,7 +173,8 @@ pub struct TickStatus {
 ///
 /// The settlement probe is the predicate [`crate::store::loans::month_has_unsettled`] asks for one key (and the
 /// one the batches select), as the function `fine_settler_month_late` (migrations/20261203000061: so that on
-/// Citus the statement names no distributed table beside the coordinator's `job_runs`); it reads the partial
+/// Citus the statement names no distributed table beside the coordinator's `job_runs`; the queue's counts are
+/// `fine_settler_pending_counts`, for the same reason); it reads the partial
 /// index of unsettled loans by return date: a settled month has no entry in it, so the probe costs one index
 /// descent per key. Accrual keys are never late here: the accrual's
 /// re-check (its own statement, on its own schedule) marks them.
@@ -280,7 +281,7 @@ async fn status_rows(
 ) -> Result<Vec<StatusRow>, sqlx::Error> {
     sqlx::query_as!(
         StatusRow,
-        r#"select t.now as "now!", t.due_pending as "due_pending!", t.pending as "pending!", t.dead as "dead!",
+        r#"select t.now as "now!", q.due_pending as "due_pending!", q.pending as "pending!", q.dead as "dead!",
                   t.in_recovery as "in_recovery!", t.read_only as "read_only!",
                   pz.jobs as "paused_jobs!", pz.shards as "paused_shards!", pz.bys as "paused_by!",
                   pz.reasons as "paused_reasons!", pz.since as "paused_since!",
@@ -290,14 +291,8 @@ async fn status_rows(
                   (r.status = 'SUCCESS' and r.job_name = 'fine-settlement' and r.business_date >= $4::date
                    and fine_settler_month_late(r.business_date, $1::int, $2::int)) as "late?"
            from (select now() as now, pg_is_in_recovery() as in_recovery,
-                        current_setting('transaction_read_only') = 'on' as read_only,
-                        (select count(*) from fine_pending p
-                         where p.status = 'PENDING' and p.next_attempt_at <= now()
-                           and fine_settler_shard_of(p.loan_id, $1::int) = $2::int) as due_pending,
-                        (select count(*) filter (where p.status = 'PENDING') from fine_pending p
-                         where fine_settler_shard_of(p.loan_id, $1::int) = $2::int) as pending,
-                        (select count(*) filter (where p.status = 'DEAD') from fine_pending p
-                         where fine_settler_shard_of(p.loan_id, $1::int) = $2::int) as dead) t
+                        current_setting('transaction_read_only') = 'on' as read_only) t
+           cross join fine_settler_pending_counts($1::int, $2::int) q
            cross join (select coalesce(array_agg(p.job_name order by p.job_name, p.shards), '{}') as jobs,
                               coalesce(array_agg(p.shards order by p.job_name, p.shards), '{}') as shards,
                               coalesce(array_agg(p.paused_by order by p.job_name, p.shards), '{}') as bys,

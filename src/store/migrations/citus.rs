@@ -490,8 +490,9 @@ async fn bind_rules(conn: &mut PgConnection) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// The fine rules' table functions (those a statement joins as `fine_settler_policy_of(…) p`) made opaque to the
-/// coordinator's planner: each gets a `search_path` setting of its own, which keeps PostgreSQL from inlining
+/// The fine rules' table functions (those a statement joins as `fine_settler_policy_of(…) p`; and every other
+/// table function of fine-settler's, such as the queue's counts the tick reads) made opaque to the coordinator's
+/// planner: each gets a `search_path` setting of its own, which keeps PostgreSQL from inlining
 /// its body into the statement. Inlined, a rule function's body joins a reference table's shard into a
 /// statement over distributed tables, and Citus 14.0.1 refuses to plan it when the statement has parameters
 /// ("parameterized queries for SQL functions referencing distributed tables are not supported", measured on
