@@ -177,9 +177,17 @@ async fn recheck(db: &Db, engine: Engine, first: NaiveDate, last: NaiveDate) -> 
 #[sqlx::test(fixtures("default_policy"))]
 async fn the_citus_recheck_finds_and_clears_what_the_postgresql_one_does(pool: PgPool) {
     fixture(&pool).await;
+    // Loan 50 owes 100 cents on each of its first five days (the cap); all are charged but the 5th, whose
+    // charge is queued: it has no work of its own.
+    insert(&pool, &[loan(50, "2026-10-01", None)]).await;
     sqlx::raw_sql(
         "insert into fine_loan_changes (loan_id) select id from loans where id % 4 = 0;
-         insert into fine_loan_changes (loan_id) values (40);",
+         insert into fine_loan_changes (loan_id) values (40);
+         insert into fine_ledger (loan_id, accrual_date, amount_cents)
+         select 50, g::date, 100 from generate_series('2026-10-03'::date, '2026-10-07', interval '1 day') g
+         where g::date <> '2026-10-05';
+         insert into fine_pending (loan_id, accrual_date, amount_cents, attempts, last_error, next_attempt_at)
+         values (50, '2026-10-05', 100, 1, 'test', now());",
     )
     .execute(&pool)
     .await
@@ -224,6 +232,11 @@ async fn the_citus_recheck_finds_and_clears_what_the_postgresql_one_does(pool: P
         found.push((format!("{first:?}"), format!("{second:?}"), after));
     }
     assert_eq!(found[0], found[1]);
+    assert!(
+        !found[0].2.contains("Q 50 "),
+        "loan 50, whose only owed day is queued, is found with nothing to do and its change cleared: {}",
+        found[0].2
+    );
     assert!(
         found[0].0.contains("days: [2026"),
         "the fixture has days to re-open: {}",
