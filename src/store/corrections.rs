@@ -284,7 +284,7 @@ pub struct Recheck {
 /// committed or failed by then (`settle` is `claim.batch_timeout`, which bounds a batch), and the second sees its
 /// charge. One statement; its cost grows with the changes queued, not with the loans: each changed loan's row is
 /// read by a key probe (the `offset 0` fence; as a join, the planner hashed the whole `loans` table for a
-/// thousand changed loans, 539 ms of 871 ms at 1,000,000 loans). On Citus, four statements in one transaction
+/// thousand changed loans, 539 ms of 871 ms at 1,000,000 loans). On Citus, several statements in one transaction
 /// ([`crate::store::citus::recheck`]).
 #[allow(clippy::too_many_arguments)]
 pub async fn recheck(

@@ -51,38 +51,8 @@ pub async fn recheck(
         .collect::<BTreeSet<_>>()
         .into_iter()
         .collect();
-    let work: Vec<(i64, NaiveDate)> = sqlx::query_as(
-        "select l.id, d.day
-         from loans l
-         cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
-         cross join (select g::date as day from generate_series($2::date, $3::date, interval '1 day') g) d
-         cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, d.day, p.daily_rate_cents,
-                                                           p.grace_days, p.cap_cents, p.charge_closed_days) a
-         left join fine_ledger f on f.loan_id = l.id and f.accrual_date = d.day
-         left join lateral (select sum(c.amount_cents) as total from fine_ledger_corrections c
-                            where c.loan_id = l.id and c.accrual_date = d.day) n on true
-         left join lateral (select true as queued from fine_pending q
-                            where q.loan_id = l.id and q.accrual_date = d.day) q on true
-         where l.id = any($1::bigint[]) and $2::date <= $3::date
-           and ((f.loan_id is null and a.amount_cents > 0 and q.queued is null)
-             or (f.loan_id is not null and a.amount_cents <> f.amount_cents + coalesce(n.total, 0)
-                 and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)))",
-    )
-    .bind(&changed)
-    .bind(first)
-    .bind(last)
-    .fetch_all(&mut *tx)
-    .await?;
-    let orphaned: Vec<i64> = sqlx::query_scalar(
-        "select f.loan_id from fine_ledger f
-         left join loans l on l.id = f.loan_id
-         where f.loan_id = any($1::bigint[]) and l.id is null
-         group by f.loan_id
-         order by f.loan_id",
-    )
-    .bind(&changed)
-    .fetch_all(&mut *tx)
-    .await?;
+    let work = days_to_do(&mut tx, &changed, first, last).await?;
+    let orphaned = orphaned(&mut tx, &changed).await?;
     let dirty: BTreeSet<i64> = work.iter().map(|(id, _)| *id).collect();
     let days: Vec<NaiveDate> = work
         .iter()
@@ -111,6 +81,52 @@ pub async fn recheck(
         marked,
         more: seen.len() as i64 >= limit,
     })
+}
+
+/// The (loan, day) pairs of the window `first..=last` on which a loan of `changed` is still to charge (owed,
+/// neither charged nor queued) or to correct (charged, and its net is not what is owed).
+async fn days_to_do(
+    tx: &mut sqlx::PgConnection,
+    changed: &[i64],
+    first: NaiveDate,
+    last: NaiveDate,
+) -> Result<Vec<(i64, NaiveDate)>, sqlx::Error> {
+    sqlx::query_as(
+        "select l.id, d.day
+         from loans l
+         cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+         cross join (select g::date as day from generate_series($2::date, $3::date, interval '1 day') g) d
+         cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, d.day, p.daily_rate_cents,
+                                                           p.grace_days, p.cap_cents, p.charge_closed_days) a
+         left join fine_ledger f on f.loan_id = l.id and f.accrual_date = d.day
+         left join lateral (select sum(c.amount_cents) as total from fine_ledger_corrections c
+                            where c.loan_id = l.id and c.accrual_date = d.day) n on true
+         left join lateral (select true as queued from fine_pending q
+                            where q.loan_id = l.id and q.accrual_date = d.day) q on true
+         where l.id = any($1::bigint[]) and $2::date <= $3::date
+           and ((f.loan_id is null and a.amount_cents > 0 and q.queued is null)
+             or (f.loan_id is not null and a.amount_cents <> f.amount_cents + coalesce(n.total, 0)
+                 and isfinite(l.due_on) and coalesce(isfinite(l.returned_on), true)))",
+    )
+    .bind(changed)
+    .bind(first)
+    .bind(last)
+    .fetch_all(&mut *tx)
+    .await
+}
+
+/// The loans of `changed` libraryd deleted that have ledger rows, ascending.
+async fn orphaned(tx: &mut sqlx::PgConnection, changed: &[i64]) -> Result<Vec<i64>, sqlx::Error> {
+    sqlx::query_scalar(
+        "select f.loan_id from fine_ledger f
+         left join loans l on l.id = f.loan_id
+         where f.loan_id = any($1::bigint[]) and l.id is null
+         group by f.loan_id
+         order by f.loan_id",
+    )
+    .bind(changed)
+    .fetch_all(&mut *tx)
+    .await
 }
 
 /// The changes' bookkeeping: of the `clean` changes (seq, loan), those found owed a `settle` ago or more are

@@ -11,11 +11,17 @@ use crate::helpers::{
     assert_success, daemon, exit_of, fine_settler, free_port, output, report, signal, wait_until,
 };
 
+/// `fine-settler` against `url` with `database.engine = "citus"`.
+fn on_citus(url: &str) -> std::process::Command {
+    let mut cmd = fine_settler(url);
+    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus");
+    cmd
+}
+
 /// `fine-settler accrue --date day` on Citus, in batches of 50.
 fn accrue(url: &str, day: &str) -> serde_json::Value {
-    let mut cmd = fine_settler(url);
-    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus")
-        .env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "50")
+    let mut cmd = on_citus(url);
+    cmd.env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "50")
         .args(["accrue", "--date", day]);
     let out = output(cmd);
     assert_success(&out);
@@ -42,10 +48,8 @@ async fn accrue_charges_under_the_cap_corrects_a_back_dated_return_and_relieves_
     let db = CitusDb::new("accrue").await;
     // Due 2026-10-10, one in two returned 2026-10-20; 100 cents a day up to 300 (the seeded default policy).
     db.libraryd_loans(200).await;
-    let mut cmd = fine_settler(&db.url);
-    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus")
-        .env("FINE_SETTLER__FINE__CAP_CENTS", "300")
-        .arg("migrate");
+    let mut cmd = on_citus(&db.url);
+    cmd.env("FINE_SETTLER__FINE__CAP_CENTS", "300").arg("migrate");
     assert_success(&output(cmd));
     for day in ["2026-10-11", "2026-10-12", "2026-10-13", "2026-10-14"] {
         let run = accrue(&db.url, day);
@@ -87,8 +91,8 @@ async fn accrue_charges_under_the_cap_corrects_a_back_dated_return_and_relieves_
     .expect("the corrections");
     assert_eq!(returned, (100, Some(-10_000)));
     // `runs` shows each key's corrections.
-    let mut cmd = fine_settler(&db.url);
-    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus").args([
+    let mut cmd = on_citus(&db.url);
+    cmd.args([
         "runs",
         "--job",
         "overdue-accrual",
@@ -128,8 +132,8 @@ async fn accrue_charges_under_the_cap_corrects_a_back_dated_return_and_relieves_
         "the loan's days as one run in order leaves them, at the cap"
     );
     // A second pass over the days finds nothing to do.
-    let mut cmd = fine_settler(&db.url);
-    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus").args([
+    let mut cmd = on_citus(&db.url);
+    cmd.args([
         "backfill",
         "--job",
         "overdue-accrual",
@@ -327,9 +331,8 @@ async fn a_locked_loan_owing_nothing_that_day_is_left_out_without_being_queued()
     let db = CitusDb::new("grace").await;
     // Due 2026-10-10 with ten days' grace: on the 15th every open loan is overdue and owes nothing.
     db.libraryd_loans(20).await;
-    let mut cmd = fine_settler(&db.url);
-    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus")
-        .env("FINE_SETTLER__FINE__CAP_CENTS", "1000")
+    let mut cmd = on_citus(&db.url);
+    cmd.env("FINE_SETTLER__FINE__CAP_CENTS", "1000")
         .env("FINE_SETTLER__FINE__GRACE_DAYS", "10")
         .arg("migrate");
     assert_success(&output(cmd));
@@ -339,9 +342,8 @@ async fn a_locked_loan_owing_nothing_that_day_is_left_out_without_being_queued()
         .execute(&mut *holder)
         .await
         .expect("hold the loan's lock");
-    let mut cmd = fine_settler(&db.url);
-    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus")
-        .env("FINE_SETTLER__CLAIM__LOCK_TIMEOUT", "300ms")
+    let mut cmd = on_citus(&db.url);
+    cmd.env("FINE_SETTLER__CLAIM__LOCK_TIMEOUT", "300ms")
         .args(["accrue", "--date", "2026-10-15"]);
     let out = output(cmd);
     assert_success(&out);
