@@ -1,8 +1,14 @@
 //! The audit behind `verify`: recomputes a settled month in plain SQL, independently of the settlement code (the
 //! policy version and the fine written out again, the closed days counted one by one, rather than the SQL
 //! functions settlement calls), and reports the loans neither job touches because a date of theirs is not finite.
+//!
+//! Two of its statements, the month's fines and the reconciliation with the ledger, have forms of their own for
+//! a Citus coordinator ([`crate::store::citus::audit`]), chosen by [`Audit`]; both forms give the same answers.
 
-use crate::store::Db;
+use crate::{
+    config::Engine,
+    store::{citus, Db},
+};
 use chrono::NaiveDate;
 
 /// What `verify` found for one business month.
@@ -54,9 +60,47 @@ pub const NOT_FINITE_SHOWN: usize = 20;
 
 /// Audits the loans returned in `[first, last]` against the fine rules in the database: each loan's expected fine
 /// is its policy version's over its chargeable days, computed by the database from the loan as it is now with
-/// SQL of its own (not the functions settlement calls), apart from what settlement wrote.
-pub async fn month(pool: &Db, (first, last): (NaiveDate, NaiveDate)) -> Result<MonthAudit, sqlx::Error> {
-    let fines = fines(pool, (first, last)).await?;
+/// SQL of its own (not the functions settlement calls), apart from what settlement wrote. The statements are
+/// those of the pool's engine (`database.engine`).
+pub async fn month(pool: &Db, month: (NaiveDate, NaiveDate)) -> Result<MonthAudit, sqlx::Error> {
+    Audit::new(pool.engine()).month(pool, month).await
+}
+
+/// The audit's statements for one engine (`database.engine`): PostgreSQL's below, or, on a Citus coordinator,
+/// the forms of [`citus::audit`] for the two that Citus does not plan as they are written here. Both compute the
+/// same answers (plain SQL both, so the tests run either engine's on PostgreSQL and compare them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Audit {
+    engine: Engine,
+}
+
+impl Audit {
+    pub fn new(engine: Engine) -> Self {
+        Audit { engine }
+    }
+
+    /// See [`month`].
+    pub async fn month(self, pool: &Db, month: (NaiveDate, NaiveDate)) -> Result<MonthAudit, sqlx::Error> {
+        let (fines, ledger) = match self.engine {
+            Engine::Postgresql => (fines(pool, month).await?, ledger(pool, month).await?),
+            Engine::Citus => (
+                citus::audit::fines(pool, month).await?,
+                citus::audit::ledger(pool, month).await?,
+            ),
+        };
+        audit(pool, month.1, fines, ledger).await
+    }
+}
+
+/// The audit of the month ending `last` from its fines and its reconciliation with the ledger: the shard counts
+/// that settled it completely and the loans of any month no job touches are read here (the same statements on
+/// either engine: the first reads only the coordinator's `job_runs`).
+async fn audit(
+    pool: &Db,
+    last: NaiveDate,
+    fines: Fines,
+    ledger: Reconciled,
+) -> Result<MonthAudit, sqlx::Error> {
     let complete = sqlx::query_scalar!(
         r#"select shards as "shards!" from job_runs
            where job_name = 'fine-settlement' and business_date = $1
@@ -67,7 +111,6 @@ pub async fn month(pool: &Db, (first, last): (NaiveDate, NaiveDate)) -> Result<M
     )
     .fetch_all(pool)
     .await?;
-    let ledger = ledger(pool, (first, last)).await?;
     let (unsettled_not_finite, mut not_finite_ids) = unsettled_not_finite(pool).await?;
     // Disjoint sets (settled, not settled): their counts add up, and the first ids of both are the first ids.
     not_finite_ids.extend(&fines.settled_not_finite);
@@ -92,19 +135,20 @@ pub async fn month(pool: &Db, (first, last): (NaiveDate, NaiveDate)) -> Result<M
     })
 }
 
-/// The month's fines against the policy's.
-struct Fines {
-    returned: i64,
-    settled: i64,
-    wrong_fine: i64,
-    total_cents: i64,
-    expected_cents: i64,
+/// The month's fines against the policy's, as [`MonthAudit`] reports them.
+#[derive(Debug, sqlx::FromRow)]
+pub(crate) struct Fines {
+    pub(crate) returned: i64,
+    pub(crate) settled: i64,
+    pub(crate) wrong_fine: i64,
+    pub(crate) total_cents: i64,
+    pub(crate) expected_cents: i64,
     /// The month's settled loans whose due date is not finite (settled before the rule, or their due date
     /// changed since): their fine cannot be checked.
-    settled_not_finite: Vec<i64>,
-    without_policy: i64,
-    unknown_class: i64,
-    unknown_classes: Vec<String>,
+    pub(crate) settled_not_finite: Vec<i64>,
+    pub(crate) without_policy: i64,
+    pub(crate) unknown_class: i64,
+    pub(crate) unknown_classes: Vec<String>,
 }
 
 /// The loans returned in the month with a finite due date; those without one are counted apart (no fine can be
@@ -174,11 +218,12 @@ async fn fines(pool: &Db, (first, last): (NaiveDate, NaiveDate)) -> Result<Fines
     })
 }
 
-/// The month's loans reconciled with the ledger.
-struct Reconciled {
-    checked: i64,
-    mismatches: i64,
-    over_accrued: i64,
+/// The month's loans reconciled with the ledger, as [`MonthAudit`] reports them.
+#[derive(Debug, sqlx::FromRow)]
+pub(crate) struct Reconciled {
+    pub(crate) checked: i64,
+    pub(crate) mismatches: i64,
+    pub(crate) over_accrued: i64,
 }
 
 /// Reconciliation with the ledger as finance reads it (`fine_ledger_net`: first charges plus corrections). A day

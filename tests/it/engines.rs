@@ -1,17 +1,19 @@
-//! The accrual's writes for Citus (`src/store/citus/ledger.rs`) and its re-check for Citus
-//! (`src/store/citus/recheck.rs`) compute what PostgreSQL's statements compute. Both are plain SQL, so both run
-//! here, on PostgreSQL, against the same ledger: every batch write of a day — corrections, charges, the relief of
-//! a loan at its cap, the queue — and every re-check write the same rows and return the same answers on either
-//! engine's statements.
+//! The accrual's writes for Citus (`src/store/citus/ledger.rs`), its re-check for Citus
+//! (`src/store/citus/recheck.rs`) and `verify`'s audit for Citus (`src/store/citus/audit.rs`) compute what
+//! PostgreSQL's statements compute. Both are plain SQL, so both run here, on PostgreSQL, against the same ledger:
+//! every batch write of a day — corrections, charges, the relief of a loan at its cap, the queue — and every
+//! re-check write the same rows and return the same answers on either engine's statements, and the audit of a
+//! month finds the same on either.
 
 use std::time::Duration;
 
-use chrono::NaiveDate;
+use chrono::{Datelike, NaiveDate};
 use fine_settler::{
     config::Engine,
     jobs::{JobName, RunKey},
     shard::ShardSpec,
     store::{
+        audit::Audit,
         corrections::{self, Recheck},
         ledger::{self, Clamp},
         ledger_writes::LedgerWrites,
@@ -20,7 +22,7 @@ use fine_settler::{
 };
 use sqlx::{PgPool, Postgres, Transaction};
 
-use crate::helpers::{d, db, insert, loan, set_policy};
+use crate::helpers::{add_versions, d, db, insert, loan, set_policy};
 
 /// A ledger that needs every kind of write: loans due on different days, some returned, one deleted, one moved
 /// earlier after its charges (its days over-charged and its day under the cap held back), charges and corrections
@@ -242,4 +244,134 @@ async fn the_citus_recheck_finds_and_clears_what_the_postgresql_one_does(pool: P
         "the fixture has days to re-open: {}",
         found[0].0
     );
+}
+
+/// Months for the audit to find everything in: loans of several classes (one misspelt, one due before its class's
+/// first version) under versions with and without grace, cap and closed days charged; returns before the due
+/// date, within the grace period and after it; due dates that are not finite or at the ends of the calendar;
+/// fines settled by the rule, changed by hand and never settled; ledgers charged by the rule day by day, then
+/// over-charged, corrected and left short; accrual keys SUCCESS under one shard count, FAILED, or SUCCESS for one
+/// shard of two only.
+async fn audit_fixture(pool: &PgPool) {
+    set_policy(
+        pool,
+        fine_settler::fine::FinePolicy::new(100, 1, 500).expect("policy"),
+    )
+    .await;
+    add_versions(
+        pool,
+        "insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents,
+                                    charge_closed_days, reason) values
+           ('adult', '2026-01-01', 50, 0, 0, true, 'test'),
+           ('adult', '2026-10-15', 70, 2, 300, false, 'test'),
+           ('child', '2026-10-10', 20, 3, 0, false, 'test')",
+    )
+    .await;
+    sqlx::raw_sql(
+        "insert into library_closed_days (day, reason) values
+           ('2026-09-28', 'test'), ('2026-10-05', 'test'), ('2026-10-12', 'test'), ('2026-10-25', 'test');
+         insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on, fine_class)
+         select g, 1, 1, '2026-08-01', date '2026-09-22' + g % 31,
+                case when g % 6 <> 0 then date '2026-09-22' + g % 31 + g % 17 - 3 end,
+                (array[null, 'adult', 'child', 'adlut', null])[1 + g % 5]
+         from generate_series(1, 120) g;
+         insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on, fine_class) values
+           (201, 1, 1, '2026-08-01', '-infinity', '2026-10-05', null),
+           (202, 1, 1, '2026-08-01', 'infinity', '2026-10-06', 'adult'),
+           (203, 1, 1, '2026-08-01', '-infinity', '2026-10-07', null),
+           (204, 1, 1, '2026-08-01', '2026-09-20', 'infinity', null),
+           (205, 1, 1, '2026-08-01', '-infinity', null, null),
+           (206, 1, 1, '2026-08-01', '5874897-12-31', '2026-10-08', null),
+           (207, 1, 1, '4713-01-01 BC', '4713-01-01 BC', '2026-10-09', 'child'),
+           (208, 1, 1, '2026-08-01', '2026-10-01', '2026-10-10', 'child');
+         -- Settled by the rule, but for one in eight; some changed by hand; one not finite settled.
+         update loans set fine_cents = fine_settler_loan_fine(fine_class, due_on, returned_on) + (id % 10 = 3)::int,
+                          fine_settled_at = now()
+         where returned_on is not null and isfinite(returned_on) and isfinite(due_on) and id % 8 <> 0;
+         update loans set fine_settled_at = now() where id = 203;
+         -- Charged by the rule, day by day, up to the end of October (or the return).
+         insert into fine_ledger (loan_id, accrual_date, amount_cents)
+         select l.id, g::date, fine_settler_loan_day_amount(l.fine_class, l.due_on, l.returned_on, g::date)
+         from loans l, generate_series('2026-09-20'::date, '2026-10-31', interval '1 day') g
+         where isfinite(l.due_on) and l.due_on > '2026-01-01' and l.due_on < '2027-01-01'
+           and fine_settler_loan_day_amount(l.fine_class, l.due_on, l.returned_on, g::date) > 0
+           and l.id % 11 <> 5;
+         -- Over-charged: a day after a return, a day charged twice its amount (and one of those corrected back).
+         insert into fine_ledger (loan_id, accrual_date, amount_cents)
+         select id, returned_on + 1, 100 from loans
+         where id % 7 = 1 and returned_on between '2026-09-01' and '2026-10-30' and isfinite(due_on)
+         on conflict do nothing;
+         insert into fine_ledger_corrections (loan_id, accrual_date, seq, amount_cents, reason, job_name,
+                                              business_date, shards, shard, epoch)
+         select loan_id, accrual_date, 1, amount_cents, 'canonical', 'overdue-accrual', accrual_date, 1, 0, 1
+         from fine_ledger where loan_id % 9 = 2 and accrual_date = '2026-10-20';
+         insert into fine_ledger_corrections (loan_id, accrual_date, seq, amount_cents, reason, job_name,
+                                              business_date, shards, shard, epoch)
+         select loan_id, accrual_date, 1, -amount_cents, 'returned', 'overdue-accrual', accrual_date, 1, 0, 1
+         from fine_ledger where loan_id % 9 = 4 and accrual_date = '2026-10-18';
+         -- A day with a correction and no charge (written by hand: the accrual corrects charged days only).
+         insert into fine_ledger_corrections (loan_id, accrual_date, seq, amount_cents, reason, job_name,
+                                              business_date, shards, shard, epoch)
+         select id, returned_on + 2, 1, 40, 'reinstated', 'overdue-accrual', returned_on + 2, 1, 0, 1
+         from loans
+         where id % 13 = 6 and returned_on between '2026-09-01' and '2026-10-28' and isfinite(due_on);
+         -- The months settled; the days accrued by one shard count, but for one day FAILED, and one day
+         -- accrued by shard 0 of 2 only.
+         insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
+         values ('fine-settlement', '2026-09-30', 1, 0, 'SUCCESS', 'test', 1, now()),
+                ('fine-settlement', '2026-10-31', 2, 0, 'SUCCESS', 'test', 1, now()),
+                ('fine-settlement', '2026-10-31', 2, 1, 'SUCCESS', 'test', 1, now()),
+                ('fine-settlement', '2026-10-31', 3, 0, 'SUCCESS', 'test', 1, now());
+         insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
+         select 'overdue-accrual', g::date, 1, 0,
+                case when g::date in ('2026-10-14', '2026-10-22') then 'FAILED' else 'SUCCESS' end, 'test', 1, now()
+         from generate_series('2026-09-01'::date, '2026-10-31', interval '1 day') g;
+         insert into job_runs (job_name, business_date, shards, shard, status, owner, epoch, lease_until)
+         values ('overdue-accrual', '2026-10-22', 2, 0, 'SUCCESS', 'test', 1, now());",
+    )
+    .execute(pool)
+    .await
+    .expect("the months");
+}
+
+#[sqlx::test(fixtures("default_policy"))]
+async fn the_citus_audit_finds_what_the_postgresql_one_finds(pool: PgPool) {
+    audit_fixture(&pool).await;
+    let on = db(&pool);
+    let audit = |engine, month: &str| {
+        let on = on.clone();
+        let last = d(month);
+        let first = last.with_day(1).expect("the month's first day");
+        async move { Audit::new(engine).month(&on, (first, last)).await.expect("audit") }
+    };
+    let mut seen = Vec::new();
+    for month in ["2026-09-30", "2026-10-31", "2026-11-30"] {
+        let postgresql = audit(Engine::Postgresql, month).await;
+        let citus = audit(Engine::Citus, month).await;
+        assert_eq!(postgresql, citus, "the audit of {month}");
+        seen.push(postgresql);
+    }
+    let october = &seen[1];
+    for (what, n) in [
+        ("returned", october.returned),
+        ("unsettled", october.unsettled),
+        ("wrong_fine", october.wrong_fine),
+        ("ledger_checked", october.ledger_checked),
+        ("ledger_mismatches", october.ledger_mismatches),
+        ("over_accrued", october.over_accrued),
+        ("not_finite", october.not_finite),
+        ("loans_without_class_policy", october.loans_without_class_policy),
+    ] {
+        assert!(n > 0, "the fixture has loans for {what}: {october:?}");
+    }
+    assert!(
+        october.ledger_checked + october.unsettled < october.returned,
+        "some loans are not reconciled (a day not accrued): {october:?}"
+    );
+
+    // No policy at all (the table emptied by hand): the loans no policy governs counted alike.
+    add_versions(&pool, "delete from fine_policies where fine_class <> 'adult'").await;
+    let postgresql = audit(Engine::Postgresql, "2026-10-31").await;
+    assert!(postgresql.without_policy > 0, "{postgresql:?}");
+    assert_eq!(postgresql, audit(Engine::Citus, "2026-10-31").await);
 }

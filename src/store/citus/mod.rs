@@ -1,5 +1,6 @@
 //! A batch's write on a Citus coordinator (`database.engine = "citus"`, docs/citus.md): the settlement's, one
-//! Citus shard at a time, here; the accrual's in [`ledger`], its re-check in [`recheck`].
+//! Citus shard at a time, here; the accrual's in [`ledger`], its re-check in [`recheck`]; and `verify`'s audit
+//! in [`audit`].
 //!
 //! Citus runs a statement whose rows all lie in one shard — its distributed tables filtered by loan ids of that
 //! shard (`id = any(…)`, which Citus prunes to the shard) — on the shard's worker as it is: plain PostgreSQL
@@ -15,6 +16,7 @@
 //! are not checked against the migrations at build time like the rest of the store; the Citus suite
 //! (`tests/it/citus.rs`) runs each of them.
 
+pub mod audit;
 pub mod ledger;
 pub mod recheck;
 
