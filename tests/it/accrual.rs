@@ -4,6 +4,7 @@
 use std::{process::Stdio, time::Duration};
 
 use chrono::NaiveDate;
+use fine_settler::store::ledger_writes::LedgerWrites;
 use fine_settler::{
     backoff::Backoff,
     fine::FinePolicy,
@@ -15,7 +16,6 @@ use fine_settler::{
     shard::ShardSpec,
     store::Db,
 };
-use fine_settler::{config::Engine, store::ledger_writes::LedgerWrites};
 use sqlx::PgPool;
 
 use crate::helpers::{
@@ -32,7 +32,7 @@ async fn accrual(pool: &PgPool, policy: FinePolicy) -> Accrual {
         isolation_budget: Duration::from_secs(5),
         lock_timeout: Duration::from_secs(2),
         scope: Default::default(),
-        writes: LedgerWrites::new(Engine::Postgresql),
+        writes: LedgerWrites::new(crate::helpers::engine(pool)),
     }
 }
 
@@ -86,21 +86,30 @@ async fn mixed_loans(pool: &PgPool, day: NaiveDate) {
 }
 
 async fn block_charges(pool: &PgPool, ids: &[i64]) {
-    sqlx::raw_sql(
+    let table = if crate::helpers::citus::is_test_db(pool) {
+        // A reference table: the trigger reads it on every worker.
         "create table if not exists blocked (id bigint primary key);
-         create or replace function reject_blocked() returns trigger language plpgsql as $$
-         begin
-             if exists (select 1 from blocked where id = new.loan_id) then
-                 raise exception 'charge rejected for loan %', new.loan_id;
-             end if;
-             return new;
-         end $$;
-         drop trigger if exists reject_blocked on fine_ledger;
-         create trigger reject_blocked before insert on fine_ledger for each row execute function reject_blocked();",
+         select create_reference_table('blocked')
+         where not exists (select 1 from citus_tables where table_name = 'blocked'::regclass)"
+    } else {
+        "create table if not exists blocked (id bigint primary key)"
+    };
+    crate::helpers::ddl(
+        pool,
+        &[
+            table,
+            "create or replace function reject_blocked() returns trigger language plpgsql as $$
+             begin
+                 if exists (select 1 from blocked where id = new.loan_id) then
+                     raise exception 'charge rejected for loan %', new.loan_id;
+                 end if;
+                 return new;
+             end $$",
+            "drop trigger if exists reject_blocked on fine_ledger",
+            "create trigger reject_blocked before insert on fine_ledger for each row execute function reject_blocked()",
+        ],
     )
-    .execute(pool)
-    .await
-    .expect("blocking trigger");
+    .await;
     for id in ids {
         sqlx::query("insert into blocked values ($1) on conflict do nothing")
             .bind(id)
@@ -110,6 +119,7 @@ async fn block_charges(pool: &PgPool, ids: &[i64]) {
     }
 }
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_run_a_concurrent_duplicate_and_a_forced_rerun_leave_one_ledger(pool: PgPool) {
     let day = past_day();
@@ -151,10 +161,13 @@ async fn a_run_a_concurrent_duplicate_and_a_forced_rerun_leave_one_ledger(pool: 
     );
     assert_eq!(ledger(&pool).await, first, "the forced rerun changed nothing");
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn rejected_charges_wait_in_pending_and_are_compensated_exactly_once(pool: PgPool) {
     rejected_charges_compensated_once(&pool, db(&pool)).await;
+}
 }
 
 /// Charges rejected by a trigger during a run (through `jobs`) wait in `fine_pending` and a compensation pass
@@ -250,6 +263,7 @@ pub(crate) async fn rejected_charges_compensated_once(pool: &PgPool, jobs: Db) {
     assert_eq!(left, 0);
 }
 
+crate::each_engine! {
 /// A retry that only waits too long for the loan's lock (a peer's batch holds it) is no attempt: however many
 /// such retries a busy server sees, the charge stays PENDING with its attempts — each wait twice the last, up to
 /// the backoff's maximum — and is charged once the lock is let go. (Each used to count: on a loaded machine,
@@ -324,7 +338,9 @@ async fn a_retry_that_waits_too_long_for_the_loans_lock_spends_no_attempt(pool: 
     assert_eq!(left, 0);
     assert_eq!(ledger(&pool).await.len(), 1, "charged once");
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_charge_that_keeps_failing_goes_dead_with_growing_capped_backoff(pool: PgPool) {
     let day = d("2026-10-10");
@@ -395,7 +411,9 @@ async fn a_charge_that_keeps_failing_goes_dead_with_growing_capped_backoff(pool:
     );
     assert_eq!(ledger(&pool).await, vec![(1, day, 100), (2, day, 100)]);
 }
+}
 
+crate::each_engine! {
 /// `accrual.max_attempts = N` is N attempts in all, the batch's own failed charge being the first: with 1 a queued
 /// charge is DEAD at the first pass without being tried again; with 2 it is tried once more.
 #[sqlx::test(fixtures("default_policy"))]
@@ -431,7 +449,9 @@ async fn max_attempts_counts_every_attempt_the_batchs_charge_included(pool: PgPo
         );
     }
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_killed_accrual_is_taken_over_and_charges_every_loan_once(pool: PgPool) {
     let day = past_day();
@@ -484,7 +504,9 @@ async fn a_killed_accrual_is_taken_over_and_charges_every_loan_once(pool: PgPool
         (1..=300).collect::<Vec<_>>()
     );
 }
+}
 
+crate::each_engine! {
 /// Which loans a day charges, at the edges: due the day before (charged) or on the day (not yet), returned on
 /// the day (charged) or the day before (not); grace days are free; and with a cap, the charge that reaches it is
 /// partial and nothing is charged after it.
@@ -565,7 +587,9 @@ async fn accrual_edges_grace_and_cap(pool: PgPool) {
          10-10 is its 7th owed day (from 10-04), past the cap, so nothing is owed for it whatever was charged"
     );
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn the_cap_is_reached_mid_month_and_nothing_more_is_charged(pool: PgPool) {
     insert(&pool, &[loan(1, "2026-10-01", None)]).await;
@@ -587,7 +611,9 @@ async fn the_cap_is_reached_mid_month_and_nothing_more_is_charged(pool: PgPool) 
         ]
     );
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_month_of_accrual_reconciles_with_its_settlement(pool: PgPool) {
     let loans: Vec<_> = fine_settler::demo::loans(fine_settler::demo::DemoSpec {
@@ -675,6 +701,7 @@ async fn a_month_of_accrual_reconciles_with_its_settlement(pool: PgPool) {
     assert_eq!(bad.status.code(), Some(3));
     assert_eq!(report(&bad)["audit"]["ledger_mismatches"].as_i64(), Some(1));
 }
+}
 
 /// Loan 1, overdue on a past day, with that day's charge queued in `fine_pending` to be retried `after` (an SQL
 /// interval) from now; the day.
@@ -697,6 +724,7 @@ async fn queue_one_charge(pool: &PgPool, after: &str) -> NaiveDate {
     day
 }
 
+crate::each_engine! {
 /// `pending retry` stops before its next charge once its shutdown token is cancelled (the command line cancels it
 /// on SIGINT/SIGTERM), says so and exits 1; run to its end, it charges the queue and says nothing of it.
 #[sqlx::test(fixtures("default_policy"))]
@@ -743,7 +771,9 @@ async fn a_cancelled_pending_retry_stops_before_its_next_charge(pool: PgPool) {
         (false, 0, 0)
     );
 }
+}
 
+crate::each_engine! {
 /// A second SIGINT ends `pending retry` at once (exit 1), even while a charge waits on the server: the first asks
 /// it to stop between two charges, and an operator who presses Ctrl-C again is not kept waiting.
 #[sqlx::test(fixtures("default_policy"))]
@@ -757,13 +787,7 @@ async fn a_second_sigint_ends_pending_retry_at_once(pool: PgPool) {
     let mut child = spawn(&mut cmd);
     let log = crate::helpers::StderrLog::collect(&mut child);
     wait_until("the charge waiting in the slow trigger", Duration::from_secs(20), || async {
-        sqlx::query_scalar::<_, i64>(
-            "select count(*) from pg_stat_activity where datname = current_database() and wait_event = 'PgSleep'",
-        )
-        .fetch_one(&pool)
-        .await
-        .expect("activity")
-            > 0
+        crate::helpers::sleeping(&pool, "%").await > 0
     })
     .await;
     crate::helpers::signal(&child, "INT");
@@ -777,6 +801,7 @@ async fn a_second_sigint_ends_pending_retry_at_once(pool: PgPool) {
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("second shutdown signal"), "{err}");
     assert!(ledger(&pool).await.is_empty(), "nothing charged");
+}
 }
 
 /// A cap (so that a batch locks each loan), and `times` as many open loans due on `due_on` (an SQL expression) as
@@ -803,6 +828,7 @@ async fn more_loans_than_the_lock_table(pool: &PgPool, due_on: &str, times: i64)
     loans
 }
 
+crate::each_engine! {
 /// A batch size whose loan locks (one per loan with a cap) do not fit in the server's lock table is cut to a
 /// quarter of the table: the day is accrued whole, in more batches, and the log says why. Before, every attempt
 /// of the run failed with "out of shared memory" — and filled the table libraryd shares meanwhile.
@@ -859,7 +885,9 @@ async fn a_batch_too_big_for_the_servers_lock_table_is_cut_to_fit(pool: PgPool) 
     );
     assert!(log.contains(r#""batches_at_once":2"#), "{log}");
 }
+}
 
+crate::each_engine! {
 /// The same cut in a replica: its accrual runs use batches that fit its share of the server's lock table (the
 /// fleet's replicas, one per shard, accrue at once: here shard 0 of 2; read once, at its first accrual run), and
 /// yesterday is accrued whole for its shard.
@@ -904,4 +932,5 @@ async fn a_replicas_batches_too_big_for_the_servers_lock_table_are_cut_to_fit(po
         1,
         "warned once: {log}"
     );
+}
 }

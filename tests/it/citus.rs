@@ -14,6 +14,7 @@ use std::process::Output;
 
 use sqlx::{postgres::PgPoolOptions, PgPool};
 
+pub(crate) use crate::helpers::CitusDb;
 use crate::helpers::{assert_success, fine_settler, output, report};
 
 /// `fine-settler migrate` with `database.engine = engine` against `url`.
@@ -40,84 +41,7 @@ async fn the_citus_engine_on_a_server_without_citus_is_refused_before_writing(po
     assert!(!written, "the migrations table was created");
 }
 
-/// A database of its own on the Citus cluster, with the extension on every node and the workers added.
-struct CitusDb {
-    admin: PgPool,
-    name: String,
-    url: String,
-    pool: PgPool,
-    /// The workers' URLs for this database.
-    workers: Vec<String>,
-}
-
 impl CitusDb {
-    async fn new(tag: &str) -> CitusDb {
-        let coordinator = std::env::var("FINE_SETTLER_CITUS_URL")
-            .expect("FINE_SETTLER_CITUS_URL (run the Citus tests with scripts/test.sh --citus)");
-        let (base, _) = coordinator.rsplit_once('/').expect("a database path");
-        let port: u16 = base
-            .rsplit_once(':')
-            .and_then(|(_, p)| p.parse().ok())
-            .expect("a port");
-        let name = format!("citus_{tag}_{}", std::process::id());
-        let admin = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&format!("{base}/postgres?sslmode=disable"))
-            .await
-            .expect("connect to the coordinator");
-        sqlx::query(&format!("drop database if exists {name} with (force)"))
-            .execute(&admin)
-            .await
-            .expect("a statement on the cluster");
-        sqlx::query(&format!("create database {name}"))
-            .execute(&admin)
-            .await
-            .expect("a statement on the cluster");
-        let url = format!("{base}/{name}?sslmode=disable");
-        let pool = PgPoolOptions::new()
-            .max_connections(2)
-            .connect(&url)
-            .await
-            .expect("a statement on the cluster");
-        let workers = [port + 1, port + 2];
-        sqlx::raw_sql("create extension citus")
-            .execute(&pool)
-            .await
-            .expect("a statement on the cluster");
-        sqlx::query(
-            "select master_run_on_worker(array['127.0.0.1', '127.0.0.1'], array[$1, $2],
-                    array['create extension if not exists citus', 'create extension if not exists citus'], true)",
-        )
-        .bind(i32::from(workers[0]))
-        .bind(i32::from(workers[1]))
-        .execute(&pool)
-        .await
-        .expect("a statement on the cluster");
-        sqlx::query("select citus_set_coordinator_host('127.0.0.1', $1)")
-            .bind(i32::from(port))
-            .execute(&pool)
-            .await
-            .expect("a statement on the cluster");
-        for w in workers {
-            sqlx::query("select citus_add_node('127.0.0.1', $1)")
-                .bind(i32::from(w))
-                .execute(&pool)
-                .await
-                .expect("a statement on the cluster");
-        }
-        let host = base.rsplit_once(':').expect("a port").0;
-        CitusDb {
-            admin,
-            workers: workers
-                .iter()
-                .map(|w| format!("{host}:{w}/{name}?sslmode=disable"))
-                .collect(),
-            name,
-            url,
-            pool,
-        }
-    }
-
     /// libraryd's `loans` (its own columns only), with `n` loans, one in two returned.
     async fn libraryd_loans(&self, n: i64) {
         sqlx::raw_sql(
@@ -149,14 +73,6 @@ impl CitusDb {
         .fetch_all(&self.pool)
         .await
         .expect("a statement on the cluster")
-    }
-
-    async fn drop(self) {
-        self.pool.close().await;
-        sqlx::query(&format!("drop database if exists {} with (force)", self.name))
-            .execute(&self.admin)
-            .await
-            .expect("a statement on the cluster");
     }
 }
 

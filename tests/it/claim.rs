@@ -34,13 +34,16 @@ async fn expire_lease(pool: &PgPool) {
         .expect("expire");
 }
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn first_insert_wins_and_the_second_skips(pool: PgPool) {
     assert_eq!(won(&pool, "a", false).await, Some((1, ClaimKind::Inserted)));
     assert_eq!(won(&pool, "b", false).await, None);
     assert_eq!(status(&pool).await, ("RUNNING".into(), "a".into(), 1));
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_live_running_key_is_skipped_even_by_force(pool: PgPool) {
     won(&pool, "a", false).await;
@@ -57,7 +60,9 @@ async fn a_live_running_key_is_skipped_even_by_force(pool: PgPool) {
         other => panic!("a live owner was displaced: {other:?}"),
     }
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn an_expired_running_key_is_taken_over_with_the_next_epoch(pool: PgPool) {
     won(&pool, "a", false).await;
@@ -89,7 +94,9 @@ async fn an_expired_running_key_is_taken_over_with_the_next_epoch(pool: PgPool) 
     .await
     .expect("finish"));
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_failed_key_is_taken_over_at_once(pool: PgPool) {
     won(&pool, "a", false).await;
@@ -112,7 +119,9 @@ async fn a_failed_key_is_taken_over_at_once(pool: PgPool) {
         .expect("row");
     assert_eq!(last_error, None, "a takeover clears the previous error");
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn success_is_skipped_unless_forced_and_force_resets_the_cursor(pool: PgPool) {
     won(&pool, "a", false).await;
@@ -146,7 +155,9 @@ async fn success_is_skipped_unless_forced_and_force_resets_the_cursor(pool: PgPo
         .expect("row");
     assert_eq!(counters, (0, 0));
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_takeover_resumes_from_the_stored_cursor(pool: PgPool) {
     won(&pool, "a", false).await;
@@ -163,7 +174,9 @@ async fn a_takeover_resumes_from_the_stored_cursor(pool: PgPool) {
         other => panic!("{other:?}"),
     }
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn keys_differ_by_shard_count(pool: PgPool) {
     for (shard, shards) in [(0, 3), (0, 4), (1, 4)] {
@@ -182,7 +195,9 @@ async fn keys_differ_by_shard_count(pool: PgPool) {
         }
     }
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn sixteen_concurrent_claimers_get_exactly_one_winner(pool: PgPool) {
     let wide = PgPoolOptions::new()
@@ -222,7 +237,9 @@ async fn sixteen_concurrent_claimers_get_exactly_one_winner(pool: PgPool) {
         .expect("n");
     assert_eq!(attempts, 1, "only the winner appears in the history");
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn every_transition_appends_history(pool: PgPool) {
     let k = key("2026-10-31", 0, 1);
@@ -272,7 +289,9 @@ async fn every_transition_appends_history(pool: PgPool) {
         ]
     );
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn old_attempt_history_is_pruned_in_batches_and_job_runs_are_kept(pool: PgPool) {
     won(&pool, "a", false).await;
@@ -305,7 +324,9 @@ async fn old_attempt_history_is_pruned_in_batches_and_job_runs_are_kept(pool: Pg
     assert_eq!(left, vec!["a".to_string()], "recent history stays");
     assert_eq!(status(&pool).await.0, "RUNNING", "job_runs rows are never pruned");
 }
+}
 
+crate::each_engine! {
 /// The finish is retried after a connection error; when the first attempt had committed (its reply lost with
 /// the connection), the retry finds the key already SUCCESS under its own epoch: that is finished, not a lost
 /// lease, and the history gets no second row.
@@ -374,7 +395,9 @@ async fn a_retried_finish_that_already_committed_counts_as_finished(pool: PgPool
     .await
     .expect("finish"));
 }
+}
 
+crate::each_engine! {
 /// The fence renews the lease from the moment it runs: a batch that took most of the batch timeout leaves its
 /// owner a whole lease, not the lease minus the batch.
 #[sqlx::test(fixtures("default_policy"))]
@@ -417,7 +440,9 @@ async fn the_fence_renews_the_lease_from_the_moment_it_runs(pool: PgPool) {
         "the renewed lease has {left:.3} s left, not 2 s - 1.5 s"
     );
 }
+}
 
+crate::each_engine! {
 /// The tick's action for a key (`KeyState::action`, from the row the tick status read) and the claim agree on
 /// every state a row can be in: a free claim wins exactly the keys a tick would claim or take over, and a
 /// re-open exactly the late SUCCESS ones.
@@ -511,7 +536,9 @@ async fn the_tick_s_action_and_the_claim_agree_on_every_state(pool: PgPool) {
         );
     }
 }
+}
 
+crate::each_engine! {
 /// After a failover the promoted standby may lack the run's last batches and their cursor: the run's next fence
 /// and its SUCCESS must not pass there, or the run would go on after (or end at) a cursor whose rows the server
 /// never settled. A FAILED ending is recorded whatever the cursor (the takeover resumes from the server's).
@@ -574,7 +601,9 @@ async fn the_fence_and_a_success_pass_only_at_the_cursor_the_run_last_committed(
     .expect("finish"));
     assert_eq!(status(&pool).await.0, "FAILED");
 }
+}
 
+crate::each_engine! {
 /// A standby promoted before it replayed a run's claim can give the same epoch, at the same cursor, to another
 /// replica. The run still holding its old claim must not pass that replica's fence, renew its lease or finish its
 /// key: the fence, the renewal and the finish name the owner too. Here the other replica's claim is written over
@@ -636,4 +665,5 @@ async fn a_run_is_fenced_out_of_its_epoch_held_by_another_owner(pool: PgPool) {
         fine_settler::store::job_runs::Fence::Lost
     );
     assert_eq!(status(&pool).await, ("RUNNING".into(), "b".into(), 1));
+}
 }

@@ -44,9 +44,11 @@ async fn assert_every_month_settled_once(pool: &PgPool, months: &[NaiveDate]) {
     assert_eq!(max_updates_per_loan(pool).await, 1, "no loan was updated twice");
 }
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn three_replicas_settle_every_missed_month_and_stop_cleanly(pool: PgPool) {
     three_replicas_catch_up(&pool, &Via::direct(&pool)).await;
+}
 }
 
 /// Three replicas reaching the database `via` settle the three missed months (every shard's key, every loan
@@ -81,6 +83,7 @@ pub(crate) async fn three_replicas_catch_up(pool: &PgPool, via: &Via) {
     assert_every_month_settled_once(&pool, &months).await;
 }
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn sigterm_mid_run_hands_the_key_back_and_a_restarted_replica_finishes_it(pool: PgPool) {
     install_update_audit(&pool).await;
@@ -145,7 +148,9 @@ async fn sigterm_mid_run_hands_the_key_back_and_a_restarted_replica_finishes_it(
     );
     assert_every_month_settled_once(&pool, &months).await;
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_second_signal_exits_at_once(pool: PgPool) {
     let months = due_now(&pool, 1).await;
@@ -168,15 +173,8 @@ async fn a_second_signal_exits_at_once(pool: PgPool) {
     ];
     let mut replica = daemon(&url, 0, 1, &extra);
     let stderr = StderrLog::collect(&mut replica);
-    // pg_stat_activity shows the whole server: only this test's database counts.
-    let in_flight = "select count(*) from pg_stat_activity
-                     where datname = current_database() and wait_event = 'PgSleep'
-                       and application_name like 'fine-settler run%'";
     wait_until("the first batch in flight", Duration::from_secs(30), || async {
-        sqlx::query_scalar::<_, i64>(in_flight)
-            .fetch_one(&pool)
-            .await
-            .is_ok_and(|n| n > 0)
+        crate::helpers::sleeping(&pool, "fine-settler run%").await > 0
     })
     .await;
     let started = tokio::time::Instant::now();
@@ -197,7 +195,9 @@ async fn a_second_signal_exits_at_once(pool: PgPool) {
     );
     assert!(stderr.contains("second shutdown signal"), "{stderr}");
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn an_invalid_shard_exits_2_with_one_line(pool: PgPool) {
     let url = database_url(&pool);
@@ -233,7 +233,9 @@ async fn an_invalid_shard_exits_2_with_one_line(pool: PgPool) {
         .expect("count");
     assert_eq!(runs, 0);
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn the_shard_comes_from_the_statefulset_pod(pool: PgPool) {
     let months = due_now(&pool, 1).await;
@@ -252,6 +254,7 @@ async fn the_shard_comes_from_the_statefulset_pod(pool: PgPool) {
             .await
             .expect("key");
     assert_eq!(key, (months[0], 3, 2, "SUCCESS".to_string()));
+}
 }
 
 #[tokio::test]
@@ -417,6 +420,7 @@ async fn an_idle_tick_is_one_statement() {
     assert_eq!(calls, 1, "an idle tick is one statement: {statements:?}");
 }
 
+crate::each_engine! {
 /// One tick of a replica with accrual on retries the shard's due pending charge first, then runs the accrual
 /// for each of the last seven days: the pending charge reaches the ledger before the tick claims its first key.
 #[sqlx::test(fixtures("default_policy"))]
@@ -490,7 +494,9 @@ async fn a_tick_compensates_first_then_accrues_the_last_seven_days(pool: PgPool)
          first claim at {first_claim}"
     );
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn plan_shows_what_a_tick_would_claim_and_writes_nothing(pool: PgPool) {
     let url = database_url(&pool);
@@ -585,6 +591,7 @@ async fn plan_shows_what_a_tick_would_claim_and_writes_nothing(pool: PgPool) {
         "fine-settlement 2019-12-31 SUCCESS skip"
     );
 }
+}
 
 /// GET `path` from a local listener; (status, body). Retries while the listener is not up yet.
 pub(crate) async fn http_get(port: u16, path: &str) -> (u16, String) {
@@ -614,6 +621,7 @@ pub(crate) async fn http_get(port: u16, path: &str) -> (u16, String) {
     }
 }
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn probes_and_metrics_are_served_by_a_running_replica(pool: PgPool) {
     let months = due_now(&pool, 1).await;
@@ -664,6 +672,7 @@ async fn probes_and_metrics_are_served_by_a_running_replica(pool: PgPool) {
         "no unbounded labels"
     );
     assert_eq!(stop(replica).await.0, Some(0));
+}
 }
 
 #[sqlx::test(migrations = false)]
@@ -725,6 +734,7 @@ async fn readiness_at_start_waits_for_the_work_loop_not_only_for_the_database(po
     drop(log);
 }
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_replica_whose_log_reader_went_away_still_stops_on_sigterm(pool: PgPool) {
     let url = database_url(&pool);
@@ -738,7 +748,9 @@ async fn a_replica_whose_log_reader_went_away_still_stops_on_sigterm(pool: PgPoo
     let (code, _) = stop(replica).await;
     assert_eq!(code, Some(0));
 }
+}
 
+crate::each_engine! {
 /// A key held by an owner that died is taken over within the same pass once its lease runs out, not only at the
 /// next tick: the older month is held (lease ending in 2 s) when the pass reaches it, the newer month takes 4 s,
 /// then the pass comes back to the older one and takes it over.
@@ -767,14 +779,18 @@ async fn a_pass_comes_back_to_a_key_whose_lease_ran_out_meanwhile(pool: PgPool) 
     )
     .await;
     // Only the newer month's updates are slow: ten of them, 0.4 s each, in one batch.
-    sqlx::raw_sql(&format!(
+    let function = format!(
         "create function slow_newer() returns trigger language plpgsql as $$
-         begin if new.returned_on > date '{older}' then perform pg_sleep(0.4); end if; return new; end $$;
-         create trigger slow_newer before update on loans for each row execute function slow_newer();"
-    ))
-    .execute(&pool)
-    .await
-    .expect("slow trigger");
+         begin if new.returned_on > date '{older}' then perform pg_sleep(0.4); end if; return new; end $$"
+    );
+    crate::helpers::ddl(
+        &pool,
+        &[
+            &function,
+            "create trigger slow_newer before update on loans for each row execute function slow_newer()",
+        ],
+    )
+    .await;
 
     let mut cmd = fine_settler(&database_url(&pool));
     cmd.env("FINE_SETTLER__SETTLEMENT__CATCH_UP_MONTHS", "2")
@@ -806,4 +822,5 @@ async fn a_pass_comes_back_to_a_key_whose_lease_ran_out_meanwhile(pool: PgPool) 
         ]
     );
     assert_every_month_settled_once(&pool, &[older, newer]).await;
+}
 }

@@ -5,6 +5,7 @@
 use std::{collections::BTreeMap, time::Duration};
 
 use chrono::NaiveDate;
+use fine_settler::store::ledger_writes::LedgerWrites;
 use fine_settler::{
     backoff::Backoff,
     fine::FinePolicy,
@@ -18,7 +19,6 @@ use fine_settler::{
         ledger::{self, Scope},
     },
 };
-use fine_settler::{config::Engine, store::ledger_writes::LedgerWrites};
 use sqlx::PgPool;
 
 use crate::helpers::{d, db, insert, loan, runner};
@@ -32,7 +32,7 @@ async fn accrual(pool: &PgPool, policy: FinePolicy) -> Accrual {
         isolation_budget: Duration::from_secs(5),
         lock_timeout: Duration::from_secs(2),
         scope: Scope::Full,
-        writes: LedgerWrites::new(Engine::Postgresql),
+        writes: LedgerWrites::new(crate::helpers::engine(pool)),
     }
 }
 
@@ -114,6 +114,7 @@ async fn run_days(pool: &PgPool, job: &Accrual, days: &[NaiveDate]) {
     }
 }
 
+crate::each_engine! {
 /// Ascending, descending, all days at once, and two shard counts at once: every order of runs leaves, row for
 /// row, the ledger one sequential run leaves — each day at its canonical amount — with a cap that most loans
 /// reach inside the window.
@@ -160,7 +161,9 @@ async fn every_order_of_runs_leaves_the_ledger_of_one_sequential_run(pool: PgPoo
         .expect("count");
     assert_eq!(corrections, 0, "nothing changed, nothing corrected");
 }
+}
 
+crate::each_engine! {
 /// Changes libraryd makes after days were charged: a return back-dated before them, a due date moved later, a
 /// due date moved earlier (more days owed, and the cap reached sooner), a return removed. Re-running the days
 /// appends corrections — never updating a charge — after which the net ledger is what is owed; running them
@@ -249,7 +252,9 @@ async fn corrections_bring_changed_loans_to_what_is_owed_once(pool: PgPool) {
         "11-05 and 11-06 (50 cents: it reaches the cap of 450) again"
     );
 }
+}
 
+crate::each_engine! {
 /// Two runs correcting the same day at the same time (the day under one shard count and under two, whose keys
 /// are different) write each correction once: the second finds its number taken.
 #[sqlx::test(fixtures("default_policy"))]
@@ -292,7 +297,9 @@ async fn concurrent_runs_correct_each_day_once(pool: PgPool) {
         assert!(left.keys().all(|(_, day)| *day == d("2026-11-02")));
     }
 }
+}
 
+crate::each_engine! {
 /// The re-check reads only the loans libraryd changed: it finds the days a changed loan needs, a run of those
 /// days in the changed scope corrects them, and the next re-check clears the queue. A loan libraryd deleted is
 /// reported, never corrected.
@@ -360,7 +367,9 @@ async fn the_recheck_finds_the_changed_loans_and_clears_them_once_corrected(pool
         .expect("count");
     assert_eq!(kept, 7, "the deleted loan's ledger stays as charged");
 }
+}
 
+crate::each_engine! {
 /// `backfill --dry-run`'s count is what the run then writes, cap included: every day of a range counted up front
 /// (as the dry run does, before anything runs), then the days run newest first — charges, and, after libraryd
 /// back-dates returns, corrections.
@@ -387,6 +396,7 @@ async fn the_dry_run_counts_what_the_run_writes(pool: PgPool) {
         corrections > 50,
         "the back-dated returns were corrected: {corrections}"
     );
+}
 }
 
 /// The dry run's (charges, corrections) of each day, counted before any of them runs.
@@ -505,6 +515,7 @@ fn net_of(rows: &[(i64, NaiveDate, i64)]) -> BTreeMap<(i64, NaiveDate), i64> {
     rows.iter().map(|(l, day, a)| ((*l, *day), *a)).collect()
 }
 
+crate::each_engine! {
 /// A charge priced from a loan's row before libraryd changed it, committed after a re-check found the changed loan
 /// as owed: the change stays queued until a second re-check (at least a batch's time later) finds it owed too, so
 /// the stale charge is seen and corrected instead of forgotten.
@@ -541,7 +552,9 @@ async fn a_charge_in_flight_when_the_loan_changes_is_not_forgotten(pool: PgPool)
     assert_eq!(second.days, [d("2026-12-05")], "{second:?}");
     assert_eq!(second.dirty, 1, "{second:?}");
 }
+}
 
+crate::each_engine! {
 /// A due date moved earlier on a loan that reached its cap days ago, found only after the re-check let the loan go
 /// (its days in the window were already as owed): one pass over the older days, oldest first, as `backfill
 /// --reprocess all` runs them, still leaves every day as owed — the run of a new day that does not fit under the
@@ -585,7 +598,9 @@ async fn one_pass_after_a_due_date_moved_earlier_leaves_every_day_as_owed(pool: 
         .expect("total");
     assert_eq!(total, 1000);
 }
+}
 
+crate::each_engine! {
 /// A loan whose class libraryd changes between runs to one with another policy (the rate doubled, the cap
 /// lowered) never gets a negative correction on a day it now owes more, never goes over the new cap, and one
 /// pass leaves every day as the new policy prices it.
@@ -629,7 +644,9 @@ async fn a_changed_class_never_corrects_an_owed_day_downwards(pool: PgPool) {
     assert_eq!(wrong, 0, "the days now owing 200 were never corrected downwards");
     assert_eq!(net(&pool).await, owed(&pool, &after, &window).await);
 }
+}
 
+crate::each_engine! {
 /// A pending charge whose day no longer fits under the cap because later days hold more than they owe (the due
 /// date moved earlier while it waited) is not written off as "not owed": the retry leaves it to the re-check,
 /// queueing the loan, and the run of its day relieves the later days and charges it.
@@ -677,7 +694,9 @@ async fn a_pending_charge_held_back_by_the_cap_is_left_to_the_recheck(pool: PgPo
     let window = days("2026-01-01", "2026-01-11");
     assert_eq!(net(&pool).await, owed(&pool, &policy, &window).await);
 }
+}
 
+crate::each_engine! {
 /// Under a cap a batch locks its loans (their sums guard the cap). A loan whose lock another transaction holds past
 /// `claim.lock_timeout` is left out: the rest of the batch is charged and corrected and the run succeeds; the
 /// left-out charge is queued for compensation and the left-out correction for the re-check, each done once the
@@ -759,7 +778,9 @@ async fn a_loan_locked_past_the_lock_timeout_is_left_out_and_queued_not_a_failed
         "every day as owed once the lock is let go"
     );
 }
+}
 
+crate::each_engine! {
 /// A loan left out of its batch (another transaction held it past `claim.lock_timeout`) whose day libraryd made
 /// not owed while the batch waited (its return back-dated before the day) is not queued: there is nothing to
 /// charge, and the queue holds only positive amounts — queued with nothing, it failed the whole run.
@@ -802,4 +823,5 @@ async fn a_left_out_loan_owing_nothing_by_then_is_not_queued_and_the_run_succeed
         .expect("pending");
     assert_eq!(pending, 0, "nothing to charge is not queued");
     peer.rollback().await.expect("let go");
+}
 }

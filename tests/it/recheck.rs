@@ -23,6 +23,7 @@ async fn count(pool: &PgPool, sql: &str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.expect(sql)
 }
 
+crate::each_engine! {
 /// A return recorded late and back-dated before days the replica already charged: the re-check finds the loan
 /// among libraryd's changes, re-opens those days, and their runs append `returned` corrections; the net ledger is
 /// then what is owed, and the metric counts them.
@@ -97,7 +98,9 @@ async fn a_replica_corrects_a_back_dated_return_by_itself(pool: PgPool) {
     assert_eq!(code, Some(0), "{stderr}");
     assert!(stderr.contains("accrual re-check: days to re-open"), "{stderr}");
 }
+}
 
+crate::each_engine! {
 /// The re-check cannot complete (its tables are locked by another session) while last month waits to be
 /// settled: the replica settles it anyway, counts and logs the failed re-check once as its own episode (not as a
 /// database outage), and stays live. Before the re-check had its own step, the accrual's re-open question was part
@@ -170,4 +173,5 @@ async fn a_re_check_that_cannot_complete_never_stops_the_tick(pool: PgPool) {
         "logged once per episode: {stderr}"
     );
     assert!(!stderr.contains("database unreachable"), "{stderr}");
+}
 }

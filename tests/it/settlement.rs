@@ -29,6 +29,7 @@ async fn demo_loans(pool: &PgPool, n: u64) {
     insert(pool, &loans).await;
 }
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_run_settles_the_month_and_reruns_change_nothing(pool: PgPool) {
     install_update_audit(&pool).await;
@@ -60,10 +61,13 @@ async fn a_run_settles_the_month_and_reruns_change_nothing(pool: PgPool) {
     assert_eq!(settled(&pool, "2026-10-31").await, (expected_n, expected_total));
     assert_eq!(max_updates_per_loan(&pool).await, 1);
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn three_shards_twice_each_concurrently_then_rerun_then_forced(pool: PgPool) {
     three_shards_twice_each(&pool, &Via::direct(&pool)).await;
+}
 }
 
 /// 3 shards × 2 concurrent `settle` processes reaching the database `via`, then a rerun and a forced rerun: the
@@ -170,6 +174,7 @@ pub(crate) async fn three_shards_twice_each(pool: &PgPool, via: &Via) {
     );
 }
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn the_seeds_zero_fine_trap_reworks_nothing(pool: PgPool) {
     install_update_audit(&pool).await;
@@ -196,7 +201,9 @@ async fn the_seeds_zero_fine_trap_reworks_nothing(pool: PgPool) {
     assert_eq!(max_updates_per_loan(&pool).await, 1);
     assert_eq!(settled(&pool, "2026-10-31").await, (50, 10 * 300));
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn resharding_from_three_to_four_settles_every_row(pool: PgPool) {
     install_update_audit(&pool).await;
@@ -227,7 +234,9 @@ async fn resharding_from_three_to_four_settles_every_row(pool: PgPool) {
     assert_eq!(settled(&pool, "2026-10-31").await, expected);
     assert_eq!(max_updates_per_loan(&pool).await, 1);
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn the_business_month_is_first_to_last_day_inclusive(pool: PgPool) {
     insert(
@@ -261,7 +270,9 @@ async fn the_business_month_is_first_to_last_day_inclusive(pool: PgPool) {
         ]
     );
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_january_tick_settles_december(pool: PgPool) {
     insert(
@@ -281,7 +292,9 @@ async fn a_january_tick_settles_december(pool: PgPool) {
         .await;
     assert_eq!((r.outcome, r.scanned, r.updated), (Outcome::Settled, 1, 1));
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn ids_at_the_top_of_the_range_terminate(pool: PgPool) {
     insert(
@@ -302,7 +315,9 @@ async fn ids_at_the_top_of_the_range_terminate(pool: PgPool) {
         .expect("row");
     assert_eq!(cursor, Some(i64::MAX));
 }
+}
 
+crate::each_engine! {
 /// A loan whose due date is not finite (`-infinity`, `infinity`: PostgreSQL stores them, no calendar has them)
 /// is left out: the run settles the rest of the month and succeeds, the key does not re-open for it, and
 /// `verify` names it (exit 3) — as it names one with a non-finite return date, which is in no month. Once the
@@ -396,7 +411,9 @@ async fn a_loan_with_a_date_that_is_not_finite_is_left_out_and_named_by_verify(p
     assert_eq!(out.status.code(), Some(3), "loan 4 is unsettled now");
     assert_eq!(report(&out)["audit"]["not_finite"].as_i64(), Some(0));
 }
+}
 
+crate::each_engine! {
 #[sqlx::test(fixtures("default_policy"))]
 async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(pool: PgPool) {
     install_update_audit(&pool).await;
@@ -482,7 +499,9 @@ async fn a_killed_run_is_taken_over_after_its_lease_and_resumes_from_the_cursor(
     let events: Vec<(i64, &str)> = events.iter().map(|(e, ev)| (*e, ev.as_str())).collect();
     assert_eq!(events, vec![(1, "claimed"), (2, "takeover"), (2, "success")]);
 }
+}
 
+crate::each_engine! {
 /// A policy's fines as settlement writes them, on real loan rows: 60 policies (small, large and maximal daily
 /// rates, grace, with and without a cap), each settling a month of its own through the runner — 200 loans
 /// returned from 1,000 days early to 2,999 days late, and 6 extreme ones. The audit behind `verify` must find no
@@ -598,4 +617,5 @@ async fn settlement_and_the_audit_charge_the_policys_fine_on_random_and_extreme_
         }
     }
     assert_eq!(checked, 60 * 206);
+}
 }

@@ -3,6 +3,7 @@
 //! with streaming standbys as real PostgreSQL servers (in [`cluster`]), and which PostgreSQL programs every
 //! server a test starts runs (in [`postgres`]).
 
+pub mod citus;
 mod cluster;
 mod pgbouncer;
 mod postgres;
@@ -24,6 +25,7 @@ use fine_settler::{
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+pub use citus::CitusDb;
 pub use cluster::Cluster;
 pub use pgbouncer::{PgBouncer, PoolMode};
 pub use postgres::{pg_bin, program};
@@ -108,33 +110,33 @@ pub async fn seed_run(
 
 /// Counts every committed update of each loan row (rolled-back updates roll their count back too).
 pub async fn install_update_audit(pool: &PgPool) {
-    sqlx::raw_sql(
-        r#"create table loan_updates (loan_id bigint primary key, n int not null);
-           create function count_loan_update() returns trigger language plpgsql as $$
+    let table = "create table loan_updates (loan_id bigint primary key, n int not null)";
+    let distribute = "select create_distributed_table('loan_updates', 'loan_id', colocate_with => 'loans')";
+    let function = r#"create function count_loan_update() returns trigger language plpgsql as $$
            begin
                insert into loan_updates values (new.id, 1)
                on conflict (loan_id) do update set n = loan_updates.n + 1;
                return new;
-           end $$;
-           create trigger count_loan_update after update on loans
-               for each row execute function count_loan_update();"#,
-    )
-    .execute(pool)
-    .await
-    .expect("install audit trigger");
+           end $$"#;
+    let trigger = "create trigger count_loan_update after update on loans
+               for each row execute function count_loan_update()";
+    if citus::is_test_db(pool) {
+        ddl(pool, &[table, distribute, function, trigger]).await;
+    } else {
+        ddl(pool, &[table, function, trigger]).await;
+    }
 }
 
 /// Makes every row of `event` (e.g. "update on loans") sleep `seconds_per_row`, so that a process under test is
 /// reliably mid-run when the test acts on it.
 pub async fn slow_down(pool: &PgPool, event: &str, seconds_per_row: f64) {
-    sqlx::raw_sql(&format!(
+    let function = format!(
         "create or replace function slow_down() returns trigger language plpgsql as $$
-         begin perform pg_sleep({seconds_per_row}); return new; end $$;
-         create trigger slow_down before {event} for each row execute function slow_down();"
-    ))
-    .execute(pool)
-    .await
-    .expect("slow trigger");
+         begin perform pg_sleep({seconds_per_row}); return new; end $$"
+    );
+    let trigger =
+        format!("create trigger slow_down before {event} for each row execute function slow_down()");
+    ddl(pool, &[&function, &trigger]).await;
 }
 
 /// The largest number of committed updates any loan received.
@@ -203,9 +205,22 @@ pub fn claim_settings(lock_timeout: Duration) -> ClaimSettings {
 /// The lock wait of in-process test runners.
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The pool as the product's [`Db`] (direct connections).
+/// The engine of the test's database: Citus for a test database on the Citus cluster.
+pub fn engine(pool: &PgPool) -> fine_settler::config::Engine {
+    if citus::is_test_db(pool) {
+        fine_settler::config::Engine::Citus
+    } else {
+        fine_settler::config::Engine::Postgresql
+    }
+}
+
+/// The pool as the product's [`Db`] (direct connections); on a Citus test database, the product's own pool
+/// on it with the Citus engine ([`citus::jobs_db`]).
 pub fn db(pool: &PgPool) -> Db {
-    Db::from(pool.clone())
+    match pool.connect_options().get_database() {
+        Some(name) if citus::is_citus(name) => citus::jobs_db(name),
+        _ => Db::from(pool.clone()),
+    }
 }
 
 /// A runner on `db` (see [`runner`]).
@@ -229,15 +244,19 @@ pub fn runner(pool: &PgPool, owner: &str, batch_size: u32) -> Runner {
     )
 }
 
-/// The URL of the test's own database on the server named by DATABASE_URL.
+/// The URL of the test's own database on the server named by DATABASE_URL (or on the Citus cluster's
+/// coordinator, for a Citus test database).
 pub fn database_url(pool: &PgPool) -> String {
-    let server = std::env::var("DATABASE_URL").expect("DATABASE_URL");
-    let (base, _) = server.rsplit_once('/').expect("DATABASE_URL has a database path");
     let db = pool
         .connect_options()
         .get_database()
         .expect("test pool has a database")
         .to_string();
+    if citus::is_citus(&db) {
+        return citus::url_of(&db);
+    }
+    let server = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let (base, _) = server.rsplit_once('/').expect("DATABASE_URL has a database path");
     format!("{base}/{db}")
 }
 
@@ -306,11 +325,51 @@ pub async fn set_policy(pool: &PgPool, policy: fine_settler::fine::FinePolicy) {
     .await;
 }
 
+/// Runs `statements` (a test's own tables, functions and triggers) one at a time, each its own transaction: on a
+/// Citus test database a `create trigger` on a distributed table is sent to the workers as the text received,
+/// and Citus refuses a text of several commands. (Triggers on distributed tables fire on each shard, so a test's
+/// must touch nothing but its own shard and the colocated ones.)
+pub async fn ddl(pool: &PgPool, statements: &[&str]) {
+    for statement in statements {
+        sqlx::raw_sql(statement)
+            .execute(pool)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+}
+
+/// How many of the test database's sessions are asleep in `pg_sleep` (a slow trigger) for a session whose
+/// application name is like `application`: on a Citus test database, a worker's session asleep for a
+/// coordinator session of that name (the same distributed transaction: `citus_stat_activity`'s global pid).
+pub async fn sleeping(pool: &PgPool, application: &str) -> i64 {
+    let sql = if citus::is_test_db(pool) {
+        "select count(*) from citus_stat_activity w
+         where w.datname = current_database() and w.wait_event = 'PgSleep'
+           and exists (select 1 from citus_stat_activity c
+                       where c.global_pid = w.global_pid and c.application_name like $1)"
+    } else {
+        "select count(*) from pg_stat_activity
+         where datname = current_database() and wait_event = 'PgSleep' and application_name like $1"
+    };
+    sqlx::query_scalar(sql)
+        .bind(application)
+        .fetch_one(pool)
+        .await
+        .expect("the server's sessions")
+}
+
 /// Runs `sql` (inserts of policy versions a test needs, back-dated ones included) with triggers off: the table's
 /// insert trigger accepts only versions that take effect from today on, which a test of loans due in the past
 /// cannot use.
 pub async fn add_versions(pool: &PgPool, sql: &str) {
     let mut tx = pool.begin().await.expect("begin");
+    if citus::is_test_db(pool) {
+        // The copies of a reference table are written on every node: the setting goes with the transaction.
+        sqlx::query("set local citus.propagate_set_commands = 'local'")
+            .execute(&mut *tx)
+            .await
+            .expect("propagate the settings");
+    }
     sqlx::query("set local session_replication_role = replica")
         .execute(&mut *tx)
         .await

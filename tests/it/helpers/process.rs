@@ -10,7 +10,8 @@ use std::{
     time::Duration,
 };
 
-/// The real binary, pointed at `url`, with no configuration inherited from the environment.
+/// The real binary, pointed at `url`, with no configuration inherited from the environment (and
+/// `database.engine = "citus"` when `url` names a test database on the Citus cluster: [`super::citus`]).
 pub fn fine_settler(url: &str) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_fine-settler"));
     for (k, _) in std::env::vars() {
@@ -21,6 +22,10 @@ pub fn fine_settler(url: &str) -> Command {
     cmd.env("DATABASE_URL", url)
         .env("FINE_SETTLER__LOG__LEVEL", "info")
         .stdin(Stdio::null());
+    let database = url.split('?').next().and_then(|u| u.rsplit('/').next());
+    if database.is_some_and(super::citus::is_citus) {
+        cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus");
+    }
     cmd
 }
 
