@@ -3,7 +3,7 @@
 
 use std::{process::Stdio, time::Duration};
 
-use chrono::NaiveDate;
+use chrono::{DateTime, NaiveDate, Utc};
 use fine_settler::store::ledger_writes::LedgerWrites;
 use fine_settler::{
     backoff::Backoff,
@@ -58,6 +58,34 @@ async fn ledger(pool: &PgPool) -> Vec<(i64, NaiveDate, i64)> {
 }
 
 /// Oracle in plain SQL: the loans overdue on `day` under grace 0.
+/// Moves the compensation queue's clock: each row's `(updated_at, next_attempt_at)` becomes `to(now, updated_at,
+/// next_attempt_at)`. Computed here and written as values: Citus refuses a timestamp's arithmetic on a column
+/// (a stable operator) in an update of a distributed table.
+async fn move_queue_clock<F>(pool: &PgPool, to: F)
+where
+    F: Fn(DateTime<Utc>, DateTime<Utc>, DateTime<Utc>) -> (DateTime<Utc>, DateTime<Utc>),
+{
+    type Row = (i64, NaiveDate, DateTime<Utc>, DateTime<Utc>, DateTime<Utc>);
+    let rows: Vec<Row> =
+        sqlx::query_as("select loan_id, accrual_date, updated_at, next_attempt_at, now() from fine_pending")
+            .fetch_all(pool)
+            .await
+            .expect("the queue");
+    for (loan, day, updated, next, now) in rows {
+        let (updated, next) = to(now, updated, next);
+        sqlx::query(
+            "update fine_pending set updated_at = $3, next_attempt_at = $4 where loan_id = $1 and accrual_date = $2",
+        )
+        .bind(loan)
+        .bind(day)
+        .bind(updated)
+        .bind(next)
+        .execute(pool)
+        .await
+        .expect("move the queue's clock");
+    }
+}
+
 async fn overdue_on(pool: &PgPool, day: NaiveDate) -> Vec<i64> {
     sqlx::query_scalar(
         "select id from loans where due_on < $1 and (returned_on is null or returned_on >= $1) order by id",
@@ -151,9 +179,12 @@ async fn a_run_a_concurrent_duplicate_and_a_forced_rerun_leave_one_ledger(pool: 
 
     let forced = output(accrue(&["--force"]));
     let forced = report(&forced);
+    // A run's `scanned` counts the loans its batches looked at: on PostgreSQL those found to have work, on Citus
+    // every loan that may have some, unpriced — the day's charged loans among them (docs/citus.md).
+    let looked_at = if crate::helpers::citus::is_test_db(&pool) { expected.len() as i64 } else { 0 };
     assert_eq!(
-        (forced["outcome"].as_str(), forced["scanned"].as_i64()),
-        (Some("settled"), Some(0))
+        (forced["outcome"].as_str(), forced["scanned"].as_i64(), forced["updated"].as_i64()),
+        (Some("settled"), Some(looked_at), Some(0))
     );
     assert_eq!(
         (forced["pending"].as_i64(), forced["dead"].as_i64()),
@@ -208,11 +239,17 @@ pub(crate) async fn rejected_charges_compensated_once(pool: &PgPool, jobs: Db) {
             .all(|p| p.1 == "PENDING" && p.2 == 1 && p.3.contains("charge rejected")),
         "{pending:?}"
     );
-    // A rerun does not charge them behind the queue's back.
+    // A rerun does not charge them behind the queue's back (on Citus it looks at the day's charged loans again:
+    // its batches are unpriced).
     let forced = runner_on(jobs.clone(), "b", 25)
         .run(&job, day_key(day, 0, 1), true)
         .await;
-    assert_eq!(forced.scanned, 0);
+    let looked_at = if crate::helpers::citus::is_test_db(&pool) {
+        run.updated
+    } else {
+        0
+    };
+    assert_eq!((forced.scanned, forced.updated), (looked_at, 0));
 
     sqlx::query("delete from blocked")
         .execute(&pool)
@@ -235,13 +272,8 @@ pub(crate) async fn rejected_charges_compensated_once(pool: &PgPool, jobs: Db) {
     .expect("delays");
     assert!(delays.iter().all(|ms| (ms - 60_000.0).abs() < 1.0), "{delays:?}");
     // A minute later (the queue's times moved back by one).
-    sqlx::query(
-        "update fine_pending set next_attempt_at = next_attempt_at - interval '60 seconds',
-                                 updated_at = updated_at - interval '60 seconds'",
-    )
-    .execute(&pool)
-    .await
-    .expect("a minute passes");
+    let minute = chrono::Duration::seconds(60);
+    move_queue_clock(&pool, |_, updated, next| (updated - minute, next - minute)).await;
     let done = compensate(&jobs, &job, Some(ShardSpec::SINGLE), true, 10)
         .await
         .expect("pass");
@@ -301,10 +333,7 @@ async fn a_retry_that_waits_too_long_for_the_loans_lock_spends_no_attempt(pool: 
     );
     // The time of the next attempt comes (the row's clock moved back by what was left of its wait).
     let due = || async {
-        sqlx::query("update fine_pending set updated_at = updated_at - (next_attempt_at - now()), next_attempt_at = now()")
-            .execute(&pool)
-            .await
-            .expect("make due");
+        move_queue_clock(&pool, |now, updated, next| (updated - (next - now), now)).await;
     };
 
     // A peer's batch holds the loan's lock through four retries, with two attempts allowed in all.
@@ -601,7 +630,10 @@ async fn the_cap_is_reached_mid_month_and_nothing_more_is_charged(pool: PgPool) 
             .await;
         per_day.push((r.scanned, r.updated));
     }
-    assert_eq!(per_day, vec![(1, 1), (1, 1), (1, 1), (0, 0), (0, 0)]);
+    // Past the cap the loan owes nothing: PostgreSQL's batches find no work; Citus's look at the loan (it may
+    // have some: the batches are unpriced) and charge it nothing.
+    let past_cap = if crate::helpers::citus::is_test_db(&pool) { (1, 0) } else { (0, 0) };
+    assert_eq!(per_day, vec![(1, 1), (1, 1), (1, 1), past_cap, past_cap]);
     assert_eq!(
         ledger(&pool).await,
         vec![
@@ -734,8 +766,15 @@ async fn a_cancelled_pending_retry_stops_before_its_next_charge(pool: PgPool) {
 
     // Not due for hours: only a retry-now pass takes it.
     let day = queue_one_charge(&pool, "1 hour").await;
-    let env: std::collections::HashMap<String, String> =
-        [("DATABASE_URL".to_string(), database_url(&pool))].into();
+    let engine = match crate::helpers::engine(&pool) {
+        fine_settler::config::Engine::Citus => "citus",
+        fine_settler::config::Engine::Postgresql => "postgresql",
+    };
+    let env: std::collections::HashMap<String, String> = [
+        ("DATABASE_URL".to_string(), database_url(&pool)),
+        ("FINE_SETTLER__DATABASE__ENGINE".to_string(), engine.to_string()),
+    ]
+    .into();
     let settings = fine_settler::config::load(None, &env)
         .and_then(|raw| raw.validate(&env))
         .expect("valid settings");

@@ -20,7 +20,7 @@ use fine_settler::{
         Db,
     },
 };
-use sqlx::{pool::PoolConnection, postgres::PgPoolOptions, PgConnection, PgPool, Postgres};
+use sqlx::{postgres::PgPoolOptions, Connection, PgConnection, PgPool};
 use tokio::sync::Notify;
 
 use crate::helpers::{
@@ -228,55 +228,81 @@ const GATE_KEY: i64 = 0x6761_7465;
 
 /// Holds every update of a loan row at a gate until the test opens it: a trigger takes a shared advisory lock
 /// that the gate's own session holds exclusively. A batch transaction stopped at the gate has fetched its loans
-/// and started writing them, and has not reached its fence.
+/// and started writing them, and has not reached its fence. On Citus the trigger fires on the workers, where
+/// advisory locks are the workers' own: the gate is held there, by a session on each worker.
 struct Gate {
-    holder: PoolConnection<Postgres>,
+    holders: Vec<PgConnection>,
+    /// The servers the trigger runs on (this test database's URL on each).
+    nodes: Vec<String>,
 }
 
 impl Gate {
     async fn close(pool: &PgPool) -> Gate {
-        sqlx::raw_sql(&format!(
-            "create function wait_at_gate() returns trigger language plpgsql as $$
-             begin perform pg_advisory_xact_lock_shared({GATE_KEY}); return new; end $$;
-             create trigger wait_at_gate before update on loans for each row execute function wait_at_gate();"
-        ))
-        .execute(pool)
-        .await
-        .expect("gate trigger");
-        let mut holder = pool.acquire().await.expect("gate connection");
-        sqlx::query("select pg_advisory_lock($1)")
-            .bind(GATE_KEY)
-            .execute(&mut *holder)
-            .await
-            .expect("close the gate");
-        Gate { holder }
+        crate::helpers::ddl(
+            pool,
+            &[
+                &format!(
+                    "create function wait_at_gate() returns trigger language plpgsql as $$
+                     begin perform pg_advisory_xact_lock_shared({GATE_KEY}); return new; end $$"
+                ),
+                "create trigger wait_at_gate before update on loans for each row execute function wait_at_gate()",
+            ],
+        )
+        .await;
+        let nodes = if crate::helpers::citus::is_test_db(pool) {
+            crate::helpers::citus::worker_urls(pool)
+        } else {
+            vec![crate::helpers::database_url(pool)]
+        };
+        let mut holders = Vec::new();
+        for node in &nodes {
+            let mut holder = PgConnection::connect(node).await.expect("gate connection");
+            sqlx::query("select pg_advisory_lock($1)")
+                .bind(GATE_KEY)
+                .execute(&mut holder)
+                .await
+                .expect("close the gate");
+            holders.push(holder);
+        }
+        Gate { holders, nodes }
     }
 
     /// Waits (at most 30 s) until some transaction waits at the gate.
-    async fn wait_for_a_writer(&self, pool: &PgPool) {
+    async fn wait_for_a_writer(&self) {
         // pg_locks shows the whole server: only this test's database counts.
         let waiting = "select count(*) from pg_locks
                        where locktype = 'advisory' and objid::bigint = $1 and not granted
                          and database = (select oid from pg_database where datname = current_database())";
         wait_until("a loan update at the gate", Duration::from_secs(30), || async {
-            sqlx::query_scalar::<_, i64>(waiting)
-                .bind(GATE_KEY)
-                .fetch_one(pool)
-                .await
-                .is_ok_and(|n| n > 0)
+            for node in &self.nodes {
+                let Ok(mut conn) = PgConnection::connect(node).await else {
+                    continue;
+                };
+                let n = sqlx::query_scalar::<_, i64>(waiting)
+                    .bind(GATE_KEY)
+                    .fetch_one(&mut conn)
+                    .await;
+                if n.is_ok_and(|n| n > 0) {
+                    return true;
+                }
+            }
+            false
         })
         .await;
     }
 
     async fn open(mut self) {
-        sqlx::query("select pg_advisory_unlock($1)")
-            .bind(GATE_KEY)
-            .execute(&mut *self.holder)
-            .await
-            .expect("open the gate");
+        for holder in &mut self.holders {
+            sqlx::query("select pg_advisory_unlock($1)")
+                .bind(GATE_KEY)
+                .execute(&mut *holder)
+                .await
+                .expect("open the gate");
+        }
     }
 }
 
+crate::each_engine! {
 /// The fence inside a real batch of `Runner::run`: while the batch transaction is writing its loans, an
 /// operator releases the claim and a peer takes the key over. The runner's own fence, the batch's last
 /// statement, then matches nothing: the batch's loan writes roll back, nothing is settled, and the run reports
@@ -296,7 +322,7 @@ async fn a_batch_whose_claim_is_taken_over_while_it_writes_rolls_back(pool: PgPo
         let settlement = Settlement;
         async move { replica.run(&settlement, k, false).await }
     });
-    gate.wait_for_a_writer(&pool).await;
+    gate.wait_for_a_writer().await;
     let released = job_runs::release(&db(&pool), &k, "operator", "looked stuck")
         .await
         .expect("release")
@@ -356,6 +382,7 @@ async fn a_batch_whose_claim_is_taken_over_while_it_writes_rolls_back(pool: PgPo
             (1, "lease_lost")
         ]
     );
+}
 }
 
 #[sqlx::test(fixtures("default_policy"))]

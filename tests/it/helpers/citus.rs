@@ -33,6 +33,24 @@ pub fn is_test_db(pool: &PgPool) -> bool {
     pool.connect_options().get_database().is_some_and(is_citus)
 }
 
+/// The URLs of the Citus test database of `pool` on each worker (`scripts/citus.sh` puts them on the two
+/// ports after the coordinator's).
+pub fn worker_urls(pool: &PgPool) -> Vec<String> {
+    let name = pool
+        .connect_options()
+        .get_database()
+        .expect("a database")
+        .to_string();
+    let coordinator = coordinator();
+    let (base, _) = coordinator.rsplit_once('/').expect("a database path");
+    let (host, port) = base.rsplit_once(':').expect("a port");
+    let port: u16 = port.parse().expect("a port");
+    [port + 1, port + 2]
+        .iter()
+        .map(|w| format!("{host}:{w}/{name}?sslmode=disable"))
+        .collect()
+}
+
 /// The URL of the test database `name` on the coordinator.
 pub fn url_of(name: &str) -> String {
     let coordinator = coordinator();
