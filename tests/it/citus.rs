@@ -216,7 +216,7 @@ async fn the_triggers_work_on_the_shards_and_on_every_copy_of_a_reference_table(
     assert_eq!(queued, vec![7]);
     // The calendar's numbering runs on every copy, each numbering itself.
     let mut cmd = fine_settler(&db.url);
-    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus").args([
+    cmd.args([
         "calendar",
         "close",
         "--from",
@@ -229,7 +229,7 @@ async fn the_triggers_work_on_the_shards_and_on_every_copy_of_a_reference_table(
     let out = output(cmd);
     assert_success(&out);
     let mut cmd = fine_settler(&db.url);
-    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus").args([
+    cmd.args([
         "calendar",
         "close",
         "--from",
@@ -366,12 +366,11 @@ async fn a_loans_table_with_triggers_of_its_own_is_left_for_the_operator_to_dist
     db.drop().await;
 }
 
-/// `fine-settler ARGS` with `database.engine = "citus"` and small batches against `url`: its report.
+/// `fine-settler ARGS` with small batches against the Citus test database `url` (`database.engine = "citus"`,
+/// as [`fine_settler`] gives it there): its report.
 fn run_citus(url: &str, args: &[&str]) -> serde_json::Value {
     let mut cmd = fine_settler(url);
-    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus")
-        .env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "100")
-        .args(args);
+    cmd.env("FINE_SETTLER__SETTLEMENT__BATCH_SIZE", "100").args(args);
     let out = output(cmd);
     assert_success(&out);
     report(&out)
@@ -432,8 +431,7 @@ async fn a_loan_libraryd_holds_locked_is_settled_around_then_by_the_reopen() {
     let run = |url: String| {
         tokio::task::spawn_blocking(move || {
             let mut cmd = fine_settler(&url);
-            cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus")
-                .env("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "10s")
+            cmd.env("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "10s")
                 .env("FINE_SETTLER__CLAIM__LOCK_TIMEOUT", "500ms")
                 .args(["settle", "--business-date", "2026-10-31"]);
             let out = output(cmd);

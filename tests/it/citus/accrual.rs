@@ -11,16 +11,9 @@ use crate::helpers::{
     assert_success, daemon, exit_of, fine_settler, free_port, output, report, signal, wait_until,
 };
 
-/// `fine-settler` against `url` with `database.engine = "citus"`.
-fn on_citus(url: &str) -> std::process::Command {
-    let mut cmd = fine_settler(url);
-    cmd.env("FINE_SETTLER__DATABASE__ENGINE", "citus");
-    cmd
-}
-
 /// `fine-settler accrue --date day` on Citus, in batches of 50.
 fn accrue(url: &str, day: &str) -> serde_json::Value {
-    let mut cmd = on_citus(url);
+    let mut cmd = fine_settler(url);
     cmd.env("FINE_SETTLER__ACCRUAL__BATCH_SIZE", "50")
         .args(["accrue", "--date", day]);
     let out = output(cmd);
@@ -48,7 +41,7 @@ async fn accrue_charges_under_the_cap_corrects_a_back_dated_return_and_relieves_
     let db = CitusDb::new("accrue").await;
     // Due 2026-10-10, one in two returned 2026-10-20; 100 cents a day up to 300 (the seeded default policy).
     db.libraryd_loans(200).await;
-    let mut cmd = on_citus(&db.url);
+    let mut cmd = fine_settler(&db.url);
     cmd.env("FINE_SETTLER__FINE__CAP_CENTS", "300").arg("migrate");
     assert_success(&output(cmd));
     for day in ["2026-10-11", "2026-10-12", "2026-10-13", "2026-10-14"] {
@@ -91,7 +84,7 @@ async fn accrue_charges_under_the_cap_corrects_a_back_dated_return_and_relieves_
     .expect("the corrections");
     assert_eq!(returned, (100, Some(-10_000)));
     // `runs` shows each key's corrections.
-    let mut cmd = on_citus(&db.url);
+    let mut cmd = fine_settler(&db.url);
     cmd.args([
         "runs",
         "--job",
@@ -132,7 +125,7 @@ async fn accrue_charges_under_the_cap_corrects_a_back_dated_return_and_relieves_
         "the loan's days as one run in order leaves them, at the cap"
     );
     // A second pass over the days finds nothing to do.
-    let mut cmd = on_citus(&db.url);
+    let mut cmd = fine_settler(&db.url);
     cmd.args([
         "backfill",
         "--job",
@@ -171,7 +164,6 @@ async fn the_daemon_accrues_its_window_and_reopens_the_days_its_recheck_finds() 
         0,
         1,
         &[
-            ("FINE_SETTLER__DATABASE__ENGINE", "citus"),
             ("FINE_SETTLER__HTTP__LISTEN", &listen),
             ("FINE_SETTLER__TIME__ZONE", "UTC"),
             // Citus's batches take longer than the helper's one-second timeout allows.
@@ -251,7 +243,6 @@ async fn a_killed_replica_and_a_crashed_worker_leave_the_ledger_as_one_clean_run
     db.libraryd_loans(2000).await;
     assert_success(&migrate(&db.url, "citus"));
     let env = [
-        ("FINE_SETTLER__DATABASE__ENGINE", "citus"),
         ("FINE_SETTLER__TIME__ZONE", "UTC"),
         ("FINE_SETTLER__CLAIM__LEASE", "6s"),
         ("FINE_SETTLER__CLAIM__BATCH_TIMEOUT", "5s"),
@@ -331,7 +322,7 @@ async fn a_locked_loan_owing_nothing_that_day_is_left_out_without_being_queued()
     let db = CitusDb::new("grace").await;
     // Due 2026-10-10 with ten days' grace: on the 15th every open loan is overdue and owes nothing.
     db.libraryd_loans(20).await;
-    let mut cmd = on_citus(&db.url);
+    let mut cmd = fine_settler(&db.url);
     cmd.env("FINE_SETTLER__FINE__CAP_CENTS", "1000")
         .env("FINE_SETTLER__FINE__GRACE_DAYS", "10")
         .arg("migrate");
@@ -342,7 +333,7 @@ async fn a_locked_loan_owing_nothing_that_day_is_left_out_without_being_queued()
         .execute(&mut *holder)
         .await
         .expect("hold the loan's lock");
-    let mut cmd = on_citus(&db.url);
+    let mut cmd = fine_settler(&db.url);
     cmd.env("FINE_SETTLER__CLAIM__LOCK_TIMEOUT", "300ms")
         .args(["accrue", "--date", "2026-10-15"]);
     let out = output(cmd);

@@ -76,28 +76,13 @@ async fn a_settled_month(url: &str, engine: &str) {
     assert_success(&output(cmd));
     // A back-dated version (the policy trigger accepts only versions from today on: off for this insert, on every
     // copy of the reference table on Citus).
-    let mut tx = pool.begin().await.expect("begin");
-    if engine == "citus" {
-        sqlx::query("set local citus.propagate_set_commands = local")
-            .execute(&mut *tx)
-            .await
-            .expect("propagate");
-    }
-    // (One statement at a time: Citus sends a text of several to the workers as it is, where the table's name
-    // is not its copy.)
-    sqlx::query("set local session_replication_role = replica")
-        .execute(&mut *tx)
-        .await
-        .expect("triggers off");
-    sqlx::query(
+    crate::helpers::add_versions(
+        &pool,
         "insert into fine_policies (fine_class, effective_from, daily_rate_cents, grace_days, cap_cents,
                                     charge_closed_days, reason)
          values ('adult', '2026-01-01', 50, 0, 0, true, 'test')",
     )
-    .execute(&mut *tx)
-    .await
-    .expect("the adult class's policy");
-    tx.commit().await.expect("commit");
+    .await;
     sqlx::raw_sql(
         "update loans set fine_class = case when id % 7 = 0 then 'adult' when id % 13 = 0 then 'adlut' end;
          insert into library_closed_days (day, reason) values ('2026-10-25', 'inventory');",
@@ -187,7 +172,8 @@ async fn what_verify_must_find(url: &str) {
 async fn verify_audits_a_month_on_citus_as_on_postgresql_and_finds_what_was_done_by_hand() {
     let db = CitusDb::new("verify").await;
     // The same month on a plain database of the coordinator's server, with PostgreSQL's statements.
-    let plain = format!("{}_pg", db.name);
+    // (Not named `citus_…`: the helpers would take it for a Citus one.)
+    let plain = format!("pg_{}", db.name);
     sqlx::query(&format!("drop database if exists {plain} with (force)"))
         .execute(&db.admin)
         .await

@@ -228,7 +228,7 @@ pub fn engine(pool: &PgPool) -> fine_settler::config::Engine {
 /// on it with the Citus engine ([`citus::jobs_db`]).
 pub fn db(pool: &PgPool) -> Db {
     match pool.connect_options().get_database() {
-        Some(name) if citus::is_citus(name) => citus::jobs_db(name),
+        Some(name) if citus::is_test_db(pool) => citus::jobs_db(name),
         _ => Db::from(pool.clone()),
     }
 }
