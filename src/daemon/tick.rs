@@ -199,7 +199,7 @@ impl Daemon {
                 shard,
             };
             self.runner(self.settings.settlement.batch_size)
-                .run_as(&Settlement, key, mode)
+                .run_as(&Settlement::new(), key, mode)
                 .await
         }
     }

@@ -331,7 +331,7 @@ pub(super) enum Job {
 impl Job {
     pub(super) fn of(settings: &Settings, name: JobName) -> Self {
         match name {
-            JobName::FineSettlement => Job::Settlement(Settlement),
+            JobName::FineSettlement => Job::Settlement(Settlement::new()),
             JobName::OverdueAccrual => Job::Accrual(Accrual::from_settings(settings)),
         }
     }

@@ -170,7 +170,7 @@ pub async fn settle(settings: &Settings, key: RunKey, options: Options) -> Resul
         Err(NotAdmitted::Refused(refused)) => return Err(refused),
         Err(NotAdmitted::Error(e)) => return Ok(not_started(key, started, e)),
     };
-    let settlement = Settlement;
+    let settlement = Settlement::new();
     let bar = bar_for(settings, &runner, key, options.bars).await;
     let runner = match &bar {
         Some(bar) => runner.with_progress(bar.rows_hook()),

@@ -686,7 +686,7 @@ async fn a_month_of_accrual_reconciles_with_its_settlement(pool: PgPool) {
     }
     assert_eq!(corrected, 30, "three days of each back-dated return");
     let s = runner(&pool, "a", 50)
-        .run(&Settlement, crate::helpers::key("2026-09-30", 0, 1), false)
+        .run(&Settlement::new(), crate::helpers::key("2026-09-30", 0, 1), false)
         .await;
     assert_eq!(s.outcome, Outcome::Settled);
 

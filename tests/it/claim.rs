@@ -619,7 +619,7 @@ async fn a_run_is_fenced_out_of_its_epoch_held_by_another_owner(pool: PgPool) {
     crate::helpers::slow_down(&pool, "update on loans", 0.005).await;
     let k = key("2026-10-31", 0, 1);
     let run = crate::helpers::runner(&pool, "a", 100);
-    let task = tokio::spawn(async move { run.run(&Settlement, k, false).await });
+    let task = tokio::spawn(async move { run.run(&Settlement::new(), k, false).await });
     crate::helpers::wait_until("the claim", Duration::from_secs(10), || async {
         sqlx::query_scalar::<_, i64>("select count(*) from job_runs")
             .fetch_one(&pool)

@@ -81,7 +81,7 @@ async fn the_pace_falls_while_commits_are_slow_and_climbs_back_when_they_are_fas
             max_commit_latency: Some(budget),
             ..ThrottleSettings::default()
         }));
-    let task = tokio::spawn(async move { run.run(&Settlement, k, false).await });
+    let task = tokio::spawn(async move { run.run(&Settlement::new(), k, false).await });
     let rate = || gauge(&metrics, "fine_settler_throttle_rate_rows_per_second");
     // From 2,000 rows/s, halved at most every half second: the floor in about three seconds.
     wait_until("the pace at its floor", Duration::from_secs(60), || async {

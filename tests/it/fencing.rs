@@ -44,7 +44,7 @@ struct PausesBeforeBatch {
 impl PausesBeforeBatch {
     fn new(at: usize) -> Arc<Self> {
         Arc::new(PausesBeforeBatch {
-            inner: Settlement,
+            inner: Settlement::new(),
             at,
             batches: AtomicUsize::new(0),
             reached: Notify::new(),
@@ -319,7 +319,7 @@ async fn a_batch_whose_claim_is_taken_over_while_it_writes_rolls_back(pool: PgPo
 
     let run = tokio::spawn({
         let replica = runner(&pool, "a", 1000);
-        let settlement = Settlement;
+        let settlement = Settlement::new();
         async move { replica.run(&settlement, k, false).await }
     });
     gate.wait_for_a_writer().await;

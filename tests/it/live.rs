@@ -356,7 +356,7 @@ async fn a_row_libraryd_keeps_locked_is_left_for_later_and_settled_once_released
     )
     .await;
     let libraryd = Libraryd::locks(&pool, "select * from loans where id = 12 for update").await;
-    let job = Settlement;
+    let job = Settlement::new();
     let k = key("2026-10-31", 0, 1);
     let first = runner_with_lock_timeout(&pool, "a", 10).run(&job, k, false).await;
     assert_eq!(
@@ -601,7 +601,7 @@ async fn a_pending_charge_for_a_day_no_longer_overdue_is_resolved_and_verify_rep
 
     // Loan 2 was charged up to the 20th before its return on the 15th was recorded: over-accrued.
     let settle = runner(&pool, "s", 10)
-        .run(&Settlement, key("2026-10-31", 0, 1), false)
+        .run(&Settlement::new(), key("2026-10-31", 0, 1), false)
         .await;
     assert_eq!(settle.outcome, Outcome::Settled);
     let mut verify = fine_settler(&database_url(&pool));

@@ -24,8 +24,6 @@ use crate::{
     },
 };
 
-const POLICY: Settlement = Settlement;
-
 /// Loans 1..=n returned the day before `month_end`, three days late.
 async fn returned_in(pool: &PgPool, month_end: NaiveDate, n: i64) {
     let returned = month_end - chrono::Duration::days(1);
@@ -241,7 +239,7 @@ async fn a_run_claimed_before_the_pause_commits_one_batch_and_hands_the_key_back
     .await
     .expect("pause");
     let k = key("2026-10-31", 0, 1);
-    let run = runner(&pool, "r", 10).run(&POLICY, k, false).await;
+    let run = runner(&pool, "r", 10).run(&Settlement::new(), k, false).await;
     assert_eq!(
         (run.outcome, run.scanned, run.detail.as_deref()),
         (Outcome::Failed, 10, Some("paused: audit (by ops)"))
@@ -253,7 +251,7 @@ async fn a_run_claimed_before_the_pause_commits_one_batch_and_hands_the_key_back
     );
     let run = runner(&pool, "r2", 10)
         .ignoring_pauses()
-        .run(&POLICY, k, false)
+        .run(&Settlement::new(), k, false)
         .await;
     assert_eq!(
         (run.outcome, run.scanned, run.epoch),

@@ -146,7 +146,7 @@ async fn every_amount_follows_the_loans_version_and_the_closed_days(pool: PgPool
         assert!(matches!(r.outcome, Outcome::Settled | Outcome::Skipped), "{r:?}");
     }
     let s = runner(&pool, "settle", 7)
-        .run(&Settlement, key("2026-10-31", 0, 1), false)
+        .run(&Settlement::new(), key("2026-10-31", 0, 1), false)
         .await;
     assert_eq!(s.outcome, Outcome::Settled, "{s:?}");
 
@@ -330,7 +330,7 @@ async fn closing_a_day_already_charged_corrects_it_and_opening_it_charges_it_aga
 
     // A settlement key of November exists: a November day can no longer change.
     runner(&pool, "settle", 7)
-        .run(&Settlement, key("2026-11-30", 0, 1), false)
+        .run(&Settlement::new(), key("2026-11-30", 0, 1), false)
         .await;
     let refused = calendar(&["close", "--from", "2026-11-06", "--reason", "late"]);
     assert_eq!(refused.status.code(), Some(2));
@@ -526,7 +526,7 @@ async fn a_calendar_change_and_a_settlement_batch_never_interleave(pool: PgPool)
         let pool = pool.clone();
         async move {
             runner(&pool, "settle", 7)
-                .run(&Settlement, key("2026-11-30", 0, 1), false)
+                .run(&Settlement::new(), key("2026-11-30", 0, 1), false)
                 .await
         }
     });

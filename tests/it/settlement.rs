@@ -16,8 +16,6 @@ use crate::helpers::{
     output, report, runner, settled, settled_outside, sigkill, slow_down, spawn, wait_until, Via,
 };
 
-const POLICY: Settlement = Settlement;
-
 async fn demo_loans(pool: &PgPool, n: u64) {
     let loans: Vec<_> = demo::loans(DemoSpec {
         loans: n,
@@ -38,7 +36,7 @@ async fn a_run_settles_the_month_and_reruns_change_nothing(pool: PgPool) {
     let (expected_n, expected_total) = oracle(&pool, "2026-10-31").await;
     assert!(expected_n > 100 && expected_total > 0);
 
-    let first = runner(&pool, "a", 64).run(&POLICY, k, false).await;
+    let first = runner(&pool, "a", 64).run(&Settlement::new(), k, false).await;
     assert_eq!(
         (first.outcome, first.epoch, first.scanned, first.updated),
         (Outcome::Settled, Some(1), expected_n, expected_n)
@@ -50,10 +48,10 @@ async fn a_run_settles_the_month_and_reruns_change_nothing(pool: PgPool) {
         "loans outside the month are untouched"
     );
 
-    let again = runner(&pool, "b", 64).run(&POLICY, k, false).await;
+    let again = runner(&pool, "b", 64).run(&Settlement::new(), k, false).await;
     assert_eq!(again.outcome, Outcome::Skipped);
 
-    let forced = runner(&pool, "c", 64).run(&POLICY, k, true).await;
+    let forced = runner(&pool, "c", 64).run(&Settlement::new(), k, true).await;
     assert_eq!(
         (forced.outcome, forced.epoch, forced.scanned, forced.updated),
         (Outcome::Settled, Some(2), 0, 0)
@@ -185,7 +183,7 @@ async fn the_seeds_zero_fine_trap_reworks_nothing(pool: PgPool) {
     loans.extend((41..=50).map(|id| loan(id, "2026-10-01", Some("2026-10-04"))));
     insert(&pool, &loans).await;
     let k = key("2026-10-31", 0, 1);
-    let first = runner(&pool, "a", 16).run(&POLICY, k, false).await;
+    let first = runner(&pool, "a", 16).run(&Settlement::new(), k, false).await;
     assert_eq!(first.updated, 50);
 
     // The seed's marker would still select every on-time loan as "unsettled"...
@@ -196,7 +194,7 @@ async fn the_seeds_zero_fine_trap_reworks_nothing(pool: PgPool) {
             .expect("count");
     assert_eq!(by_zero_marker, 40);
     // ...while ours reworks none of them.
-    let forced = runner(&pool, "b", 16).run(&POLICY, k, true).await;
+    let forced = runner(&pool, "b", 16).run(&Settlement::new(), k, true).await;
     assert_eq!((forced.scanned, forced.updated), (0, 0));
     assert_eq!(max_updates_per_loan(&pool).await, 1);
     assert_eq!(settled(&pool, "2026-10-31").await, (50, 10 * 300));
@@ -211,7 +209,7 @@ async fn resharding_from_three_to_four_settles_every_row(pool: PgPool) {
     // Only shards 0 and 1 of 3 ran (a replica was missing); then the deployment moved to 4 shards.
     for shard in [0, 1] {
         let r = runner(&pool, "old", 40)
-            .run(&POLICY, key("2026-10-31", shard, 3), false)
+            .run(&Settlement::new(), key("2026-10-31", shard, 3), false)
             .await;
         assert_eq!(r.outcome, Outcome::Settled);
     }
@@ -221,7 +219,7 @@ async fn resharding_from_three_to_four_settles_every_row(pool: PgPool) {
     let mut second = 0;
     for shard in 0..4 {
         let r = runner(&pool, "new", 40)
-            .run(&POLICY, key("2026-10-31", shard, 4), false)
+            .run(&Settlement::new(), key("2026-10-31", shard, 4), false)
             .await;
         assert_eq!(
             r.outcome,
@@ -251,7 +249,7 @@ async fn the_business_month_is_first_to_last_day_inclusive(pool: PgPool) {
     )
     .await;
     let r = runner(&pool, "a", 10)
-        .run(&POLICY, key("2028-02-29", 0, 1), false)
+        .run(&Settlement::new(), key("2028-02-29", 0, 1), false)
         .await;
     assert_eq!((r.outcome, r.scanned), (Outcome::Settled, 2));
     let fines: Vec<(i64, i64, bool)> =
@@ -288,7 +286,7 @@ async fn a_january_tick_settles_december(pool: PgPool) {
     let business_date = calendar::previous_month_end(calendar::local_date(tick, chrono_tz::Asia::Shanghai));
     assert_eq!(business_date, d("2026-12-31"));
     let r = runner(&pool, "a", 10)
-        .run(&POLICY, key("2026-12-31", 0, 1), false)
+        .run(&Settlement::new(), key("2026-12-31", 0, 1), false)
         .await;
     assert_eq!((r.outcome, r.scanned, r.updated), (Outcome::Settled, 1, 1));
 }
@@ -306,7 +304,7 @@ async fn ids_at_the_top_of_the_range_terminate(pool: PgPool) {
     )
     .await;
     let r = runner(&pool, "a", 1)
-        .run(&POLICY, key("2026-10-31", 0, 1), false)
+        .run(&Settlement::new(), key("2026-10-31", 0, 1), false)
         .await;
     assert_eq!((r.outcome, r.scanned), (Outcome::Settled, 2));
     let cursor: Option<i64> = sqlx::query_scalar("select cursor from job_runs")
@@ -343,14 +341,14 @@ async fn a_loan_with_a_date_that_is_not_finite_is_left_out_and_named_by_verify(p
     .await
     .expect("loans with dates that are not finite");
     let k = key("2026-10-31", 0, 1);
-    let run = runner(&pool, "a", 1).run(&POLICY, k, false).await;
+    let run = runner(&pool, "a", 1).run(&Settlement::new(), k, false).await;
     assert_eq!(
         (run.outcome, run.scanned, run.updated),
         (Outcome::Settled, 2, 2),
         "{run:?}"
     );
     assert_eq!(settled(&pool, "2026-10-31").await, (2, 100 + 200));
-    let again = runner(&pool, "b", 1).run(&POLICY, k, false).await;
+    let again = runner(&pool, "b", 1).run(&Settlement::new(), k, false).await;
     assert_eq!(
         again.outcome,
         Outcome::Skipped,
@@ -577,7 +575,7 @@ async fn settlement_and_the_audit_charge_the_policys_fine_on_random_and_extreme_
 
         crate::helpers::set_policy(&pool, policy).await;
         let run = runner(&pool, "settler", 64)
-            .run(&Settlement, key(&last.to_string(), 0, 1), false)
+            .run(&Settlement::new(), key(&last.to_string(), 0, 1), false)
             .await;
         assert_eq!(
             (run.outcome, run.scanned, run.updated),

@@ -25,8 +25,6 @@ use crate::helpers::{
     db, insert, install_update_audit, key, loan, max_updates_per_loan, oracle, runner, settled,
 };
 
-const POLICY: Settlement = Settlement;
-
 /// `fine_settler_shard_of(id, shards)` in SQL and `shard_of` in Rust agree on generated ids and shard counts
 /// (any i64, 1..=MAX_SHARDS) and on the edges, all sent in one statement.
 #[sqlx::test(fixtures("default_policy"))]
@@ -90,7 +88,7 @@ async fn negative_ids_are_settled_by_exactly_one_shard(pool: PgPool) {
         let spec = ShardSpec::new(shard, 3).expect("shard");
         let owned = (-7..=7).filter(|id| spec.owns(*id)).count() as i64;
         let run = runner(&pool, "a", 2)
-            .run(&POLICY, key("2026-10-31", shard, 3), false)
+            .run(&Settlement::new(), key("2026-10-31", shard, 3), false)
             .await;
         assert_eq!(
             (run.outcome, run.updated),

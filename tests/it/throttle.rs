@@ -22,8 +22,6 @@ use crate::helpers::{
     slow_down, spawn, wait_until, Cluster, StderrLog,
 };
 
-const POLICY: Settlement = Settlement;
-
 /// `n` loans returned in October 2026 (ids from 1), each 5 days late.
 pub(crate) async fn october(pool: &PgPool, n: i64) {
     let loans: Vec<_> = (1..=n)
@@ -104,7 +102,7 @@ async fn a_run_under_a_rows_per_second_cap_takes_at_least_rows_over_cap(pool: Pg
             ..ThrottleSettings::default()
         }));
     let started = Instant::now();
-    let report = run.run(&POLICY, k, false).await;
+    let report = run.run(&Settlement::new(), k, false).await;
     let took = started.elapsed();
     assert_eq!((report.outcome, report.updated), (Outcome::Settled, 2_000));
     assert_eq!(
@@ -170,7 +168,7 @@ async fn batches_shrink_to_the_target_duration_under_a_slow_trigger(pool: PgPool
             batch_duration: Some(Duration::from_millis(100)),
             ..ThrottleSettings::default()
         }))
-        .run(&POLICY, k, false)
+        .run(&Settlement::new(), k, false)
         .await;
     assert_eq!((report.outcome, report.updated), (Outcome::Settled, 1_200));
     let sizes: Vec<i64> = sqlx::query_scalar("select count(*) from batch_rows group by tx order by min(at)")
@@ -772,7 +770,7 @@ async fn an_operator_pause_reaches_a_run_waiting_for_a_lagging_standby() {
         max_replica_lag: Some(Duration::from_secs(1)),
         ..ThrottleSettings::default()
     }));
-    let task = tokio::spawn(async move { run.run(&POLICY, k, false).await });
+    let task = tokio::spawn(async move { run.run(&Settlement::new(), k, false).await });
     // Past a renewal: the wait has outlasted a third of the lease.
     wait_until(
         "the run waits for the standby",

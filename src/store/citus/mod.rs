@@ -27,7 +27,7 @@ use crate::shard::ShardSpec;
 
 /// `ids` (in ascending order) grouped by the Citus shard of `loans` they fall in: each group ascending, the
 /// groups in the order of their first id. The coordinator answers from its metadata; no worker is asked.
-pub async fn by_shard(tx: &mut PgConnection, ids: &[i64]) -> Result<Vec<Vec<i64>>, sqlx::Error> {
+pub async fn by_shard(db: impl sqlx::PgExecutor<'_>, ids: &[i64]) -> Result<Vec<Vec<i64>>, sqlx::Error> {
     if ids.is_empty() {
         return Ok(Vec::new());
     }
@@ -38,23 +38,48 @@ pub async fn by_shard(tx: &mut PgConnection, ids: &[i64]) -> Result<Vec<Vec<i64>
          order by min(id)",
     )
     .bind(ids)
-    .fetch_all(&mut *tx)
+    .fetch_all(db)
     .await
 }
 
+/// How many Citus shards `loans` is split into, from the coordinator's metadata.
+pub async fn loan_shards(db: impl sqlx::PgExecutor<'_>) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("select count(*) from pg_dist_shard where logicalrelid = 'loans'::regclass")
+        .fetch_one(db)
+        .await
+}
+
 /// The settlement's write of a batch's loans of one Citus shard: [`crate::store::loans::settle_range`]'s update
-/// with the range replaced by the list, its conditions and its fine, its rows locked first (`{locking}`: waiting
-/// for them, or skipping those another transaction holds, as [`crate::store::loans::settle_unlocked`] does).
-/// (Not the scalar `fine_settler_loan_fine`, the same expression as a function: Citus refuses a STABLE function
-/// called with the row's columns in an `update` even when it is routed to one shard.)
+/// with the range replaced by the list, its conditions and its fine. (Not the scalar `fine_settler_loan_fine`,
+/// the same expression as a function: Citus refuses a STABLE function called with the row's columns in an
+/// `update` even when it is routed to one shard.)
 const SETTLE_LISTED: &str = "
+    update loans
+    set fine_cents = (select f.fine_cents
+                      from fine_settler_policy_of(loans.fine_class, loans.due_on) p
+                      cross join lateral fine_settler_policy_fine(loans.due_on, loans.returned_on,
+                                                                  p.daily_rate_cents, p.grace_days,
+                                                                  p.cap_cents, p.charge_closed_days) f),
+        fine_settled_at = now()
+    where id = any($3) and fine_settler_shard_of(id, $4) = $5
+      and fine_settled_at is null and returned_on is not null
+      and returned_on between $1 and $2
+      and isfinite(due_on)";
+
+/// [`SETTLE_LISTED`] leaving out the rows another transaction holds locked, as
+/// [`crate::store::loans::settle_unlocked`] does: the rows it can lock first, then their update. The update
+/// joins them back to `loans` by hash (`enable_nestloop` off for the statement's transaction, on the worker
+/// too): in a nested loop each of the batch's rows would look its id up with the whole list again (`id = any`,
+/// which Citus needs in the update's own conditions to send it to one shard) — measured, 960 ms for a batch of
+/// 9,000 loans against 30 ms for the list alone.
+const SETTLE_LISTED_UNLOCKED: &str = "
     with free as (
         select id from loans
         where id = any($3) and fine_settler_shard_of(id, $4) = $5
           and fine_settled_at is null and returned_on is not null
           and returned_on between $1 and $2
           and isfinite(due_on)
-        for no key update {locking}
+        for no key update skip locked
     )
     update loans
     set fine_cents = (select f.fine_cents
@@ -82,12 +107,16 @@ pub async fn settle_listed(
     ids: &[i64],
     locked: Locked,
 ) -> Result<u64, sqlx::Error> {
-    let locking = match locked {
-        Locked::Wait => "",
-        Locked::Skip => "skip locked",
+    let statement = match locked {
+        Locked::Wait => SETTLE_LISTED,
+        Locked::Skip => {
+            sqlx::query("set local enable_nestloop = off")
+                .execute(&mut *tx)
+                .await?;
+            SETTLE_LISTED_UNLOCKED
+        }
     };
-    let statement = SETTLE_LISTED.replace("{locking}", locking);
-    let done = sqlx::query(&statement)
+    let done = sqlx::query(statement)
         .bind(first)
         .bind(last)
         .bind(ids)

@@ -3,6 +3,8 @@
 //! stamp `fine_settled_at`. The business date is the month's last day. A loan whose due date is not
 //! a finite date is left out (see [`crate::store::loans`]) and reported by `verify`.
 
+mod window;
+
 use chrono::NaiveDate;
 use sqlx::{Connection, PgConnection};
 
@@ -24,8 +26,19 @@ use crate::{
 };
 
 /// The settlement job. Its fines come from the database's fine rules (`fine_policies`, `library_closed_days`).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Settlement;
+/// One value serves one run at a time best: on Citus it keeps the run's walk between batches ([`window`]).
+#[derive(Debug, Default)]
+pub struct Settlement {
+    walk: window::ShardWalk,
+}
+
+impl Settlement {
+    pub const fn new() -> Self {
+        Settlement {
+            walk: window::ShardWalk::new(),
+        }
+    }
+}
 
 impl BatchJob for Settlement {
     type Batch = SettleBatch;
@@ -40,7 +53,7 @@ impl BatchJob for Settlement {
         let month = calendar::settlement_month(key.business_date)?;
         Ok(match pool.engine() {
             Engine::Postgresql => loans::next_batch(pool, month, key.shard, from_id, limit).await?,
-            Engine::Citus => loans::next_listed(pool, month, key.shard, from_id, limit).await?,
+            Engine::Citus => self.walk.next(pool, key, month, from_id, limit).await?,
         })
     }
 
@@ -113,7 +126,7 @@ async fn settle(
         };
     }
     let mut updated = 0;
-    for ids in citus::by_shard(tx, &batch.listed).await? {
+    for ids in citus::by_shard(&mut *tx, &batch.listed).await? {
         updated += citus::settle_listed(tx, month, shard, &ids, locked).await?;
     }
     Ok(updated)

@@ -1,0 +1,166 @@
+//! The settlement's walk on Citus: each batch's loans lie in one Citus shard, so its write is one statement on
+//! one worker; and a run that stops inside a window leaves a cursor below which every loan is settled.
+
+use std::sync::Mutex;
+
+use fine_settler::{
+    jobs::{
+        runner::{BatchJob, JobError, Written},
+        settlement::Settlement,
+        Outcome, RunKey,
+    },
+    store::{loans::SettleBatch, Db},
+};
+use sqlx::{PgConnection, PgPool};
+
+use crate::helpers::{citus::on_citus, key, runner};
+
+/// The settlement, recording each batch's loans, and failing the write of batch number `fail_at` (1-based).
+struct Recorded {
+    inner: Settlement,
+    batches: Mutex<Vec<Vec<i64>>>,
+    fail_at: Option<usize>,
+}
+
+impl Recorded {
+    fn new(fail_at: Option<usize>) -> Self {
+        Recorded {
+            inner: Settlement::new(),
+            batches: Mutex::new(Vec::new()),
+            fail_at,
+        }
+    }
+
+    fn batches(&self) -> Vec<Vec<i64>> {
+        self.batches.lock().expect("the batches").clone()
+    }
+}
+
+impl BatchJob for Recorded {
+    type Batch = SettleBatch;
+
+    fn extent(batch: &SettleBatch) -> (i64, i64) {
+        Settlement::extent(batch)
+    }
+
+    async fn fetch(
+        &self,
+        pool: &Db,
+        key: &RunKey,
+        from_id: i64,
+        limit: i64,
+    ) -> Result<Option<SettleBatch>, JobError> {
+        self.inner.fetch(pool, key, from_id, limit).await
+    }
+
+    async fn first_id(&self, pool: &Db, key: &RunKey) -> Result<Option<i64>, JobError> {
+        self.inner.first_id(pool, key).await
+    }
+
+    async fn write(
+        &self,
+        tx: &mut PgConnection,
+        key: &RunKey,
+        epoch: i64,
+        batch: &SettleBatch,
+    ) -> Result<Written, JobError> {
+        let n = {
+            let mut batches = self.batches.lock().expect("the batches");
+            batches.push(batch.listed.clone());
+            batches.len()
+        };
+        if Some(n) == self.fail_at {
+            return Err(JobError::Sql(sqlx::Error::Protocol(
+                "the test stops the run here".into(),
+            )));
+        }
+        self.inner.write(tx, key, epoch, batch).await
+    }
+}
+
+/// How many Citus shards `ids` fall in.
+async fn shards_of(pool: &PgPool, ids: &[i64]) -> i64 {
+    sqlx::query_scalar(
+        "select count(distinct get_shard_id_for_distribution_column('loans', id)) from unnest($1::bigint[]) id",
+    )
+    .bind(ids)
+    .fetch_one(pool)
+    .await
+    .expect("the shards of a batch")
+}
+
+/// Loans returned in the month that are not settled at or below the key's cursor, and the cursor.
+async fn unsettled_below_cursor(pool: &PgPool) -> (Option<i64>, i64) {
+    let cursor: Option<i64> =
+        sqlx::query_scalar("select cursor from job_runs where job_name = 'fine-settlement'")
+            .fetch_one(pool)
+            .await
+            .expect("the key");
+    let below = sqlx::query_scalar(
+        "select count(*) from loans
+         where returned_on between '2026-10-01' and '2026-10-31' and fine_settled_at is null and id <= $1",
+    )
+    .bind(cursor.unwrap_or(-1))
+    .fetch_one(pool)
+    .await
+    .expect("the loans");
+    (cursor, below)
+}
+
+async fn settled(pool: &PgPool) -> (i64, Option<i64>) {
+    sqlx::query_as("select count(*), sum(fine_cents)::bigint from loans where fine_settled_at is not null")
+        .fetch_one(pool)
+        .await
+        .expect("the loans")
+}
+
+/// 600 loans returned in October, ten days late, over the 32 Citus shards of `loans`, in batches of 10: a
+/// window is 320 loans (10 for each Citus shard), so the walk has two. Every batch's loans lie in one Citus
+/// shard. A run stopped at its fifth batch leaves a cursor below which every loan is settled; the run that takes
+/// the key over settles the rest, each loan once.
+#[tokio::test]
+#[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
+async fn each_batch_lies_in_one_citus_shard_and_a_run_stopped_inside_a_window_leaves_a_true_cursor() {
+    on_citus("walk", &[], |pool| async move {
+        sqlx::raw_sql(
+            "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+             select g, g, g, '2026-09-20', '2026-10-10', '2026-10-20' from generate_series(1, 600) g;
+             insert into loans (id, member_id, book_id, borrowed_on, due_on)
+             select g, g, g, '2026-09-20', '2026-10-10' from generate_series(601, 700) g",
+        )
+        .execute(&pool)
+        .await
+        .expect("the loans");
+        let k = key("2026-10-31", 0, 1);
+
+        let stopped = Recorded::new(Some(5));
+        let first = runner(&pool, "a", 10).run(&stopped, k, false).await;
+        assert_eq!(first.outcome, Outcome::Failed, "{first:?}");
+        let (cursor, below) = unsettled_below_cursor(&pool).await;
+        assert_eq!(
+            below, 0,
+            "every loan at or below the cursor {cursor:?} is settled"
+        );
+        let committed: usize = stopped.batches()[..4].iter().map(Vec::len).sum();
+        assert_eq!(settled(&pool).await.0, committed as i64);
+
+        let rest = Recorded::new(None);
+        let second = runner(&pool, "b", 10).run(&rest, k, false).await;
+        assert_eq!(second.outcome, Outcome::Settled, "{second:?}");
+        assert_eq!(second.updated, 600 - committed as i64, "{second:?}");
+        assert_eq!(settled(&pool).await, (600, Some(600 * 1000)));
+
+        let batches: Vec<Vec<i64>> = stopped.batches().into_iter().chain(rest.batches()).collect();
+        for batch in &batches {
+            assert!(!batch.is_empty() && batch.len() <= 10, "{batch:?}");
+            assert_eq!(shards_of(&pool, batch).await, 1, "one Citus shard: {batch:?}");
+        }
+        let mut again: Vec<i64> = rest.batches().concat();
+        again.sort_unstable();
+        assert!(
+            again.windows(2).all(|w| w[0] < w[1]),
+            "no loan in two batches of a run"
+        );
+    })
+    .await;
+}
