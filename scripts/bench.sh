@@ -26,12 +26,20 @@
 #   scripts/bench.sh --impact  the impact section alone (1M loans: settle beside a pgbench load with its defaults,
 #                              throttled, under a commit latency budget, each against a plain writer of its WAL
 #                              rate), merged likewise with its rows of the targets table
+#   scripts/bench.sh --citus   the Citus section alone (the month's settlement of 1M loans on the cluster of
+#                              scripts/citus.sh, which it starts: `settle` with 1 and 2 replicas against the same
+#                              computation as one distributed update), merged likewise; the bench cluster is not used
 #   scripts/bench.sh ARGS...   any fine-settler-bench arguments (see --help)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 cargo build --release --locked --quiet -p fine-settler -p fine-settler-bench
+if [ "${1:-}" = "--citus" ]; then
+  shift
+  citus_url=$(scripts/citus.sh start)
+  exec target/release/fine-settler-bench --citus-only "$citus_url" --merge-into bench/RESULTS.md "$@"
+fi
 DATABASE_URL=${BENCH_DATABASE_URL:-$(scripts/pg.sh start bench)}
 export DATABASE_URL
 # pgbouncer.sh fronts the bench cluster of pg.sh: only when that is the server measured.

@@ -30,6 +30,7 @@ use sqlx::{
 };
 
 mod accrual;
+mod citus;
 mod impact;
 mod indexes;
 mod rules;
@@ -108,7 +109,7 @@ struct Args {
     /// Measure the accrual section alone (no settlement template, no other section).
     #[arg(long)]
     accrual_only: bool,
-    /// With `--accrual-only`, `--rules-only` or `--indexes-only`: put the section into this report in place of its own, keeping
+    /// With `--accrual-only`, `--rules-only`, `--indexes-only`, `--impact-only` or `--citus-only`: put the section into this report in place of its own, keeping
     /// every other section, and say in its header which sections were measured when.
     #[arg(long)]
     merge_into: Option<PathBuf>,
@@ -129,6 +130,17 @@ struct Args {
     /// with all four, none and each left out; what each buys settlement and accrual).
     #[arg(long, conflicts_with_all = ["accrual_only", "rules_only"])]
     indexes_only: bool,
+    /// Measure the Citus section alone on the coordinator at this URL (`scripts/bench.sh --citus` starts the
+    /// cluster of `scripts/citus.sh` and passes its URL): the month's settlement by `settle` (1 and 2 replicas)
+    /// against the same computation as one distributed update.
+    #[arg(long, value_name = "URL", conflicts_with_all = ["accrual_only", "rules_only", "indexes_only"])]
+    citus_only: Option<String>,
+    /// Loans of the Citus section.
+    #[arg(long, default_value_t = 1_000_000)]
+    citus_loans: u64,
+    /// Rounds of the Citus section (each way once a round, the median reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    citus_rounds: u32,
     /// Measure the impact section alone (needs `--pgbench`; a template of `--loans` loans), its rows of the
     /// targets table with it.
     #[arg(long, conflicts_with_all = ["accrual_only", "rules_only", "indexes_only"], requires = "pgbench")]
@@ -854,6 +866,9 @@ async fn measure(bench: &Bench, loans: u64, batch: u32) -> Result<(Run, String),
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Error> {
     let args = Args::parse();
+    if let Some(url) = &args.citus_only {
+        return citus_only(url, &args).await;
+    }
     let server = server_url()?;
     let admin = PgPoolOptions::new()
         .max_connections(2)
@@ -1330,6 +1345,27 @@ async fn main() -> Result<(), Error> {
 }
 
 /// `--rules-only`: the fine rules section alone, printed, and written to `--out` or merged into `--merge-into`.
+/// `--citus-only URL`: the Citus section alone, printed, and written to `--out` or merged into `--merge-into`.
+async fn citus_only(url: &str, args: &Args) -> Result<(), Error> {
+    let section = citus::section(url, args.citus_loans, args.citus_rounds).await?;
+    print!("{section}");
+    if let Some(path) = &args.merge_into {
+        let existing =
+            std::fs::read_to_string(path).map_err(|e| format!("--merge-into {}: {e}", path.display()))?;
+        let measured = citus::measured(
+            &sh("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]),
+            &sh("git", &["rev-parse", "--short", "HEAD"]),
+        );
+        std::fs::write(path, citus::merge(&existing, &section, &measured))?;
+        eprintln!("merged the Citus section into {}", path.display());
+    }
+    if let Some(path) = &args.out {
+        std::fs::write(path, &section)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
 async fn rules_only(bench: &Bench, args: &Args) -> Result<(), Error> {
     let section = bench
         .rules(args.rules_loans, args.rules_rounds, args.batch_size)
