@@ -6,6 +6,7 @@ pub mod backfill;
 pub mod oneshot;
 pub mod runner;
 pub mod settlement;
+pub mod shard_walk;
 pub mod throttle;
 
 use std::fmt;

@@ -75,6 +75,10 @@ pub trait BatchJob: Send + Sync {
     /// The batch's last id (the next cursor) and how many items it holds.
     fn extent(batch: &Self::Batch) -> (i64, i64);
 
+    /// Told once `batch` of the run of `key` committed (its fence passed). By default nothing is kept between
+    /// batches; a walk that hands out batches it listed earlier lets them go here ([`super::shard_walk`]).
+    fn committed(&self, _key: &RunKey, _batch: &Self::Batch) {}
+
     /// Writes the batch inside the batch transaction of the run of `key` under `epoch`, skipping items already
     /// done; says what it wrote.
     fn write(

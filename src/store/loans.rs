@@ -18,7 +18,8 @@ use crate::shard::ShardSpec;
 /// The next batch of a shard's unsettled loans returned in the business month.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SettleBatch {
-    /// The batch covers ids `from_id..=last_id`.
+    /// The batch covers ids `from_id..=last_id`, and leaves the cursor at `last_id` (on Citus, the cursor
+    /// that [`crate::jobs::shard_walk::ShardWalk`] gives the batch, which may be below its loans).
     pub from_id: i64,
     pub last_id: i64,
     /// Loans in the batch.

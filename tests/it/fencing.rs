@@ -68,6 +68,10 @@ impl BatchJob for PausesBeforeBatch {
         Settlement::extent(batch)
     }
 
+    fn committed(&self, key: &RunKey, batch: &SettleBatch) {
+        self.inner.committed(key, batch);
+    }
+
     async fn fetch(
         &self,
         pool: &Db,

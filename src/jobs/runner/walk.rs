@@ -158,12 +158,15 @@ impl Runner {
         };
         Ok(match run.advance(tx, covered).await? {
             Fence::Lost => BatchResult::Fenced,
-            Fence::Passed { paused } => BatchResult::Committed {
-                covered,
-                corrected: written.corrected,
-                paused: paused.filter(|_| !self.ignore_pause),
-                took: began.elapsed(),
-            },
+            Fence::Passed { paused } => {
+                job.committed(&key, &batch);
+                BatchResult::Committed {
+                    covered,
+                    corrected: written.corrected,
+                    paused: paused.filter(|_| !self.ignore_pause),
+                    took: began.elapsed(),
+                }
+            }
         })
     }
 

@@ -43,6 +43,10 @@ impl BatchJob for Recorded {
         Settlement::extent(batch)
     }
 
+    fn committed(&self, key: &RunKey, batch: &SettleBatch) {
+        self.inner.committed(key, batch);
+    }
+
     async fn fetch(
         &self,
         pool: &Db,

@@ -3,8 +3,6 @@
 //! stamp `fine_settled_at`. The business date is the month's last day. A loan whose due date is not
 //! a finite date is left out (see [`crate::store::loans`]) and reported by `verify`.
 
-mod window;
-
 use chrono::NaiveDate;
 use sqlx::{Connection, PgConnection};
 
@@ -12,6 +10,7 @@ use crate::store::Db;
 
 use super::{
     runner::{BatchJob, JobError, Written},
+    shard_walk::ShardWalk,
     RunKey,
 };
 use crate::{
@@ -26,16 +25,16 @@ use crate::{
 };
 
 /// The settlement job. Its fines come from the database's fine rules (`fine_policies`, `library_closed_days`).
-/// One value serves one run at a time best: on Citus it keeps the run's walk between batches ([`window`]).
+/// One value serves one run at a time best: on Citus it keeps the run's walk between batches ([`ShardWalk`]).
 #[derive(Debug, Default)]
 pub struct Settlement {
-    walk: window::ShardWalk,
+    walk: ShardWalk,
 }
 
 impl Settlement {
-    pub const fn new() -> Self {
+    pub fn new() -> Self {
         Settlement {
-            walk: window::ShardWalk::new(),
+            walk: ShardWalk::new(),
         }
     }
 }
@@ -53,7 +52,19 @@ impl BatchJob for Settlement {
         let month = calendar::settlement_month(key.business_date)?;
         Ok(match pool.engine() {
             Engine::Postgresql => loans::next_batch(pool, month, key.shard, from_id, limit).await?,
-            Engine::Citus => self.walk.next(pool, key, month, from_id, limit).await?,
+            Engine::Citus => {
+                let list = |most| async move {
+                    let listed = loans::next_listed(pool, month, key.shard, from_id, most).await?;
+                    Ok(listed.map(|b| b.listed).unwrap_or_default())
+                };
+                let walked = self.walk.next(pool, key, from_id, limit, list).await?;
+                walked.map(|w| SettleBatch {
+                    from_id,
+                    last_id: w.cursor,
+                    count: w.loans.len() as i64,
+                    listed: w.loans,
+                })
+            }
         })
     }
 
@@ -65,6 +76,10 @@ impl BatchJob for Settlement {
 
     fn extent(batch: &SettleBatch) -> (i64, i64) {
         (batch.last_id, batch.count)
+    }
+
+    fn committed(&self, key: &RunKey, batch: &SettleBatch) {
+        self.walk.committed(key, &batch.listed);
     }
 
     async fn late(&self, pool: &Db, key: &RunKey) -> Result<bool, JobError> {
