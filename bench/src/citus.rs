@@ -396,3 +396,35 @@ pub(crate) fn measured(date: &str, commit: &str) -> String {
 pub(crate) fn merge(existing: &str, section: &str, measured: &str) -> String {
     crate::accrual::merge_section(existing, (HEADING, section), (MEASURED, measured))
 }
+
+/// The Citus section of a report and its header line, when it has them.
+pub(crate) fn kept(report: &str) -> Option<(String, String)> {
+    let lines: Vec<&str> = report.lines().collect();
+    let start = lines.iter().position(|l| *l == HEADING)?;
+    let end = lines[start + 1..]
+        .iter()
+        .position(|l| l.starts_with("## "))
+        .map_or(lines.len(), |i| start + 1 + i);
+    let measured = lines.iter().find(|l| l.starts_with(MEASURED))?;
+    Some((lines[start..end].join("\n"), measured.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_report_keeps_the_citus_section_it_had() {
+        let old = "# Settlement benchmark\n\n- commit: a\n- Citus measured: then\n\n## Throughput\n\nold\n\n\
+                   ## Citus\n\nfigures\n\n## Targets\n\nt\n";
+        let new = "# Settlement benchmark\n\n- commit: b\n\n## Throughput\n\nnew\n\n## Targets\n\nu\n";
+        let (section, measured) = kept(old).expect("a Citus section");
+        let merged = merge(new, &section, &measured);
+        assert_eq!(
+            merged,
+            "# Settlement benchmark\n\n- commit: b\n- Citus measured: then\n\n## Throughput\n\nnew\n\n\
+             ## Citus\n\nfigures\n\n## Targets\n\nu\n"
+        );
+        assert_eq!(kept(new), None);
+    }
+}

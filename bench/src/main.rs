@@ -1338,13 +1338,21 @@ async fn main() -> Result<(), Error> {
 
     print!("{r}");
     if let Some(path) = args.out {
+        // The full run does not measure Citus (`--citus-only` does, on its own cluster): a Citus section the
+        // report had stays, with its date.
+        let kept = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|old| citus::kept(&old));
+        let r = match kept {
+            Some((section, measured)) => citus::merge(&r, &section, &measured),
+            None => r,
+        };
         std::fs::write(&path, &r)?;
         eprintln!("wrote {}", path.display());
     }
     Ok(())
 }
 
-/// `--rules-only`: the fine rules section alone, printed, and written to `--out` or merged into `--merge-into`.
 /// `--citus-only URL`: the Citus section alone, printed, and written to `--out` or merged into `--merge-into`.
 async fn citus_only(url: &str, args: &Args) -> Result<(), Error> {
     let section = citus::section(url, args.citus_loans, args.citus_rounds).await?;
@@ -1366,6 +1374,7 @@ async fn citus_only(url: &str, args: &Args) -> Result<(), Error> {
     Ok(())
 }
 
+/// `--rules-only`: the fine rules section alone, printed, and written to `--out` or merged into `--merge-into`.
 async fn rules_only(bench: &Bench, args: &Args) -> Result<(), Error> {
     let section = bench
         .rules(args.rules_loans, args.rules_rounds, args.batch_size)
