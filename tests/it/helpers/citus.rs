@@ -259,3 +259,30 @@ macro_rules! each_engine {
         }
     )*};
 }
+
+/// The port of the coordinator of `scripts/citus.sh`'s cluster (its workers listen on the next two).
+pub fn coordinator_port() -> u16 {
+    let coordinator = coordinator();
+    let (base, _) = coordinator.rsplit_once('/').expect("a database path");
+    base.rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .expect("a port")
+}
+
+/// The folder of the cluster's PostgreSQL programs (`scripts/pg-fetch.sh 18`, which `scripts/citus.sh` runs its
+/// nodes with): a standby of a node must run the same major version, with Citus installed.
+pub fn pg_bin() -> std::path::PathBuf {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pg-fetch.sh");
+    let out = std::process::Command::new(&script)
+        .arg("18")
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && !stdout.trim().is_empty(),
+        "{} 18: {}",
+        script.display(),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    std::path::PathBuf::from(stdout.trim())
+}

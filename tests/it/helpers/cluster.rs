@@ -54,12 +54,14 @@ pub struct Cluster {
     port: u16,
     /// Holds `data/` and the server log `log`.
     dir: TempDir,
+    /// The folder of the server programs it runs.
+    bin: PathBuf,
 }
 
 impl Cluster {
     /// Initialises a fresh primary, starts it and waits until it accepts connections.
     pub async fn primary() -> Cluster {
-        let primary = Cluster::empty("primary");
+        let primary = Cluster::empty("primary", super::free_port(), super::postgres::pg_bin());
         let mut initdb = primary.program("initdb");
         initdb
             .arg("--pgdata")
@@ -83,14 +85,32 @@ impl Cluster {
     /// walreceiver runs with them from the start (a reload reaches the walreceiver some time after
     /// `pg_reload_conf()` returns).
     pub async fn standby_with(&self, settings: &str) -> Cluster {
-        let standby = Cluster::empty("standby");
+        let standby = Cluster::empty("standby", super::free_port(), super::postgres::pg_bin());
+        standby.follow(self.port, settings).await;
+        standby
+    }
+
+    /// A streaming standby, on `port`, of a server this test did not start (a Citus worker): a base backup of
+    /// the server on `primary_port` with the programs of `bin` (its PostgreSQL's), `settings` appended to the
+    /// postgresql.conf it copied; returns once the server shows it `streaming`. Stopped and removed on drop; the
+    /// server it follows is left alone.
+    pub async fn standby_of(primary_port: u16, port: u16, bin: PathBuf, settings: &str) -> Cluster {
+        let standby = Cluster::empty("standby", port, bin);
+        standby.follow(primary_port, settings).await;
+        standby
+    }
+
+    /// Makes this empty server a standby of the server on `primary_port` and starts it (see
+    /// [`Cluster::standby_with`]).
+    async fn follow(&self, primary_port: u16, settings: &str) {
+        let standby = self;
         let mut backup = self.program("pg_basebackup");
         backup
             .arg("--pgdata")
             .arg(standby.data())
             .args([
                 "--host=127.0.0.1",
-                &format!("--port={}", self.port),
+                &format!("--port={primary_port}"),
                 "--username=postgres",
             ])
             // --write-recovery-conf (-R): standby.signal and primary_conninfo, so that it follows the primary.
@@ -114,14 +134,17 @@ impl Cluster {
                 .expect("open postgresql.auto.conf");
             writeln!(
                 auto,
-                "primary_conninfo = 'host=127.0.0.1 port={} user=postgres'",
-                self.port
+                "primary_conninfo = 'host=127.0.0.1 port={primary_port} user=postgres'"
             )
             .expect("write postgresql.auto.conf");
+            // Without TLS, as the tests connect: a Citus node's backup carries the `ssl = on` Citus set with
+            // `alter system` when its extension was created.
+            writeln!(auto, "ssl = off").expect("write postgresql.auto.conf");
         }
         standby.configure(settings);
         standby.start().await;
-        self.wait_for(
+        self.wait_at(
+            &format!("postgres://postgres@127.0.0.1:{primary_port}/postgres?sslmode=disable"),
             &format!("{} streaming", standby.name),
             &format!(
                 "select exists (select from pg_stat_replication
@@ -130,11 +153,10 @@ impl Cluster {
             ),
         )
         .await;
-        standby
     }
 
     /// A fresh folder, owned by the user the server runs as, and a free port.
-    fn empty(role: &str) -> Cluster {
+    fn empty(role: &str, port: u16, bin: PathBuf) -> Cluster {
         let dir = tempfile::Builder::new()
             .prefix(&format!("fine-settler-{role}-"))
             .tempdir()
@@ -147,11 +169,11 @@ impl Cluster {
                 .expect("chown");
             assert!(chown.success(), "chown postgres: {}", dir.path().display());
         }
-        let port = super::free_port();
         Cluster {
             name: format!("{role}_{port}"),
             port,
             dir,
+            bin,
         }
     }
 
@@ -173,7 +195,7 @@ impl Cluster {
 
     /// The server program `name`, run as `postgres` when we are root, in the server's folder (blocking, for drop).
     fn blocking_program(&self, name: &str) -> std::process::Command {
-        let path = super::postgres::program(name);
+        let path = self.bin.join(name);
         let mut cmd = if running_as_root() {
             let mut runuser = std::process::Command::new("runuser");
             runuser.args(["-u", "postgres", "--"]).arg(path);
@@ -221,8 +243,15 @@ impl Cluster {
     /// Polls `sql`, which returns one boolean, every 50 ms until it is true; fails with the server log after
     /// [`PATIENCE`].
     async fn wait_for(&self, what: &str, sql: &str) {
+        self.wait_at(&self.url("postgres"), what, sql).await;
+    }
+
+    /// [`Cluster::wait_for`] on the server at `url` (this one's log shown on failure).
+    async fn wait_at(&self, url: &str, what: &str, sql: &str) {
         let deadline = tokio::time::Instant::now() + PATIENCE;
-        let mut conn = self.connect().await;
+        let mut conn = PgConnection::connect(url)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: connect to {url}: {e}"));
         loop {
             let done: bool = sqlx::query_scalar(sql)
                 .fetch_one(&mut conn)

@@ -188,6 +188,11 @@ impl StderrLog {
         String::from_utf8_lossy(&self.bytes.lock().expect("lock")).contains(text)
     }
 
+    /// What the process has written so far.
+    pub fn snapshot(&self) -> String {
+        String::from_utf8_lossy(&self.bytes.lock().expect("lock")).into_owned()
+    }
+
     /// Everything the process wrote; call once it has exited (the pipe then ends).
     pub fn finish(self) -> String {
         self.reader.join().expect("stderr reader");
