@@ -9,6 +9,7 @@
 
 mod accrual;
 mod settle;
+mod throttle;
 mod verify;
 
 use std::process::Output;
