@@ -27,6 +27,13 @@
 //! sends no report settling its lag within [`unknown_wait`] of the oldest kept position (a longer interval, or
 //! none) is warned about once and judged by the rule alone while it stays so. Writes outside the batches — a
 //! compensation pass — ask the same verdict ([`Throttle::settled_verdict`]).
+//!
+//! **On Citus** (`database.engine = "citus"`) a batch's writes land on the workers, each a primary with its own
+//! WAL and standbys, which the coordinator's `pg_stat_replication` does not show. So every look is also taken on
+//! each worker, through the coordinator ([`crate::store::citus::replication`]), and each node's standbys are
+//! judged by the rule against that node's own noted positions (a [`WalHistory`] per node); the verdict is the
+//! worst of them — a standby of any node that lags holds the batches, and the log names it with its worker.
+//! `throttle.standbys` names standbys of any node.
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
@@ -40,8 +47,9 @@ use tokio::{sync::OnceCell, time::Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    config::ThrottleSettings,
+    config::{Engine, ThrottleSettings},
     store::{
+        citus,
         replication::{self, Replication},
         Db,
     },
@@ -153,6 +161,39 @@ impl Verdict {
     }
 }
 
+impl Verdict {
+    /// The worse of two nodes' verdicts: a lag over an unknown lag over clear; of two lags, the longer (of two
+    /// unknowns, the first).
+    pub fn worst(self, other: Verdict) -> Verdict {
+        match (self, other) {
+            (Verdict::Lagging(a), Verdict::Lagging(b)) => {
+                Verdict::Lagging(if b.behind > a.behind { b } else { a })
+            }
+            (Verdict::Lagging(a), _) | (_, Verdict::Lagging(a)) => Verdict::Lagging(a),
+            (Verdict::Unknown(a), _) | (_, Verdict::Unknown(a)) => Verdict::Unknown(a),
+            (Verdict::Clear, Verdict::Clear) => Verdict::Clear,
+        }
+    }
+}
+
+/// A primary whose standbys the lag limit watches, each with WAL positions of its own.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Node {
+    /// The server this process is connected to (PostgreSQL's primary, a Citus coordinator).
+    Connected,
+    /// A Citus worker, by `host:port` in the coordinator's `pg_dist_node`.
+    Worker(String),
+}
+
+/// What the throttle keeps of the primaries it watches.
+#[derive(Debug, Default)]
+struct Watched {
+    /// Each primary's noted positions.
+    histories: HashMap<Node, WalHistory>,
+    /// Workers whose look failed, warned about once until a look succeeds again.
+    unreadable: HashSet<String>,
+}
+
 /// How often a wait for the standbys looks again.
 pub const LAG_POLL: Duration = Duration::from_millis(250);
 
@@ -205,6 +246,43 @@ struct Departed {
     since: DateTime<Utc>,
     /// Whether its leaving was warned about.
     warned: bool,
+}
+
+impl Watched {
+    /// Judges each Citus worker's look against its own positions and returns the worst of `verdict` and theirs.
+    /// A worker whose look fails (it is down, the statement failed there) is left out of this verdict — a batch
+    /// that writes on a worker that is down fails anyway — and warned about once; the positions of a worker no
+    /// longer in the cluster's metadata are forgotten.
+    fn judge_workers(
+        &mut self,
+        workers: Vec<citus::replication::WorkerLook>,
+        limit: Duration,
+        verdict: Verdict,
+    ) -> Verdict {
+        let listed: HashSet<Node> = workers.iter().map(|w| Node::Worker(w.node.clone())).collect();
+        self.histories
+            .retain(|node, _| *node == Node::Connected || listed.contains(node));
+        let mut verdict = verdict;
+        for worker in workers {
+            match worker.look {
+                Ok(look) => {
+                    if self.unreadable.remove(&worker.node) {
+                        tracing::info!(worker = %worker.node, "the worker's standbys can be read again");
+                    }
+                    let history = self.histories.entry(Node::Worker(worker.node)).or_default();
+                    verdict = verdict.worst(judge(history, &look, limit));
+                }
+                Err(error) => {
+                    if self.unreadable.insert(worker.node.clone()) {
+                        tracing::warn!(worker = %worker.node, error = %error,
+                            "cannot read the standbys of this Citus worker; batches go on without the replica lag \
+                             limit for its standbys until it answers again");
+                    }
+                }
+            }
+        }
+        verdict
+    }
 }
 
 impl WalHistory {
@@ -442,7 +520,7 @@ pub struct Throttle {
     /// Whether this role may read the standbys' positions (asked once; `false` warned about once).
     readable: OnceCell<bool>,
     /// Held across a look, so that the looks of concurrent runs are noted in the order they were taken.
-    history: tokio::sync::Mutex<WalHistory>,
+    watched: tokio::sync::Mutex<Watched>,
     /// The pace under `throttle.max_commit_latency`, when set.
     latency: Option<Arc<LatencyPace>>,
 }
@@ -452,7 +530,7 @@ impl Throttle {
         Arc::new(Throttle {
             next_batch_at: Mutex::new(None),
             readable: OnceCell::new(),
-            history: tokio::sync::Mutex::new(WalHistory::default()),
+            watched: tokio::sync::Mutex::new(Watched::default()),
             latency: settings
                 .max_commit_latency
                 .map(|budget| LatencyPace::new(budget, settings.max_rows_per_second)),
@@ -551,12 +629,17 @@ impl Throttle {
             .get_or_try_init(|| async {
                 let readable = replication::can_read_positions(pool).await?;
                 if readable && !self.settings.standbys.is_empty() {
-                    let streaming = replication::look(pool, &self.settings.standbys).await?;
+                    let mut streaming = replication::look(pool, &self.settings.standbys).await?.standbys;
+                    if pool.engine() == Engine::Citus {
+                        for worker in citus::replication::look_workers(pool, &self.settings.standbys).await? {
+                            streaming.extend(worker.look.map(|l| l.standbys).unwrap_or_default());
+                        }
+                    }
                     let missing: Vec<&str> = self
                         .settings
                         .standbys
                         .iter()
-                        .filter(|n| !streaming.standbys.iter().any(|s| &s.application_name == *n))
+                        .filter(|n| !streaming.iter().any(|s| &s.application_name == *n))
                         .map(String::as_str)
                         .collect();
                     if !missing.is_empty() {
@@ -588,9 +671,18 @@ impl Throttle {
         if !self.prepare(pool).await? {
             return Ok(Verdict::Clear);
         }
-        let mut history = self.history.lock().await;
+        let mut watched = self.watched.lock().await;
         let look = replication::look(pool, &self.settings.standbys).await?;
-        Ok(judge(&mut history, &look, limit))
+        let verdict = judge(
+            watched.histories.entry(Node::Connected).or_default(),
+            &look,
+            limit,
+        );
+        if pool.engine() != Engine::Citus {
+            return Ok(verdict);
+        }
+        let workers = citus::replication::look_workers(pool, &self.settings.standbys).await?;
+        Ok(watched.judge_workers(workers, limit, verdict))
     }
 
     /// The verdict for writes outside the batches (a compensation pass), once settled: looks again every

@@ -19,6 +19,7 @@
 pub mod audit;
 pub mod ledger;
 pub mod recheck;
+pub mod replication;
 
 use chrono::NaiveDate;
 use sqlx::PgConnection;
