@@ -12,6 +12,9 @@
 #   scripts/citus.sh crash-worker
 #                             stop the first worker at once, as a crash does (`pg_ctl -m immediate`: no checkpoint,
 #                             its connections cut, its prepared transactions kept), and start it again (recovery)
+#   scripts/citus.sh crash-coordinator
+#                             the same for the coordinator (its sessions cut, the two-phase commits it started
+#                             left for its recovery to finish or roll back)
 #
 # Citus is built from the vendored, unmodified release tarball ../shared/vendor/citus-*.tar.gz beside the checkout
 # — or beside the checkout this one was cloned from, for a clone made elsewhere (FINE_SETTLER_CITUS_TARBALL names
@@ -39,11 +42,11 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
-usage() { echo "citus.sh: $* (usage: citus.sh build|start|stop|url|status|tarball|crash-worker)" >&2; exit 2; }
+usage() { echo "citus.sh: $* (usage: citus.sh build|start|stop|url|status|tarball|crash-worker|crash-coordinator)" >&2; exit 2; }
 [ $# -eq 1 ] || usage "one command expected"
 cmd=$1
 case "$cmd" in
-  build|start|stop|url|status|tarball|crash-worker) ;;
+  build|start|stop|url|status|tarball|crash-worker|crash-coordinator) ;;
   *) usage "unknown command '$cmd'" ;;
 esac
 
@@ -191,10 +194,12 @@ EOF
       fi
     done
     ;;
-  crash-worker)
+  crash-worker|crash-coordinator)
     # pg_ctl restart starts the server again with the options it was started with (postmaster.opts).
-    run "$pgbin/pg_ctl" -D "$dir/worker1/data" -l "$dir/worker1/server.log" -m immediate -w -t 60 restart \
-      >/dev/null || { tail -n 20 "$dir/worker1/server.log" >&2; exit 1; }
+    node=worker1
+    if [ "$cmd" = crash-coordinator ]; then node=coordinator; fi
+    run "$pgbin/pg_ctl" -D "$dir/$node/data" -l "$dir/$node/server.log" -m immediate -w -t 60 restart \
+      >/dev/null || { tail -n 20 "$dir/$node/server.log" >&2; exit 1; }
     ;;
   status)
     all=0
