@@ -8,6 +8,7 @@
 //! URL. Each makes a database of its own on the cluster and drops it at the end.
 
 mod accrual;
+mod chaos;
 mod settle;
 mod throttle;
 mod verify;
