@@ -54,7 +54,7 @@ const EDITS: usize = 2;
 /// (The first pass takes longer than the window: every fault lands while the replicas work.)
 const WINDOW: (Duration, Duration) = (Duration::from_secs(4), Duration::from_secs(35));
 /// How long the fleet gets, after the last fault, to catch up.
-const CATCH_UP: Duration = Duration::from_secs(120);
+const CATCH_UP: Duration = Duration::from_secs(180);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
