@@ -37,22 +37,19 @@ use crate::store::Db;
 
 use super::{
     runner::{BatchJob, JobError, Written},
-    shard_walk::ShardWalk,
     RunKey,
 };
 use crate::{
     backoff::Backoff,
-    config::Engine,
     shard::ShardSpec,
     store::{
-        citus,
         ledger::{self, Attempt, Charged, Clamp, Overdue, Pending, Scope},
         ledger_writes::LedgerWrites,
     },
 };
 
 /// The accrual job. Its amounts come from the database's fine rules (`fine_policies`, `library_closed_days`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 pub struct Accrual {
     /// When a failed charge is retried: after its n-th failure, `backoff.delay(n)`.
     pub backoff: Backoff,
@@ -69,16 +66,6 @@ pub struct Accrual {
     pub scope: Scope,
     /// The batch's writes as the server's engine plans them (`database.engine`).
     pub writes: LedgerWrites,
-    /// On Citus, a day's run over every loan walks one Citus shard a batch.
-    pub walk: ShardWalk,
-}
-
-/// One batch of a day's run: its loans, ascending, and the cursor it leaves — its last loan, or on Citus the
-/// cursor [`ShardWalk`] gives it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DayBatch {
-    pub loans: Vec<Overdue>,
-    pub cursor: i64,
 }
 
 fn millis(d: Duration) -> i64 {
@@ -97,7 +84,6 @@ impl Accrual {
             lock_timeout: settings.claim.lease.lock_timeout(),
             scope: Scope::Full,
             writes: LedgerWrites::new(settings.database.engine),
-            walk: ShardWalk::new(),
         }
     }
 
@@ -155,19 +141,14 @@ fn rejected(e: &sqlx::Error) -> bool {
 }
 
 impl BatchJob for Accrual {
-    type Batch = DayBatch;
+    type Batch = Vec<Overdue>;
 
     async fn late(&self, pool: &Db, key: &RunKey) -> Result<bool, JobError> {
         Ok(ledger::day_has_work(pool, key.business_date, key.shard).await?)
     }
 
-    fn extent(batch: &DayBatch) -> (i64, i64) {
-        (batch.cursor, batch.loans.len() as i64)
-    }
-
-    fn committed(&self, key: &RunKey, batch: &DayBatch) {
-        let ids: Vec<i64> = batch.loans.iter().map(|l| l.id).collect();
-        self.walk.committed(key, &ids);
+    fn extent(batch: &Vec<Overdue>) -> (i64, i64) {
+        (batch.last().map_or(i64::MAX, |r| r.id), batch.len() as i64)
     }
 
     async fn fetch(
@@ -176,24 +157,10 @@ impl BatchJob for Accrual {
         key: &RunKey,
         from_id: i64,
         limit: i64,
-    ) -> Result<Option<DayBatch>, JobError> {
-        let (day, shard) = (key.business_date, key.shard);
-        if self.scope == Scope::Full && pool.engine() == Engine::Citus {
-            let list = |most| async move {
-                let rows = citus::ledger::candidates(pool, day, shard, from_id, most).await?;
-                Ok(rows.into_iter().map(|r| r.id).collect())
-            };
-            let walked = self.walk.next(pool, key, from_id, limit, list).await?;
-            return Ok(walked.map(|w| DayBatch {
-                loans: w.loans.into_iter().map(|id| Overdue { id }).collect(),
-                cursor: w.cursor,
-            }));
-        }
-        let loans = ledger::overdue_batch(pool, day, shard, self.scope, from_id, limit).await?;
-        Ok(loans
-            .last()
-            .map(|last| last.id)
-            .map(|cursor| DayBatch { loans, cursor }))
+    ) -> Result<Option<Vec<Overdue>>, JobError> {
+        let rows =
+            ledger::overdue_batch(pool, key.business_date, key.shard, self.scope, from_id, limit).await?;
+        Ok((!rows.is_empty()).then_some(rows))
     }
 
     async fn write(
@@ -201,7 +168,7 @@ impl BatchJob for Accrual {
         tx: &mut PgConnection,
         key: &RunKey,
         epoch: i64,
-        batch: &DayBatch,
+        rows: &Vec<Overdue>,
     ) -> Result<Written, JobError> {
         // One day per batch: a loan gets either a correction (the day is charged) or a charge (it is not). When
         // some policy has a cap, every loan's lock is taken first, in the one lock order, and held to the batch's
@@ -213,7 +180,7 @@ impl BatchJob for Accrual {
             tx,
             self.writes,
             day,
-            batch.loans.iter().map(|r| r.id).collect(),
+            rows.iter().map(|r| r.id).collect(),
             retry_in,
         )
         .await?;

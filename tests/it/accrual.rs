@@ -33,7 +33,6 @@ async fn accrual(pool: &PgPool, policy: FinePolicy) -> Accrual {
         lock_timeout: Duration::from_secs(2),
         scope: Default::default(),
         writes: LedgerWrites::new(crate::helpers::engine(pool)),
-        walk: Default::default(),
     }
 }
 

@@ -33,7 +33,6 @@ async fn accrual(pool: &PgPool, policy: FinePolicy) -> Accrual {
         lock_timeout: Duration::from_secs(2),
         scope: Scope::Full,
         writes: LedgerWrites::new(crate::helpers::engine(pool)),
-        walk: Default::default(),
     }
 }
 
@@ -139,7 +138,7 @@ async fn every_order_of_runs_leaves_the_ledger_of_one_sequential_run(pool: PgPoo
 
     reset(&pool).await;
     let all_at_once = window.iter().enumerate().map(|(i, day)| {
-        let (pool, job) = (pool.clone(), job.clone());
+        let (pool, job) = (pool.clone(), job);
         // Half the days under one shard, half under two shards (whose keys overlap the first count's loans).
         let key = if i % 2 == 0 {
             vec![day_key(*day, 0, 1)]
@@ -276,7 +275,7 @@ async fn concurrent_runs_correct_each_day_once(pool: PgPool) {
             [day_key(*day, 0, 1), day_key(*day, 0, 2), day_key(*day, 1, 2)]
                 .into_iter()
                 .map(|k| {
-                    let (pool, job) = (pool.clone(), job.clone());
+                    let (pool, job) = (pool.clone(), job);
                     async move { runner(&pool, "x", 50).run(&job, k, true).await }
                 })
         });
@@ -761,7 +760,7 @@ async fn a_loan_locked_past_the_lock_timeout_is_left_out_and_queued_not_a_failed
         .expect("recheck");
     assert_eq!((found.days.clone(), found.dirty), (vec![day], 1), "{found:?}");
     let again = runner(&pool, "b", 10)
-        .run(&job.clone().within(Scope::Changed), day_key(day, 0, 1), false)
+        .run(&job.within(Scope::Changed), day_key(day, 0, 1), false)
         .await;
     assert_eq!(again.outcome, Outcome::Settled, "{again:?}");
     assert!(again.reopened, "{again:?}");
@@ -792,7 +791,7 @@ async fn a_left_out_loan_owing_nothing_by_then_is_not_queued_and_the_run_succeed
     let mut peer = pool.begin().await.expect("begin");
     ledger::lock_loans(&mut peer, &[2]).await.expect("lock the loan");
     let run = tokio::spawn({
-        let (pool, job) = (pool.clone(), job.clone());
+        let (pool, job) = (pool.clone(), job);
         async move { runner(&pool, "a", 10).run(&job, day_key(day, 0, 1), false).await }
     });
     // The batch waits for loan 2's lock; meanwhile libraryd records its return as before the day.

@@ -253,7 +253,6 @@ async fn accrual(pool: &PgPool, policy: FinePolicy, backoff: Duration) -> Accrua
         lock_timeout: LOCK_TIMEOUT,
         scope: Default::default(),
         writes: LedgerWrites::new(Engine::Postgresql),
-        walk: Default::default(),
     }
 }
 
@@ -842,7 +841,7 @@ async fn isolating_a_rejected_batch_cannot_deadlock_with_another_run(pool: PgPoo
     )
     .await;
     let a = tokio::spawn({
-        let (pool, job) = (pool.clone(), job.clone());
+        let (pool, job) = (pool.clone(), job);
         async move {
             runner(&pool, "a", 10)
                 .run(&job, day_key(d("2026-10-20")), false)

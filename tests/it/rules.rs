@@ -25,7 +25,6 @@ fn accrual() -> Accrual {
         lock_timeout: Duration::from_secs(2),
         scope: Scope::Full,
         writes: LedgerWrites::new(Engine::Postgresql),
-        walk: Default::default(),
     }
 }
 

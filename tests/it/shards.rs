@@ -123,7 +123,6 @@ async fn a_negative_loans_pending_charge_is_retried_and_counted_by_its_shard(poo
         lock_timeout: Duration::from_secs(2),
         scope: Default::default(),
         writes: LedgerWrites::new(Engine::Postgresql),
-        walk: Default::default(),
     };
     let (zero, one) = (
         ShardSpec::new(0, 2).expect("shard"),
