@@ -69,6 +69,7 @@ impl BatchJob for Settlement {
     }
 
     async fn first_id(&self, pool: &Db, key: &RunKey) -> Result<Option<i64>, JobError> {
+        self.walk.start(key);
         let month = calendar::settlement_month(key.business_date)?;
         let any = loans::month_has_unsettled(pool, month, key.shard).await?;
         Ok(any.then_some(i64::MIN))
