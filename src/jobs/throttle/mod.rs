@@ -671,18 +671,28 @@ impl Throttle {
         if !self.prepare(pool).await? {
             return Ok(Verdict::Clear);
         }
-        let mut watched = self.watched.lock().await;
         let look = replication::look(pool, &self.settings.standbys).await?;
+        // On Citus the workers' standbys too; a failure to ask them leaves the coordinator's verdict standing.
+        let workers = match pool.engine() {
+            Engine::Citus => match citus::replication::look_workers(pool, &self.settings.standbys).await {
+                Ok(workers) => Some(workers),
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot ask the Citus workers for their standbys; judging the coordinator's alone");
+                    None
+                }
+            },
+            Engine::Postgresql => None,
+        };
+        let mut watched = self.watched.lock().await;
         let verdict = judge(
             watched.histories.entry(Node::Connected).or_default(),
             &look,
             limit,
         );
-        if pool.engine() != Engine::Citus {
-            return Ok(verdict);
-        }
-        let workers = citus::replication::look_workers(pool, &self.settings.standbys).await?;
-        Ok(watched.judge_workers(workers, limit, verdict))
+        Ok(match workers {
+            Some(workers) => watched.judge_workers(workers, limit, verdict),
+            None => verdict,
+        })
     }
 
     /// The verdict for writes outside the batches (a compensation pass), once settled: looks again every

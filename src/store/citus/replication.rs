@@ -60,6 +60,9 @@ const WORKER_LOOK: &str = r#"
                            || coalesce(inet_server_port()::text, '') || ' timeline '
                            || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) end as server) p"#;
 
+/// How long a look waits for a worker's connection.
+const WORKER_CONNECT: std::time::Duration = std::time::Duration::from_secs(3);
+
 #[derive(Deserialize)]
 struct RawLook {
     at_us: i64,
@@ -82,7 +85,15 @@ struct RawStandby {
 /// Each active worker's look at its standbys whose `application_name` is in `names` (every physical one when
 /// empty), asked through the coordinator. A standby's name and identity say which worker it streams from
 /// ("… of worker host:port"): the log names it so, and two workers' standbys with the same name stay apart.
+///
+/// A worker that does not answer its connection within [`WORKER_CONNECT`] is a failed look of its own (Citus
+/// waits `citus.node_connection_timeout`, 30 s by default, for each): the batches are not held up for it.
 pub async fn look_workers(pool: &Db, names: &[String]) -> Result<Vec<WorkerLook>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("select set_config('citus.node_connection_timeout', $1, true)")
+        .bind(WORKER_CONNECT.as_millis().to_string())
+        .execute(&mut *tx)
+        .await?;
     let rows: Vec<(String, bool, Option<String>)> = sqlx::query_as(
         "select nodename || ':' || nodeport, success, result
          from run_command_on_workers(format($1, $2::text[]))
@@ -90,8 +101,9 @@ pub async fn look_workers(pool: &Db, names: &[String]) -> Result<Vec<WorkerLook>
     )
     .bind(WORKER_LOOK)
     .bind(names)
-    .fetch_all(pool)
+    .fetch_all(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(rows
         .into_iter()
         .map(|(node, success, result)| {
