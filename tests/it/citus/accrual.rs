@@ -267,12 +267,7 @@ async fn a_killed_replica_and_a_crashed_worker_leave_the_ledger_as_one_clean_run
     })
     .await;
     crate::helpers::sigkill(zero);
-    let crashed =
-        std::process::Command::new(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/citus.sh"))
-            .arg("crash-worker")
-            .status()
-            .expect("scripts/citus.sh crash-worker");
-    assert!(crashed.success(), "the worker crashed and recovered");
+    crate::helpers::citus::citus_sh(&db.url, "crash-worker");
     let zero = daemon(&db.url, 0, 2, &env);
     let done = || async {
         sqlx::query_as::<_, (i64, i64)>(

@@ -637,18 +637,9 @@ async fn in_flight(pool: &PgPool, pid: Option<u32>) -> bool {
     .is_ok_and(|n| n > 0)
 }
 
-/// `scripts/citus.sh what` on the test's cluster (its port from the test database's URL, never another's).
+/// `scripts/citus.sh what` on the test's cluster; true, so that a fault that happened reads as one.
 fn crash(url: &str, what: &str) -> bool {
-    let port = url
-        .rsplit_once(':')
-        .and_then(|(_, rest)| rest.split('/').next())
-        .expect("a port in the URL");
-    let status = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/citus.sh"))
-        .arg(what)
-        .env("FINE_SETTLER_CITUS_PORT", port)
-        .status()
-        .expect("scripts/citus.sh");
-    assert!(status.success(), "scripts/citus.sh {what}");
+    crate::helpers::citus::citus_sh(url, what);
     true
 }
 

@@ -23,6 +23,22 @@ fn coordinator() -> String {
         .expect("FINE_SETTLER_CITUS_URL (run the Citus tests with scripts/test.sh --citus)")
 }
 
+/// `scripts/citus.sh what` (`crash-worker`, `crash-coordinator`) on the cluster of the test database at `url`
+/// (its port taken from the URL, never another cluster's); panics unless it succeeds.
+pub fn citus_sh(url: &str, what: &str) {
+    let port = url
+        .rsplit_once(':')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .expect("a port in the URL");
+    let status =
+        std::process::Command::new(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/citus.sh"))
+            .arg(what)
+            .env("FINE_SETTLER_CITUS_PORT", port)
+            .status()
+            .expect("scripts/citus.sh");
+    assert!(status.success(), "scripts/citus.sh {what}");
+}
+
 /// Whether `database` is a test database on the Citus cluster.
 pub fn is_citus(database: &str) -> bool {
     database.starts_with(PREFIX)
