@@ -13,6 +13,7 @@
 //! connection). The steps are submodules of this one so that their logs keep its target
 //! (`RUST_LOG=fine_settler::jobs::runner=debug` shows them all).
 
+mod beside;
 mod claim;
 mod end;
 mod held;
@@ -79,6 +80,14 @@ pub trait BatchJob: Send + Sync {
     /// batches; a walk that hands out batches it listed earlier lets them go here ([`super::shard_walk`]).
     fn committed(&self, _key: &RunKey, _batch: &Self::Batch) {}
 
+    /// The batch cut into the part its own transaction writes and parts the runner may write beside it at the
+    /// same time, each with [`BatchJob::write`] on a transaction of its own that passes the fence's check and
+    /// commits before the batch's fence (`runner/beside.rs`). `None` (the default): the batch is
+    /// written whole in its transaction.
+    fn split(&self, _batch: &Self::Batch) -> Option<(Self::Batch, Vec<Self::Batch>)> {
+        None
+    }
+
     /// Writes the batch inside the batch transaction of the run of `key` under `epoch`, skipping items already
     /// done; says what it wrote.
     fn write(
@@ -98,6 +107,12 @@ pub struct Written {
 }
 
 impl Written {
+    /// Adds what `other` wrote.
+    pub fn add(&mut self, other: &Written) {
+        self.updated = self.updated.saturating_add(other.updated);
+        self.corrected.add(&other.corrected);
+    }
+
     /// `updated` rows and no corrections.
     pub fn rows(updated: u64) -> Self {
         Written {

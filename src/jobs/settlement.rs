@@ -53,16 +53,13 @@ impl BatchJob for Settlement {
         Ok(match pool.engine() {
             Engine::Postgresql => loans::next_batch(pool, month, key.shard, from_id, limit).await?,
             Engine::Citus => {
-                let list = |most| async move {
-                    let listed = loans::next_listed(pool, month, key.shard, from_id, most).await?;
-                    Ok(listed.map(|b| b.listed).unwrap_or_default())
-                };
+                let list = |most| loans::next_listed(pool, month, key.shard, from_id, most);
                 let walked = self.walk.next(pool, key, from_id, limit, list).await?;
                 walked.map(|w| SettleBatch {
                     from_id,
                     last_id: w.cursor,
-                    count: w.loans.len() as i64,
-                    listed: w.loans,
+                    count: w.parts.iter().map(|p| p.len() as i64).sum(),
+                    parts: w.parts,
                 })
             }
         })
@@ -80,7 +77,25 @@ impl BatchJob for Settlement {
     }
 
     fn committed(&self, key: &RunKey, batch: &SettleBatch) {
-        self.walk.committed(key, &batch.listed);
+        self.walk.committed(key, &batch.parts);
+    }
+
+    /// On Citus, a batch of parts on several nodes: its first part in the batch's transaction, each other
+    /// beside it, so that the nodes settle at the same time.
+    fn split(&self, batch: &SettleBatch) -> Option<(SettleBatch, Vec<SettleBatch>)> {
+        let [own, beside @ ..] = batch.parts.as_slice() else {
+            return None;
+        };
+        if beside.is_empty() {
+            return None;
+        }
+        let part = |ids: &Vec<i64>| SettleBatch {
+            from_id: batch.from_id,
+            last_id: batch.last_id,
+            count: ids.len() as i64,
+            parts: vec![ids.clone()],
+        };
+        Some((part(own), beside.iter().map(part).collect()))
     }
 
     async fn late(&self, pool: &Db, key: &RunKey) -> Result<bool, JobError> {
@@ -135,15 +150,17 @@ async fn settle(
     batch: &SettleBatch,
     locked: Locked,
 ) -> Result<u64, sqlx::Error> {
-    if batch.listed.is_empty() {
+    if batch.parts.is_empty() {
         return match locked {
             Locked::Wait => loans::settle_range(tx, month, shard, batch).await,
             Locked::Skip => loans::settle_unlocked(tx, month, shard, batch).await,
         };
     }
     let mut updated = 0;
-    for ids in citus::by_shard(&mut *tx, &batch.listed).await? {
-        updated += citus::settle_listed(tx, month, shard, &ids, locked).await?;
+    for part in &batch.parts {
+        for ids in citus::by_shard(&mut *tx, part).await? {
+            updated += citus::settle_listed(tx, month, shard, &ids, locked).await?;
+        }
     }
     Ok(updated)
 }

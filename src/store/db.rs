@@ -15,6 +15,9 @@ use super::{
 };
 use crate::config::{DatabaseSettings, Engine, Pooler};
 
+/// How long [`Db::try_begin`] waits for a connection the pool opens.
+const SPARE_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// A pool and the way its connections reach PostgreSQL (`database.pooler`): every statement fine-settler runs
 /// against the database goes through one.
 ///
@@ -242,6 +245,19 @@ impl Db {
         match &self.begin {
             None => self.pool.begin().await,
             Some(begin) => self.pool.begin_with(begin.to_string()).await,
+        }
+    }
+
+    /// [`Db::begin`] when a connection is idle or the pool may open one (`None` when every connection is in
+    /// use, or a new one is not open within [`SPARE_WITHIN`]): for work that is done another way rather than
+    /// wait for a connection.
+    pub async fn try_begin(&self) -> Result<Option<Transaction<'static, Postgres>>, sqlx::Error> {
+        if self.pool.num_idle() == 0 && self.pool.size() >= self.pool.options().get_max_connections() {
+            return Ok(None);
+        }
+        match tokio::time::timeout(SPARE_WITHIN, self.begin()).await {
+            Ok(tx) => tx.map(Some),
+            Err(_) => Ok(None),
         }
     }
 

@@ -24,9 +24,10 @@ pub struct SettleBatch {
     pub last_id: i64,
     /// Loans in the batch.
     pub count: i64,
-    /// On Citus, the batch's loans, listed: its write reaches them one Citus shard at a time
-    /// ([`crate::store::citus`]). Empty on PostgreSQL, whose write is the range.
-    pub listed: Vec<i64>,
+    /// On Citus, the batch's loans, listed in parts of one Citus shard each, no two on one node: its write
+    /// reaches them one Citus shard at a time ([`crate::store::citus`]), and the runner writes its parts at
+    /// once ([`crate::jobs::BatchJob::split`]). Empty on PostgreSQL, whose write is the range.
+    pub parts: Vec<Vec<i64>>,
 }
 
 /// Finds the next batch: the first `limit` unsettled loans of the shard returned in `[first, last]` with
@@ -74,12 +75,12 @@ pub async fn next_batch(
         from_id,
         last_id,
         count: row.count,
-        listed: Vec::new(),
+        parts: Vec::new(),
     }))
 }
 
-/// [`next_batch`] on Citus: the same loans, listed ([`SettleBatch::listed`]), for a write that reaches them one
-/// Citus shard at a time. Citus runs the ordered, limited scan on every shard and merges the shards' first
+/// [`next_batch`] on Citus: the same loans, listed (for [`SettleBatch::parts`]), for a write that reaches them
+/// one Citus shard at a time. Citus runs the ordered, limited scan on every shard and merges the shards' first
 /// `limit` ids (the subquery kept apart that [`next_batch`] needs on PostgreSQL would, on Citus, bring every
 /// unsettled loan to the coordinator).
 pub async fn next_listed(
@@ -88,8 +89,8 @@ pub async fn next_listed(
     shard: ShardSpec,
     from_id: i64,
     limit: i64,
-) -> Result<Option<SettleBatch>, sqlx::Error> {
-    let listed = sqlx::query_scalar!(
+) -> Result<Vec<i64>, sqlx::Error> {
+    sqlx::query_scalar!(
         r#"select id from loans
            where fine_settled_at is null and returned_on is not null and id >= $3
              and returned_on between $1 and $2 and isfinite(due_on)
@@ -104,16 +105,7 @@ pub async fn next_listed(
         limit,
     )
     .fetch_all(pool)
-    .await?;
-    let Some(&last_id) = listed.last() else {
-        return Ok(None);
-    };
-    Ok(Some(SettleBatch {
-        from_id,
-        last_id,
-        count: listed.len() as i64,
-        listed,
-    }))
+    .await
 }
 
 /// Whether the shard has any unsettled loan returned in `[first, last]`, through the index ordered by return

@@ -410,7 +410,7 @@ async fn the_conditional_write_never_changes_a_settled_loan(pool: PgPool) {
         from_id: 1,
         last_id: 2,
         count: 2,
-        listed: Vec::new(),
+        parts: Vec::new(),
     };
     let month = (crate::helpers::d("2026-10-01"), crate::helpers::d("2026-10-31"));
     let mut tx = pool.begin().await.expect("tx");

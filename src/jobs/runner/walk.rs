@@ -149,7 +149,10 @@ impl Runner {
         let began = Instant::now();
         let mut tx = self.pool.begin().await?;
         store::set_local_lock_timeout(&mut tx, self.lease.lock_timeout()).await?;
-        let written = job.write(&mut tx, &key, run.epoch(), &batch).await?;
+        let Some(written) = self.write_batch(job, &mut tx, run, &batch).await? else {
+            tx.rollback().await?;
+            return Ok(BatchResult::Fenced);
+        };
         let covered = Covered {
             last_id,
             scanned,

@@ -43,6 +43,40 @@ pub async fn by_shard(db: impl sqlx::PgExecutor<'_>, ids: &[i64]) -> Result<Vec<
     .await
 }
 
+/// The loans of one Citus shard of `loans` and the node that holds it (its placement's `groupid`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardGroup {
+    pub node: i32,
+    pub ids: Vec<i64>,
+}
+
+/// [`by_shard`]'s groups, each with the node that holds its Citus shard: batches of different nodes can be
+/// written at the same time, each by its own worker.
+pub async fn by_shard_on_nodes(
+    db: impl sqlx::PgExecutor<'_>,
+    ids: &[i64],
+) -> Result<Vec<ShardGroup>, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let groups: Vec<(i32, Vec<i64>)> = sqlx::query_as(
+        "select coalesce((select min(p.groupid) from pg_dist_placement p where p.shardid = s.shard), 0)::int,
+                s.ids
+         from (select get_shard_id_for_distribution_column('loans', id) as shard,
+                      array_agg(id order by id) as ids, min(id) as first
+               from unnest($1::bigint[]) id
+               group by 1) s
+         order by s.first",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?;
+    Ok(groups
+        .into_iter()
+        .map(|(node, ids)| ShardGroup { node, ids })
+        .collect())
+}
+
 /// How many Citus shards `loans` is split into, from the coordinator's metadata.
 pub async fn loan_shards(db: impl sqlx::PgExecutor<'_>) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar("select count(*) from pg_dist_shard where logicalrelid = 'loans'::regclass")

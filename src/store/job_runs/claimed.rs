@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use sqlx::{Postgres, Transaction};
+use sqlx::{PgConnection, Postgres, Transaction};
 
 use super::{
     claim::{claim, Claim, ClaimKind, ClaimMode, Holder},
@@ -162,6 +162,12 @@ impl ClaimedRun {
             }
         }
         Ok(fence)
+    }
+
+    /// Whether this run still holds its key at its cursor, checked in `tx`, which writes part of a batch beside
+    /// the batch's own transaction (see [`fence::holds`]); `tx` keeps the key's row locked until it ends.
+    pub async fn holds(&self, tx: &mut PgConnection) -> Result<bool, sqlx::Error> {
+        fence::holds(tx, &self.key, self.claimant(), self.cursor).await
     }
 
     /// Renews the lease while the run waits between batches: the fence with no rows (see [`fence::renew`]).

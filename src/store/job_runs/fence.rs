@@ -82,6 +82,34 @@ pub async fn renew(
     fence(pool, key, holder, step, lease).await
 }
 
+/// The fence's check without its step, for a transaction that writes part of a batch beside the batch's own
+/// (`jobs/runner/beside.rs`): whether `holder` still holds the key at the cursor `after`, as the batch's fence
+/// will ask. The row is locked `for share` until the part commits: a takeover — and the batch's own fence —
+/// waits for it, as for a batch in flight, so the part commits under the holder's lease or not at all.
+pub async fn holds(
+    tx: &mut PgConnection,
+    key: &RunKey,
+    holder: Claimant<'_>,
+    after: Option<i64>,
+) -> Result<bool, sqlx::Error> {
+    let held = sqlx::query_scalar!(
+        r#"select 1 as "held!" from job_runs
+           where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
+             and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $6 and owner = $7
+           for share"#,
+        key.job.as_str(),
+        key.business_date,
+        key.shard.shards(),
+        key.shard.shard(),
+        holder.epoch,
+        after,
+        holder.owner,
+    )
+    .fetch_optional(&mut *tx)
+    .await?;
+    Ok(held.is_some())
+}
+
 /// What the fence moves: from the cursor the run last committed to the one it commits now, and the rows of the
 /// batch (a renewal: the same cursor, no rows).
 #[derive(Debug, Clone, Copy)]
