@@ -97,6 +97,19 @@ pub trait BatchJob: Send + Sync {
         epoch: i64,
         batch: &Self::Batch,
     ) -> impl Future<Output = Result<Written, JobError>> + Send;
+
+    /// [`BatchJob::write`] of a part written beside its batch ([`BatchJob::split`]), on a transaction of its
+    /// own: `None` when the part cannot be written there without waiting for a lock the batch's transaction may
+    /// be queued behind (it is then written in the batch's transaction). By default `write`.
+    fn write_beside(
+        &self,
+        tx: &mut PgConnection,
+        key: &RunKey,
+        epoch: i64,
+        part: &Self::Batch,
+    ) -> impl Future<Output = Result<Option<Written>, JobError>> + Send {
+        async move { self.write(tx, key, epoch, part).await.map(Some) }
+    }
 }
 
 /// What a batch wrote: business rows (loans settled, charges), and ledger corrections by reason.

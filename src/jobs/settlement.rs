@@ -103,9 +103,8 @@ impl BatchJob for Settlement {
         Ok(loans::month_has_unsettled(pool, month, key.shard).await?)
     }
 
-    /// The range update (on Citus, the listed loans' update, one Citus shard at a time), under a savepoint; if
-    /// it meets a row lock it cannot get within `claim.lock_timeout`, the batch settles every row it can lock
-    /// instead and leaves the locked ones for the re-open.
+    /// Under the calendar's lock, the range update (on Citus, the listed loans' update, one Citus shard at a
+    /// time: [`write_held`]).
     async fn write(
         &self,
         tx: &mut PgConnection,
@@ -113,32 +112,54 @@ impl BatchJob for Settlement {
         _epoch: i64,
         batch: &SettleBatch,
     ) -> Result<Written, JobError> {
-        let month = calendar::settlement_month(key.business_date)?;
         // No calendar change while this batch prices its loans (src/store/ledger.rs, CALENDAR_LOCK): one that
         // waited for it then sees this month's key and is refused.
         store::ledger::hold_calendar(tx).await?;
-        let mut range = tx.begin().await?;
-        match settle(&mut range, month, key.shard, batch, Locked::Wait).await {
-            Ok(updated) => {
-                range.commit().await?;
-                Ok(Written::rows(updated))
-            }
-            Err(e) if store::lock_not_available(&e) => {
-                range.rollback().await?;
-                let updated = settle(tx, month, key.shard, batch, Locked::Skip).await?;
-                tracing::warn!(
-                    from_id = batch.from_id,
-                    to_id = batch.last_id,
-                    updated,
-                    left = batch
-                        .count
-                        .saturating_sub(i64::try_from(updated).unwrap_or(i64::MAX)),
-                    "rows locked by another transaction were left for later; the key re-opens for them"
-                );
-                Ok(Written::rows(updated))
-            }
-            Err(e) => Err(e.into()),
+        write_held(tx, key, batch).await
+    }
+
+    /// A part beside the batch takes the calendar's lock only if it is granted at once: a calendar change
+    /// queued for it waits for the batch's transaction, which holds it and waits for this part.
+    async fn write_beside(
+        &self,
+        tx: &mut PgConnection,
+        key: &RunKey,
+        _epoch: i64,
+        part: &SettleBatch,
+    ) -> Result<Option<Written>, JobError> {
+        if !store::ledger::try_hold_calendar(tx).await? {
+            return Ok(None);
         }
+        write_held(tx, key, part).await.map(Some)
+    }
+}
+
+/// [`Settlement::write`] under the calendar's lock: the range update under a savepoint; if it meets a row lock
+/// it cannot get within `claim.lock_timeout`, the batch settles every row it can lock instead and leaves the
+/// locked ones for the re-open.
+async fn write_held(tx: &mut PgConnection, key: &RunKey, batch: &SettleBatch) -> Result<Written, JobError> {
+    let month = calendar::settlement_month(key.business_date)?;
+    let mut range = tx.begin().await?;
+    match settle(&mut range, month, key.shard, batch, Locked::Wait).await {
+        Ok(updated) => {
+            range.commit().await?;
+            Ok(Written::rows(updated))
+        }
+        Err(e) if store::lock_not_available(&e) => {
+            range.rollback().await?;
+            let updated = settle(tx, month, key.shard, batch, Locked::Skip).await?;
+            tracing::warn!(
+                from_id = batch.from_id,
+                to_id = batch.last_id,
+                updated,
+                left = batch
+                    .count
+                    .saturating_sub(i64::try_from(updated).unwrap_or(i64::MAX)),
+                "rows locked by another transaction were left for later; the key re-opens for them"
+            );
+            Ok(Written::rows(updated))
+        }
+        Err(e) => Err(e.into()),
     }
 }
 

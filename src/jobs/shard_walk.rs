@@ -70,6 +70,7 @@ impl Window {
                 picked.push(group);
             }
         }
+        picked.truncate(limit.max(1));
         let each = (limit / picked.len()).max(1);
         let parts: Vec<Vec<i64>> = picked
             .iter()
@@ -85,8 +86,9 @@ impl Window {
         Some(Walked { parts, cursor })
     }
 
-    /// `parts` are written: each leaves the group it was cut from (the first group it begins). Nothing leaves
-    /// unless every part is found so.
+    /// `parts` are written: each leaves the group it was cut from (the first group it begins). A part not
+    /// found so (never seen) lets the whole window go: the walk lists anew from its cursor, which no batch of
+    /// this window moved past a loan not written.
     fn done(&mut self, parts: &[Vec<i64>]) {
         let found: Option<Vec<usize>> = parts
             .iter()
@@ -97,6 +99,8 @@ impl Window {
             })
             .collect();
         let Some(found) = found else {
+            tracing::error!("a committed batch is not the window's; the window is listed again");
+            self.groups.clear();
             return;
         };
         for (part, at) in parts.iter().zip(found) {
@@ -334,11 +338,18 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_whose_parts_are_not_all_in_the_window_leaves_it_as_it_was() {
+    fn a_batch_whose_parts_are_not_all_in_the_window_lets_it_go() {
         let walk = walk_with(key(0, 1), window_on(5, &[(1, &[10, 12]), (2, &[11])]));
         walk.committed(&key(0, 1), &[vec![10], vec![99]]);
-        let b = walk.peek(&key(0, 1), 10, 4).expect("a batch");
-        assert_eq!(b.parts, [vec![10, 12], vec![11]]);
-        assert_eq!(b.cursor, 12);
+        assert!(walk.peek(&key(0, 1), 10, 4).is_none(), "listed again");
+    }
+
+    #[test]
+    fn a_batch_smaller_than_the_nodes_takes_one_loan_of_as_many_nodes_as_it_may() {
+        let walk = walk_with(key(0, 1), window_on(5, &[(1, &[10, 13]), (2, &[11]), (3, &[12])]));
+        let b = walk.peek(&key(0, 1), 10, 2).expect("a batch");
+        assert_eq!(b.parts, [vec![10], vec![11]]);
+        let b = walk.peek(&key(0, 1), 10, 1).expect("a batch");
+        assert_eq!(b.parts, [vec![10]]);
     }
 }

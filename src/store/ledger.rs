@@ -229,6 +229,17 @@ pub async fn hold_calendar(tx: &mut PgConnection) -> Result<(), sqlx::Error> {
     Ok(())
 }
 
+/// [`hold_calendar`] if the lock is granted at once: `false` when a calendar change holds it or waits for it.
+pub async fn try_hold_calendar(tx: &mut PgConnection) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"select pg_try_advisory_xact_lock_shared($1, $2) as "held!""#,
+        CALENDAR_LOCK.0,
+        CALENDAR_LOCK.1,
+    )
+    .fetch_one(&mut *tx)
+    .await
+}
+
 /// The advisory-lock namespace of per-loan ledger locks (`pg_advisory_xact_lock(space, hashint8(loan_id))`):
 /// ASCII "fsLd". A collision of two loans' hashes only makes their charges wait for each other.
 const LOAN_LOCK_SPACE: i32 = 0x6673_4c64;

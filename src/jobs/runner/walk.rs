@@ -149,22 +149,35 @@ impl Runner {
         let began = Instant::now();
         let mut tx = self.pool.begin().await?;
         store::set_local_lock_timeout(&mut tx, self.lease.lock_timeout()).await?;
-        let Some(written) = self.write_batch(job, &mut tx, run, &batch).await? else {
+        let (written, beside) = self.write_batch(job, &mut tx, run, &batch).await;
+        // Parts committed beside the batch counted themselves in the key's row; the handle counts them here.
+        run.count_beside(
+            beside.scanned,
+            count(beside.written.updated),
+            count(beside.written.corrected.total()),
+        );
+        let Some(mut written) = written? else {
             tx.rollback().await?;
             return Ok(BatchResult::Fenced);
         };
-        let covered = Covered {
+        let own = Covered {
             last_id,
-            scanned,
-            updated: i64::try_from(written.updated).unwrap_or(i64::MAX),
-            corrected: i64::try_from(written.corrected.total()).unwrap_or(i64::MAX),
+            scanned: scanned - beside.scanned,
+            updated: count(written.updated),
+            corrected: count(written.corrected.total()),
         };
-        Ok(match run.advance(tx, covered).await? {
+        Ok(match run.advance(tx, own).await? {
             Fence::Lost => BatchResult::Fenced,
             Fence::Passed { paused } => {
                 job.committed(&key, &batch);
+                written.add(&beside.written);
                 BatchResult::Committed {
-                    covered,
+                    covered: Covered {
+                        last_id,
+                        scanned,
+                        updated: count(written.updated),
+                        corrected: count(written.corrected.total()),
+                    },
                     corrected: written.corrected,
                     paused: paused.filter(|_| !self.ignore_pause),
                     took: began.elapsed(),
@@ -212,4 +225,9 @@ impl Runner {
             "batch committed"
         );
     }
+}
+
+/// A count of rows as the key's counters keep it.
+fn count(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }

@@ -164,10 +164,25 @@ impl ClaimedRun {
         Ok(fence)
     }
 
-    /// Whether this run still holds its key at its cursor, checked in `tx`, which writes part of a batch beside
-    /// the batch's own transaction (see [`fence::holds`]); `tx` keeps the key's row locked until it ends.
-    pub async fn holds(&self, tx: &mut PgConnection) -> Result<bool, sqlx::Error> {
-        fence::holds(tx, &self.key, self.claimant(), self.cursor).await
+    /// The fence of `tx`, which writes part of a batch beside the batch's own transaction: adds the part's
+    /// `scanned` and `updated` rows to the key's counters and renews the lease while this run holds the key at
+    /// its cursor (see [`fence::beside`]); `false`: `tx` must roll back. Once `tx` committed, the caller adds
+    /// them to the handle's counts ([`ClaimedRun::count_beside`]).
+    pub async fn pass_beside(
+        &self,
+        tx: &mut PgConnection,
+        scanned: i64,
+        updated: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let holder = self.claimant();
+        fence::beside(tx, &self.key, holder, self.cursor, (scanned, updated), self.lease).await
+    }
+
+    /// Rows (and corrections) that parts beside a batch committed ([`ClaimedRun::pass_beside`]).
+    pub fn count_beside(&mut self, scanned: i64, updated: i64, corrected: i64) {
+        self.scanned += scanned;
+        self.updated += updated;
+        self.corrected += corrected;
     }
 
     /// Renews the lease while the run waits between batches: the fence with no rows (see [`fence::renew`]).

@@ -82,21 +82,27 @@ pub async fn renew(
     fence(pool, key, holder, step, lease).await
 }
 
-/// The fence's check without its step, for a transaction that writes part of a batch beside the batch's own
-/// (`jobs/runner/beside.rs`): whether `holder` still holds the key at the cursor `after`, as the batch's fence
-/// will ask. The row is locked `for share` until the part commits: a takeover — and the batch's own fence —
-/// waits for it, as for a batch in flight, so the part commits under the holder's lease or not at all.
-pub async fn holds(
+/// The fence of a transaction that writes part of a batch beside the batch's own (`jobs/runner/beside.rs`):
+/// the batch's fence without moving the cursor — it adds the part's rows to the key's counters and renews the
+/// lease, only while `holder` holds the key at the cursor `after`, as the batch's fence will ask (`false`
+/// otherwise: the part must roll back). Its row lock holds until the part commits: a takeover, and the
+/// batch's own fence, wait for it as for a batch in flight, then see the lease it renewed.
+pub async fn beside(
     tx: &mut PgConnection,
     key: &RunKey,
     holder: Claimant<'_>,
     after: Option<i64>,
+    (scanned, updated): (i64, i64),
+    lease: Duration,
 ) -> Result<bool, sqlx::Error> {
-    let held = sqlx::query_scalar!(
-        r#"select 1 as "held!" from job_runs
+    let passed = sqlx::query_scalar!(
+        r#"update job_runs set
+               scanned = scanned + $8, updated = updated + $9,
+               heartbeat_at = clock_timestamp(),
+               lease_until = clock_timestamp() + $10 * interval '1 millisecond'
            where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
              and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $6 and owner = $7
-           for share"#,
+           returning 1 as "passed!""#,
         key.job.as_str(),
         key.business_date,
         key.shard.shards(),
@@ -104,10 +110,13 @@ pub async fn holds(
         holder.epoch,
         after,
         holder.owner,
+        scanned,
+        updated,
+        millis(lease) as f64,
     )
     .fetch_optional(&mut *tx)
     .await?;
-    Ok(held.is_some())
+    Ok(passed.is_some())
 }
 
 /// What the fence moves: from the cursor the run last committed to the one it commits now, and the rows of the

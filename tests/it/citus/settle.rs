@@ -169,13 +169,18 @@ async fn each_batch_lies_in_one_citus_shard_and_a_run_stopped_inside_a_window_le
             below, 0,
             "every loan at or below the cursor {cursor:?} is settled"
         );
-        // The batches that committed, and a part beside the failed one that may have.
+        // The batches that committed, and a part beside the failed one that may have: each counted in the key.
         let committed = *stopped.committed.lock().expect("the count");
         let after_first = settled(&pool).await.0;
         assert!(
             committed > 0 && after_first >= committed,
             "{committed} {after_first}"
         );
+        let counted: i64 = sqlx::query_scalar("select scanned from job_runs")
+            .fetch_one(&pool)
+            .await
+            .expect("the key");
+        assert_eq!(counted, after_first, "every loan settled is counted once");
         assert!(
             stopped.splits.lock().expect("the splits").iter().all(|&n| n == 2),
             "every batch has a part on each of the two workers"
