@@ -193,7 +193,8 @@ pub fn business_dates(job: JobName, from: NaiveDate, to: NaiveDate) -> Result<Ve
 }
 
 /// Checks a request against the configuration, without the database: its dates, its shard count and its
-/// concurrency — each run holds one connection at a time, so K runs need K of `database.max_connections`.
+/// concurrency — each run needs one connection at a time, so K runs need K of `database.max_connections` (on
+/// Citus a settlement batch writes its parts beside it on more, when they are free: `jobs/runner/beside.rs`).
 pub fn prepare(settings: &Settings, request: Request) -> Result<Backfill, BackfillError> {
     let shards = ShardSpec::new(0, request.shards)
         .map_err(|e| usage("--shards", e.to_string()))?

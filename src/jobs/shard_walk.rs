@@ -2,9 +2,9 @@
 //! (The accrual does not walk so: its batch's fixed cost — its locks, its several statements, its fence — paid
 //! once per Citus shard made a day of 5,110 loans take 12–18 s against 1.5 s in batches by id.)
 //!
-//! A batch whose loans lie in one Citus shard is written by statements that the coordinator sends whole to
-//! that shard's worker: one worker does the batch's work, and its commit involves that worker alone beside the
-//! coordinator's fence. A batch cut from the shard's next loans by id instead falls in every Citus shard (ids
+//! A batch's part whose loans lie in one Citus shard is written by statements that the coordinator sends whole
+//! to that shard's worker: one worker does the part's work, and its commit involves that worker alone beside
+//! the coordinator's fence. A batch cut from the shard's next loans by id instead falls in every Citus shard (ids
 //! are spread over the shards by their hash): each of its statements reaches every shard, or one statement per
 //! shard for a few rows each, and every worker. And listing the next loans by id costs on Citus about what
 //! listing many times more costs, since each shard returns up to `limit` of its own and the coordinator keeps
@@ -14,8 +14,8 @@
 //! each Citus shard — groups it by Citus shard, and hands out the groups as batches of up to `limit` loans each.
 //! A batch takes a part of one group of each node (worker) the window still has loans on, `limit` in all: the
 //! runner writes its first part in the batch's transaction and the others beside it, each on a connection of
-//! its own ([`crate::jobs::runner`], "beside"), so that every worker settles at once — one worker at a time,
-//! a single replica settled at 0.55× the rate of one distributed `update` (bench/RESULTS.md, "Citus").
+//! its own (`jobs/runner/beside.rs`), so that every worker settles at once (one worker at a time, a single
+//! replica had settled at 0.55× the rate of one distributed `update`: bench/RESULTS.md, "Citus").
 //! The cursor a batch leaves must still mean that every loan below it is done, whatever a takeover makes of it:
 //! each batch of a window but its last leaves it just below the window's first loan, and the window's last
 //! batch at the window's last loan. A run taken over mid-window starts that window again; the loans its batches

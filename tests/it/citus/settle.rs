@@ -148,7 +148,7 @@ async fn settled(pool: &PgPool) -> (i64, Option<i64>) {
 /// which every loan is settled; the run that takes the key over settles the rest, each loan once.
 #[tokio::test]
 #[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
-async fn each_batch_lies_in_one_citus_shard_and_a_run_stopped_inside_a_window_leaves_a_true_cursor() {
+async fn each_part_lies_in_one_citus_shard_of_its_worker_and_a_run_stopped_inside_a_window_leaves_a_true_cursor() {
     on_citus("walk", &[], |pool| async move {
         sqlx::raw_sql(
             "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
