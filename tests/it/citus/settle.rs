@@ -14,7 +14,10 @@ use fine_settler::{
 };
 use sqlx::{PgConnection, PgPool};
 
-use crate::helpers::{citus::on_citus, key, runner};
+use crate::helpers::{
+    citus::{jobs_db_of, on_citus},
+    key, runner, runner_on,
+};
 
 /// The settlement, recording the loans of each write (a batch's part), how many parts each batch was cut
 /// into and the loans of each committed batch, and failing write number `fail_at` (1-based).
@@ -94,6 +97,49 @@ impl BatchJob for Recorded {
     }
 }
 
+/// With one connection in its pool a replica writes every part of a batch in the batch's own transaction: the
+/// month is settled and counted as with parts beside.
+#[tokio::test]
+#[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
+async fn with_one_connection_every_part_is_written_in_its_batch() {
+    on_citus("one_conn", &[], |pool| async move {
+        sqlx::raw_sql(
+            "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+             select g, g, g, '2026-09-20', '2026-10-10', '2026-10-20' from generate_series(1, 600) g",
+        )
+        .execute(&pool)
+        .await
+        .expect("the loans");
+        let name = pool
+            .connect_options()
+            .get_database()
+            .expect("a database")
+            .to_string();
+        let one = runner_on(jobs_db_of(&name, 1), "one", 10);
+        let job = Recorded::new(None);
+        let report = one.run(&job, key("2026-10-31", 0, 1), false).await;
+        assert_eq!(
+            (report.outcome, report.scanned, report.updated),
+            (Outcome::Settled, 600, 600),
+            "{report:?}"
+        );
+        assert_eq!(settled(&pool).await, (600, Some(600 * 1000)));
+        let counted: (i64, i64) = sqlx::query_as("select scanned, updated from job_runs")
+            .fetch_one(&pool)
+            .await
+            .expect("the key");
+        assert_eq!(counted, (600, 600));
+        assert!(
+            job.splits.lock().expect("the splits").contains(&2),
+            "batches were cut into parts"
+        );
+        let mut written: Vec<i64> = job.batches().concat();
+        written.sort_unstable();
+        assert_eq!(written, (1..=600).collect::<Vec<i64>>(), "each loan written once");
+    })
+    .await;
+}
+
 /// The node (placement group) of the Citus shard of `ids`' first loan.
 async fn node_of(pool: &PgPool, ids: &[i64]) -> i32 {
     sqlx::query_scalar(
@@ -148,7 +194,8 @@ async fn settled(pool: &PgPool) -> (i64, Option<i64>) {
 /// which every loan is settled; the run that takes the key over settles the rest, each loan once.
 #[tokio::test]
 #[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
-async fn each_part_lies_in_one_citus_shard_of_its_worker_and_a_run_stopped_inside_a_window_leaves_a_true_cursor() {
+async fn each_part_lies_in_one_citus_shard_of_its_worker_and_a_run_stopped_inside_a_window_leaves_a_true_cursor(
+) {
     on_citus("walk", &[], |pool| async move {
         sqlx::raw_sql(
             "insert into loans (id, member_id, book_id, borrowed_on, due_on, returned_on)

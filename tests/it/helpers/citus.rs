@@ -77,9 +77,14 @@ pub fn url_of(name: &str) -> String {
 /// The product's pool on the Citus test database `name`, as a replica opens it (`database.engine = "citus"`:
 /// the jobs' session settings for Citus), connecting when first used.
 pub fn jobs_db(name: &str) -> Db {
+    jobs_db_of(name, 4)
+}
+
+/// [`jobs_db`] with a pool of `max_connections`.
+pub fn jobs_db_of(name: &str, max_connections: u32) -> Db {
     let settings = DatabaseSettings {
         url: DatabaseUrl::parse(&url_of(name)).expect("a valid URL"),
-        max_connections: 4,
+        max_connections,
         connect_timeout: Duration::from_secs(10),
         pooler: Pooler::None,
         engine: Engine::Citus,
