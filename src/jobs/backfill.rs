@@ -696,6 +696,13 @@ fn runner(
     } else {
         runner
     };
+    // Several runs at once share the pool: each needs its connection, which a part beside another's batch
+    // would take.
+    let runner = if request.concurrency > 1 {
+        runner.with_parts_in_batch()
+    } else {
+        runner
+    };
     match bar {
         Some(bar) => runner.with_progress(bar.rows_hook()),
         None => runner,

@@ -100,7 +100,8 @@ pub trait BatchJob: Send + Sync {
 
     /// [`BatchJob::write`] of a part written beside its batch ([`BatchJob::split`]), on a transaction of its
     /// own: `None` when the part cannot be written there without waiting for a lock the batch's transaction may
-    /// be queued behind (it is then written in the batch's transaction). By default `write`.
+    /// be queued behind (it is then written in the batch's transaction). By default `write`: a job that splits
+    /// and takes such a lock (the settlement, the calendar's) must say how its part does without the wait.
     fn write_beside(
         &self,
         tx: &mut PgConnection,
@@ -206,6 +207,10 @@ pub struct Runner {
     pub throttle: Arc<Throttle>,
     /// The keys this runner's runs hold now (shared with the daemon's stop).
     pub held: Arc<HeldKeys>,
+    /// Write the parts of a batch a job cuts ([`BatchJob::split`]) beside it, on connections of their own
+    /// (the default); else in the batch's transaction (a backfill of several runs at once, whose runs need the
+    /// pool's connections).
+    pub parts_beside: bool,
 }
 
 /// The shortest interval between lease renewals of a waiting run (a lease barely longer than the batch timeout
@@ -236,7 +241,14 @@ impl Runner {
             ignore_pause: false,
             throttle: Throttle::off(),
             held: Arc::default(),
+            parts_beside: true,
         }
+    }
+
+    /// The same runner, writing every part of a batch in the batch's transaction ([`Runner::parts_beside`]).
+    pub fn with_parts_in_batch(mut self) -> Self {
+        self.parts_beside = false;
+        self
     }
 
     /// The same runner, counting the keys its runs hold in `held`.

@@ -16,7 +16,7 @@ use super::{
 use crate::config::{DatabaseSettings, Engine, Pooler};
 
 /// How long [`Db::try_begin`] waits for a connection the pool opens.
-const SPARE_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
+const SPARE_WITHIN: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// A pool and the way its connections reach PostgreSQL (`database.pooler`): every statement fine-settler runs
 /// against the database goes through one.

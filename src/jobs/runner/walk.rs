@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{wait::Episodes, BatchJob, JobError, Runner};
+use super::{beside::BesideTally, wait::Episodes, BatchJob, JobError, Runner};
 use crate::{
     jobs::{throttle::BatchSizer, RunKey},
     store::{
@@ -123,7 +123,16 @@ impl Runner {
     ) -> Result<BatchResult, JobError> {
         let timeout = self.lease.batch_timeout();
         let started = Instant::now();
-        let batch = tokio::time::timeout(timeout, self.batch(job, run, from_id, limit)).await;
+        let tally = BesideTally::default();
+        let batch = tokio::time::timeout(timeout, self.batch(job, run, from_id, limit, &tally)).await;
+        // Parts committed beside the batch counted themselves in the key's row; the handle counts them here,
+        // whatever became of the batch.
+        let beside = tally.committed();
+        run.count_beside(
+            beside.scanned,
+            count(beside.written.updated),
+            count(beside.written.corrected.total()),
+        );
         // The pace admitted `limit` rows (in `throttled`); it gets back what the batch did not work.
         let done = match &batch {
             Ok(Ok(BatchResult::Committed { covered, .. })) => covered.scanned,
@@ -140,6 +149,7 @@ impl Runner {
         run: &mut ClaimedRun,
         from_id: i64,
         limit: u32,
+        tally: &BesideTally,
     ) -> Result<BatchResult, JobError> {
         let key = *run.key();
         let Some(batch) = job.fetch(&self.pool, &key, from_id, i64::from(limit)).await? else {
@@ -149,14 +159,9 @@ impl Runner {
         let began = Instant::now();
         let mut tx = self.pool.begin().await?;
         store::set_local_lock_timeout(&mut tx, self.lease.lock_timeout()).await?;
-        let (written, beside) = self.write_batch(job, &mut tx, run, &batch).await;
-        // Parts committed beside the batch counted themselves in the key's row; the handle counts them here.
-        run.count_beside(
-            beside.scanned,
-            count(beside.written.updated),
-            count(beside.written.corrected.total()),
-        );
-        let Some(mut written) = written? else {
+        let written = self.write_batch(job, &mut tx, run, &batch, tally).await?;
+        let beside = tally.committed();
+        let Some(mut written) = written else {
             tx.rollback().await?;
             return Ok(BatchResult::Fenced);
         };

@@ -20,7 +20,8 @@ use crate::helpers::{
 };
 
 /// The settlement, recording the loans of each write (a batch's part), how many parts each batch was cut
-/// into and the loans of each committed batch, and failing write number `fail_at` (1-based).
+/// into and the loans of each committed batch, and failing every write in a batch's own transaction from write
+/// number `fail_at` (1-based) on.
 struct Recorded {
     inner: Settlement,
     batches: Mutex<Vec<Vec<i64>>>,
@@ -57,6 +58,17 @@ impl BatchJob for Recorded {
         self.inner.committed(key, batch);
     }
 
+    async fn write_beside(
+        &self,
+        tx: &mut PgConnection,
+        key: &RunKey,
+        epoch: i64,
+        part: &SettleBatch,
+    ) -> Result<Option<Written>, JobError> {
+        self.record(part);
+        self.inner.write_beside(tx, key, epoch, part).await
+    }
+
     fn split(&self, batch: &SettleBatch) -> Option<(SettleBatch, Vec<SettleBatch>)> {
         self.splits.lock().expect("the splits").push(batch.parts.len());
         self.inner.split(batch)
@@ -83,17 +95,22 @@ impl BatchJob for Recorded {
         epoch: i64,
         batch: &SettleBatch,
     ) -> Result<Written, JobError> {
-        let n = {
-            let mut batches = self.batches.lock().expect("the batches");
-            batches.extend(batch.parts.iter().cloned());
-            batches.len()
-        };
-        if Some(n) == self.fail_at {
+        let n = self.record(batch);
+        if self.fail_at.is_some_and(|at| n >= at) {
             return Err(JobError::Sql(sqlx::Error::Protocol(
                 "the test stops the run here".into(),
             )));
         }
         self.inner.write(tx, key, epoch, batch).await
+    }
+}
+
+impl Recorded {
+    /// Records the loans of a write; returns how many writes there were.
+    fn record(&self, batch: &SettleBatch) -> usize {
+        let mut batches = self.batches.lock().expect("the batches");
+        batches.extend(batch.parts.iter().cloned());
+        batches.len()
     }
 }
 
@@ -190,7 +207,7 @@ async fn settled(pool: &PgPool) -> (i64, Option<i64>) {
 
 /// 600 loans returned in October, ten days late, over the 32 Citus shards of `loans` on two workers, in batches
 /// of 10: a window is 320 loans (10 for each Citus shard), so the walk has two. A batch is cut into a part on
-/// each worker, each part's loans in one Citus shard. A run stopped at its fifth part leaves a cursor below
+/// each worker, each part's loans in one Citus shard. A run stopped from its fifth part on leaves a cursor below
 /// which every loan is settled; the run that takes the key over settles the rest, each loan once.
 #[tokio::test]
 #[ignore = "needs the Citus cluster: scripts/test.sh --citus"]
@@ -228,6 +245,7 @@ async fn each_part_lies_in_one_citus_shard_of_its_worker_and_a_run_stopped_insid
             .await
             .expect("the key");
         assert_eq!(counted, after_first, "every loan settled is counted once");
+        assert_eq!(first.scanned, counted, "the run's report counts what the key counts");
         assert!(
             stopped.splits.lock().expect("the splits").iter().all(|&n| n == 2),
             "every batch has a part on each of the two workers"
