@@ -245,7 +245,10 @@ async fn each_part_lies_in_one_citus_shard_of_its_worker_and_a_run_stopped_insid
             .await
             .expect("the key");
         assert_eq!(counted, after_first, "every loan settled is counted once");
-        assert_eq!(first.scanned, counted, "the run's report counts what the key counts");
+        assert_eq!(
+            first.scanned, counted,
+            "the run's report counts what the key counts"
+        );
         assert!(
             stopped.splits.lock().expect("the splits").iter().all(|&n| n == 2),
             "every batch has a part on each of the two workers"
