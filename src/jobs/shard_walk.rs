@@ -62,11 +62,9 @@ impl Window {
     /// first group of each other node, `limit` loans in all at most (at least one a part).
     fn peek(&self, limit: usize) -> Option<Walked> {
         let front = self.groups.front()?;
-        let mut nodes = vec![front.node];
         let mut picked = vec![front];
         for group in self.groups.iter().skip(1) {
-            if !nodes.contains(&group.node) {
-                nodes.push(group.node);
+            if !picked.iter().any(|p| p.node == group.node) {
                 picked.push(group);
             }
         }

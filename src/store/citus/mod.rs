@@ -29,18 +29,8 @@ use crate::shard::ShardSpec;
 /// `ids` (in ascending order) grouped by the Citus shard of `loans` they fall in: each group ascending, the
 /// groups in the order of their first id. The coordinator answers from its metadata; no worker is asked.
 pub async fn by_shard(db: impl sqlx::PgExecutor<'_>, ids: &[i64]) -> Result<Vec<Vec<i64>>, sqlx::Error> {
-    if ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    sqlx::query_scalar(
-        "select array_agg(id order by id)
-         from unnest($1::bigint[]) id
-         group by get_shard_id_for_distribution_column('loans', id)
-         order by min(id)",
-    )
-    .bind(ids)
-    .fetch_all(db)
-    .await
+    let groups = by_shard_on_nodes(db, ids).await?;
+    Ok(groups.into_iter().map(|g| g.ids).collect())
 }
 
 /// The loans of one Citus shard of `loans` and the node that holds it (its placement's `groupid`).

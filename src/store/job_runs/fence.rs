@@ -83,7 +83,7 @@ pub async fn renew(
 }
 
 /// The fence of a transaction that writes part of a batch beside the batch's own (`jobs/runner/beside.rs`):
-/// the batch's fence without moving the cursor — it adds the part's rows to the key's counters and renews the
+/// the one fence statement with the cursor left where it is — it adds the part's rows to the key's counters and renews the
 /// lease, only while `holder` holds the key at the cursor `after`, as the batch's fence will ask (`false`
 /// otherwise: the part must roll back). Its row lock holds until the part commits: a takeover, and the
 /// batch's own fence, wait for it as for a batch in flight, then see the lease it renewed.
@@ -95,28 +95,14 @@ pub async fn beside(
     (scanned, updated): (i64, i64),
     lease: Duration,
 ) -> Result<bool, sqlx::Error> {
-    let passed = sqlx::query_scalar!(
-        r#"update job_runs set
-               scanned = scanned + $8, updated = updated + $9,
-               heartbeat_at = clock_timestamp(),
-               lease_until = clock_timestamp() + $10 * interval '1 millisecond'
-           where job_name = $1 and business_date = $2 and shards = $3 and shard = $4
-             and status = 'RUNNING' and epoch = $5 and cursor is not distinct from $6 and owner = $7
-           returning 1 as "passed!""#,
-        key.job.as_str(),
-        key.business_date,
-        key.shard.shards(),
-        key.shard.shard(),
-        holder.epoch,
+    let step = Step {
         after,
-        holder.owner,
+        to: after,
         scanned,
         updated,
-        millis(lease) as f64,
-    )
-    .fetch_optional(&mut *tx)
-    .await?;
-    Ok(passed.is_some())
+    };
+    let fenced = fence(&mut *tx, key, holder, step, lease).await?;
+    Ok(matches!(fenced, Fence::Passed { .. }))
 }
 
 /// What the fence moves: from the cursor the run last committed to the one it commits now, and the rows of the
