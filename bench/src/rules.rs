@@ -44,6 +44,39 @@ const DAY_SQL: &str = "insert into fine_ledger (loan_id, accrual_date, amount_ce
                                                        p.cap_cents, p.charge_closed_days) a
      where l.due_on < $1::date and (l.returned_on is null or l.returned_on >= $1) and a.amount_cents > 0";
 
+/// A week of the ledger before the accrual day: each loan's canonical amount for each of the seven days before
+/// [`DAY`], priced as `accrue` prices them (so the ledger is what seven sequential runs leave, and no cap is
+/// passed).
+const WEEK_SQL: &str = "insert into fine_ledger (loan_id, accrual_date, amount_cents)
+     select l.id, d.day, a.amount_cents
+     from generate_series($1::date - 7, $1::date - 1, interval '1 day') g
+     cross join lateral (select g::date as day) d
+     cross join loans l
+     cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+     cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, d.day, p.daily_rate_cents,
+                                                       p.grace_days, p.cap_cents, p.charge_closed_days) a
+     where l.due_on < d.day and (l.returned_on is null or l.returned_on >= d.day) and a.amount_cents > 0";
+
+/// [`DAY_SQL`] with the two things no charge may go without: the cap's guard (a charge is written only if it fits
+/// under its loan's cap with what the loan's ledger and corrections hold, summed per loan as `accrue` sums them)
+/// and a day charged at most once (`on conflict do nothing`). One statement, no batches, no claim, no fence, no
+/// lock, no correction: the fastest anything can charge the day that keeps those two promises.
+const GUARDED_SQL: &str = "insert into fine_ledger (loan_id, accrual_date, amount_cents)
+     select c.id, $1, c.amount_cents
+     from (select l.id, a.amount_cents, p.cap_cents,
+                  case when p.cap_cents = 0 then 0
+                       else (select coalesce(sum(x.amount_cents), 0)::bigint from fine_ledger x where x.loan_id = l.id)
+                            + (select coalesce(sum(y.amount_cents), 0)::bigint from fine_ledger_corrections y
+                               where y.loan_id = l.id) end as held
+           from loans l
+           cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
+           cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $1, p.daily_rate_cents,
+                                                             p.grace_days, p.cap_cents, p.charge_closed_days) a
+           where l.due_on < $1::date and (l.returned_on is null or l.returned_on >= $1) and a.amount_cents > 0
+           offset 0) c
+     where c.cap_cents = 0 or c.held + c.amount_cents <= c.cap_cents
+     on conflict on constraint fine_ledger_pkey do nothing";
+
 /// One way of one leg: rows written, milliseconds, and a checksum of what was written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Run {
@@ -62,6 +95,11 @@ pub(crate) struct RulesLeg {
     /// The day's statement cut into batches of the section's batch size (each its own transaction), and that size.
     batched: Vec<Run>,
     batch: u32,
+    /// The accrual day on a ledger holding the week before it: (`accrue`, the guarded statement, the one
+    /// `insert`) each round.
+    capped: Vec<(Run, Run, Run)>,
+    /// Charges in the week's ledger.
+    week_rows: i64,
     /// (µs a loan for a week late, µs a loan for five years late), each over `span_loans`.
     span_us: (f64, f64),
     span_loans: i64,
@@ -133,6 +171,34 @@ impl RulesLeg {
                 per_sec(batched.rows, batched.ms),
                 ratio(batched, statement),
                 ratio(accrue, batched)
+            ));
+        }
+        if !self.capped.is_empty() {
+            let accrued = median(self.capped.iter().map(|c| c.0).collect());
+            let guarded = median(self.capped.iter().map(|c| c.1).collect());
+            let plain = median(self.capped.iter().map(|c| c.2).collect());
+            r.push_str(&format!(
+                "\nWhat the cap's guard costs, on a ledger that holds the week before the day ({} charges: each loan's \
+                 canonical amounts of the seven days before, priced as `accrue` prices them, then `vacuum analyze`), each \
+                 way on a fresh copy of it, the same charges with the same checksum:\n\n\
+                 | the day's charges on a week of ledger | ms | rows/s | × the one `insert` |\n| --- | ---: | ---: | ---: |\n\
+                 | one `insert` (no guard) | {} | {:.0} | 1.00 |\n\
+                 | one `insert` with the cap's guard and each day charged once (`on conflict do nothing`); no batches, \
+                 claim, fence, lock or correction | {} | {:.0} | {:.2} |\n\
+                 | `fine-settler accrue --date {DAY}` | {} | {:.0} | {:.2} |\n\n\
+                 The second row is the fastest anything can charge the day that keeps a loan under its cap and never \
+                 charges a day twice: the guard reads what each capped loan's ledger and corrections hold. `accrue`'s rate \
+                 is {:.2} × that statement's.\n",
+                self.week_rows,
+                plain.ms,
+                per_sec(plain.rows, plain.ms),
+                guarded.ms,
+                per_sec(guarded.rows, guarded.ms),
+                ratio(guarded, plain),
+                accrued.ms,
+                per_sec(accrued.rows, accrued.ms),
+                ratio(accrued, plain),
+                ratio(accrued, guarded)
             ));
         }
         r.push_str(&format!(
@@ -219,6 +285,7 @@ impl Bench {
             leg.batched.push(batched);
             leg.accrue.push((accrued, statement));
         }
+        leg.week_rows = self.capped(&template, batch, rounds, &mut leg.capped).await?;
         let db = self.copy(&template, "fsb_rules_run").await?;
         let pool = self.pool(&db, 1).await?;
         let (span_loans, week, years) = span_cost(&pool).await?;
@@ -228,6 +295,53 @@ impl Bench {
         leg.span_us = (week, years);
         self.drop_db(&template).await?;
         Ok(leg)
+    }
+
+    /// The accrual day on copies of `template` whose ledger holds the week before it ([`WEEK_SQL`]), `rounds` times:
+    /// `accrue`, the one statement with the cap's guard ([`GUARDED_SQL`]) and the one `insert` ([`DAY_SQL`]), each
+    /// on a fresh copy, pushed to `out`. Fails unless every way wrote the same charges. Returns the week's charges.
+    async fn capped(
+        &self,
+        template: &str,
+        batch: u32,
+        rounds: u32,
+        out: &mut Vec<(Run, Run, Run)>,
+    ) -> Result<i64, Error> {
+        let week_template = self.copy(template, "fsb_rules_week").await?;
+        let pool = self.pool(&week_template, 1).await?;
+        let week = sqlx::query(WEEK_SQL)
+            .bind(DAY.parse::<chrono::NaiveDate>()?)
+            .execute(&pool)
+            .await?
+            .rows_affected();
+        sqlx::raw_sql("vacuum analyze fine_ledger").execute(&pool).await?;
+        pool.close().await;
+        self.until_unused(&week_template).await?;
+        for round in 1..=rounds {
+            eprintln!(
+                "   rules, round {round}/{rounds}: the day on a week of ledger: accrue, guarded, insert"
+            );
+            let db = self.copy(&week_template, "fsb_rules_run").await?;
+            let accrued = self.accrue(&db, batch).await?;
+            self.drop_db(&db).await?;
+            let db = self.copy(&week_template, "fsb_rules_run").await?;
+            let guarded = self.day_statement_of(&db, GUARDED_SQL).await?;
+            self.drop_db(&db).await?;
+            let db = self.copy(&week_template, "fsb_rules_run").await?;
+            let plain = self.day_statement_of(&db, DAY_SQL).await?;
+            self.drop_db(&db).await?;
+            for (way, run) in [("accrue", accrued), ("the guarded statement", guarded)] {
+                if (run.rows, run.checksum) != (plain.rows, plain.checksum) {
+                    return Err(format!(
+                        "on a week of ledger, {way} {run:?} and the insert {plain:?} disagree"
+                    )
+                    .into());
+                }
+            }
+            out.push((accrued, guarded, plain));
+        }
+        self.drop_db(&week_template).await?;
+        Ok(i64::try_from(week)?)
     }
 
     /// Waits until no session uses `db`, so that it can be copied: a closed pool's backend that has not ended
@@ -308,10 +422,15 @@ impl Bench {
 
     /// The day's charges as one statement on `db`.
     async fn day_statement(&self, db: &str) -> Result<Run, Error> {
+        self.day_statement_of(db, DAY_SQL).await
+    }
+
+    /// The day's charges as the one statement `sql` (its `$1` the day) on `db`.
+    async fn day_statement_of(&self, db: &str, sql: &str) -> Result<Run, Error> {
         let pool = self.pool(db, 1).await?;
         sqlx::raw_sql("select 1").execute(&pool).await?;
         let started = Instant::now();
-        sqlx::query(DAY_SQL)
+        sqlx::query(sql)
             .bind(DAY.parse::<chrono::NaiveDate>()?)
             .execute(&pool)
             .await?;
