@@ -138,15 +138,19 @@ fn statement_sql(schema: Schema) -> String {
     }
 }
 
-/// [`Way::GuardedStatement`]: the current statement, each charge written only if it fits under its loan's cap
-/// with what the loan's ledger and corrections hold (summed per loan, as `accrue`'s charge sums them), and
-/// `on conflict do nothing`. On the generated (canonical) ledger every charge fits: it writes what the others do.
-const GUARDED_SQL: &str = "insert into fine_ledger (loan_id, accrual_date, amount_cents)
+/// [`Way::GuardedStatement`] (and the fine rules section's guarded way): the current statement, each charge of a
+/// capped loan written only if it fits under the cap with what the loan's ledger and corrections hold (summed per
+/// loan, as `accrue`'s charge sums them; a loan without a cap is not summed, as there), and `on conflict do
+/// nothing`: one statement, no batches, claim, fence, lock or correction — the fastest anything can charge the
+/// day that keeps a loan under its cap and never charges a day twice. On a canonical ledger every charge fits: it
+/// writes what the others do.
+pub(crate) const GUARDED_SQL: &str = "insert into fine_ledger (loan_id, accrual_date, amount_cents)
      select c.id, $1, c.amount_cents
      from (select l.id, a.amount_cents, p.cap_cents,
-                  (select coalesce(sum(x.amount_cents), 0)::bigint from fine_ledger x where x.loan_id = l.id)
-                  + (select coalesce(sum(y.amount_cents), 0)::bigint from fine_ledger_corrections y
-                     where y.loan_id = l.id) as held
+                  case when p.cap_cents = 0 then 0
+                       else (select coalesce(sum(x.amount_cents), 0)::bigint from fine_ledger x where x.loan_id = l.id)
+                            + (select coalesce(sum(y.amount_cents), 0)::bigint from fine_ledger_corrections y
+                               where y.loan_id = l.id) end as held
            from loans l
            cross join lateral fine_settler_policy_of(l.fine_class, l.due_on) p
            cross join lateral fine_settler_policy_day_amount(l.due_on, l.returned_on, $1, p.daily_rate_cents,
