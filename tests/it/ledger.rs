@@ -824,3 +824,38 @@ async fn a_left_out_loan_owing_nothing_by_then_is_not_queued_and_the_run_succeed
     peer.rollback().await.expect("let go");
 }
 }
+
+/// A loan's charges are kept under its id: under a new id its overdue days would be owed again, and charged a
+/// second time beside the old id's charges, which no run corrects (the old id is a loan libraryd deleted). The
+/// database refuses the renumbering of a charged loan, naming it; a loan with nothing charged keeps its freedom.
+#[sqlx::test(fixtures("default_policy"))]
+async fn a_charged_loan_cannot_change_its_id(pool: PgPool) {
+    let job = accrual(&pool, FinePolicy::new(100, 0, 0).expect("policy")).await;
+    let mut charged = loan(1, "2026-11-01", None);
+    charged.borrowed_on = charged.due_on - chrono::Duration::days(21);
+    let mut spare = loan(2, "2026-12-20", None);
+    spare.borrowed_on = spare.due_on - chrono::Duration::days(21);
+    insert(&pool, &[charged, spare]).await;
+    run_days(&pool, &job, &days("2026-11-02", "2026-11-03")).await;
+    assert_eq!(charges(&pool).await.len(), 2);
+
+    let err = sqlx::query("update loans set id = 1001 where id = 1")
+        .execute(&pool)
+        .await
+        .expect_err("a charged loan keeps its id");
+    let db = err.as_database_error().expect("refused by the database");
+    assert_eq!(db.code().as_deref(), Some("23001"), "{db}");
+    assert!(db.message().contains("loan 1 "), "{db}");
+    let ids: Vec<i64> = sqlx::query_scalar("select id from loans order by id")
+        .fetch_all(&pool)
+        .await
+        .expect("ids");
+    assert_eq!(ids, [1, 2], "nothing changed");
+
+    sqlx::query("update loans set id = 1002 where id = 2")
+        .execute(&pool)
+        .await
+        .expect("a loan with nothing charged may change its id");
+    run_days(&pool, &job, &days("2026-11-02", "2026-11-03")).await;
+    assert_eq!(charges(&pool).await.len(), 2, "no day charged twice");
+}
