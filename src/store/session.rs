@@ -50,6 +50,11 @@ impl Gucs {
     /// an empty table makes them cost the same, the kept plan can still pick the wrong one: an accrual batch
     /// has its statements planned afresh ([`crate::store::ledger::lock_loans`]).
     ///
+    /// And read committed, whatever the database's or the role's `default_transaction_isolation`: the cap's guard
+    /// and the calendar's lock take a lock in one statement and read what it protects in the next, which sees
+    /// what committed meanwhile only under read committed. Under repeatable read a charge read the loan's ledger
+    /// from before the lock it waited for, and a loan's net passed its cap.
+    ///
     /// On Citus the plans are custom: the coordinator cannot build a distributed plan of a generic one whose
     /// parameters reach the shards ("could not create distributed plan"), and the workers plan each shard's
     /// statement afresh with the values in it anyway (docs/citus.md). And a transaction's `set local` commands
@@ -67,6 +72,7 @@ impl Gucs {
             ("plan_cache_mode", plans.into()),
             ("jit", "off".into()),
             ("enable_seqscan", "off".into()),
+            ("default_transaction_isolation", "read committed".into()),
         ];
         if engine == Engine::Citus {
             gucs.push(("citus.propagate_set_commands", "local".into()));
@@ -82,9 +88,14 @@ impl Gucs {
         ])
     }
 
-    /// The settings as startup `options` (a direct connection).
+    /// The settings as startup `options` (a direct connection). The server splits `options` at spaces unless a
+    /// backslash escapes them (`read committed`), and sqlx writes each value as it is.
     pub(super) fn apply(&self, options: PgConnectOptions) -> PgConnectOptions {
-        options.options(self.0.iter().map(|(k, v)| (*k, v.as_str())))
+        options.options(
+            self.0
+                .iter()
+                .map(|(k, v)| (*k, v.replace('\\', "\\\\").replace(' ', "\\ "))),
+        )
     }
 
     /// One statement setting them for the session (behind a session-mode pooler, run after connecting).
@@ -96,7 +107,8 @@ impl Gucs {
             .join("; ")
     }
 
-    /// The statement that begins a transaction behind a transaction-mode pooler: `begin`; drop whatever
+    /// The statement that begins a transaction behind a transaction-mode pooler: `begin`, read committed (the
+    /// transaction has begun before its settings are made; see [`Gucs::jobs`]); drop whatever
     /// prepared statements an earlier client left on the server connection the pooler assigned (sqlx names
     /// its statements per client connection, so another client's could collide with ours); then the settings,
     /// local to the transaction. One round trip.
@@ -107,7 +119,7 @@ impl Gucs {
             .map(|(k, v)| format!("set_config('{k}', '{v}', true)"))
             .collect::<Vec<_>>()
             .join(", ");
-        format!("begin; deallocate all; select {sets}")
+        format!("begin isolation level read committed; deallocate all; select {sets}")
     }
 }
 

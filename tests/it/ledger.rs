@@ -859,3 +859,41 @@ async fn a_charged_loan_cannot_change_its_id(pool: PgPool) {
     run_days(&pool, &job, &days("2026-11-02", "2026-11-03")).await;
     assert_eq!(charges(&pool).await.len(), 2, "no day charged twice");
 }
+
+/// The cap's guard and the calendar's lock take a lock in one statement and read what it protects in the next:
+/// that holds only under read committed, where each statement sees what committed before it. A database (or
+/// role) whose default is repeatable read or serializable must not change it: every job transaction runs under
+/// read committed, whatever the server's default, with each `database.pooler`.
+#[sqlx::test]
+async fn job_transactions_are_read_committed_whatever_the_database_default(pool: PgPool) {
+    use fine_settler::config::{DatabaseSettings, DatabaseUrl, Engine, Pooler};
+    let name = pool
+        .connect_options()
+        .get_database()
+        .expect("a test database")
+        .to_string();
+    sqlx::query(&format!(
+        "alter database \"{name}\" set default_transaction_isolation = 'repeatable read'"
+    ))
+    .execute(&pool)
+    .await
+    .expect("alter database");
+    for pooler in [Pooler::None, Pooler::Session, Pooler::Transaction] {
+        let settings = DatabaseSettings {
+            url: DatabaseUrl::parse(&crate::helpers::database_url(&pool)).expect("a valid URL"),
+            max_connections: 1,
+            connect_timeout: Duration::from_secs(10),
+            pooler,
+            engine: Engine::Postgresql,
+        };
+        let jobs = fine_settler::store::connect_lazy(&settings, "fine-settler-test", Duration::from_secs(60));
+        let mut tx = jobs.begin().await.expect("begin");
+        let isolation: String = sqlx::query_scalar("show transaction_isolation")
+            .fetch_one(&mut *tx)
+            .await
+            .expect("isolation");
+        assert_eq!(isolation, "read committed", "pooler {}", pooler.as_str());
+        tx.rollback().await.expect("rollback");
+        jobs.pool().close().await;
+    }
+}
