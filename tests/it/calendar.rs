@@ -83,6 +83,23 @@ async fn close_open_and_list_keep_the_days_numbered_and_refuse_bad_ranges(pool: 
         &["open", "--from", "2030-01-01", "--to", "2041-01-01"],
     ));
     assert!(open_long.contains("--to 2041-01-01"), "{open_long}");
+    // PostgreSQL's first and last days: no library calendar reaches them, and the settled-month check cannot
+    // compute their month — refused as values, not failed as statements.
+    for (flag, day) in [
+        ("--from", "-4713-11-24"),
+        ("--from", "-5000-01-01"),
+        ("--to", "+10000-01-01"),
+    ] {
+        let given = format!("{flag}={day}");
+        let mut args = vec!["close", "--from=9999-06-01", "--reason", "x"];
+        if flag == "--from" {
+            args[1] = &given;
+        } else {
+            args.push(&given);
+        }
+        let far = refusal(&calendar(&pool, &args));
+        assert!(far.contains(&format!("{flag} {day}")), "{far}");
+    }
     // --reason is required to close: clap's refusal.
     assert_eq!(
         calendar(&pool, &["close", "--from", "2030-01-01"]).status.code(),

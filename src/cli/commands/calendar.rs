@@ -16,10 +16,25 @@ use crate::{
 /// The longest range one command changes: ten years.
 const MAX_RANGE: Months = Months::new(120);
 
+/// The days a calendar may hold: the years 1 to 9999. No library's calendar reaches further, and PostgreSQL
+/// cannot compute the month of its own first days (the settled-month check), so a day beyond is refused as a
+/// value rather than failed as a statement.
+fn on_calendar(flag: &str, day: NaiveDate) -> Result<(), CliError> {
+    use chrono::Datelike;
+    if (1..=9999).contains(&day.year()) {
+        return Ok(());
+    }
+    Err(CliError::Usage(format!(
+        "{flag} {day}: a calendar day must fall in the years 1 to 9999"
+    )))
+}
+
 /// `--from D1 [--to D2]` as a range, or a usage error naming the bad value.
 fn range(args: &CalendarRangeArgs) -> Result<(NaiveDate, NaiveDate), CliError> {
     let from = args.from;
     let to = args.to.unwrap_or(from);
+    on_calendar("--from", from)?;
+    on_calendar("--to", to)?;
     if to < from {
         return Err(CliError::Usage(format!(
             "--to {to}: must not be before --from {from}"
