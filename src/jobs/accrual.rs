@@ -298,7 +298,8 @@ impl Accrual {
             }
         }
 
-        ledger::set_local_statement_timeout(tx, self.row_timeout.as_millis() as u64).await?;
+        let row_timeout = format!("{}ms", self.row_timeout.as_millis());
+        let batch_timeout = ledger::set_local_statement_timeout(tx, &row_timeout).await?;
         // The batch's loan locks, taken before its first savepoint, are still held: isolating takes no new ones.
         let (mut charged, mut queued) = (Charged::default(), 0u64);
         let delay = millis(self.backoff.delay(1));
@@ -322,6 +323,8 @@ impl Accrual {
             queued += 1;
             tracing::warn!(loan_id = id, accrual_date = %day, error = %error, "charge failed; queued for compensation");
         }
+        // The batch's statements after these (relieving held loans, its fence) run under its own timeout.
+        ledger::set_local_statement_timeout(tx, &batch_timeout).await?;
         tracing::info!(written = charged.written, queued, "isolated a rejected batch");
         Ok(charged)
     }

@@ -403,15 +403,18 @@ pub async fn check_deferred_now(tx: &mut PgConnection) -> Result<(), sqlx::Error
     Ok(())
 }
 
-/// Sets this transaction's statement timeout (used while charges are isolated row by row).
-pub async fn set_local_statement_timeout(tx: &mut PgConnection, millis: u64) -> Result<(), sqlx::Error> {
+/// Sets this transaction's statement timeout to `value` (as PostgreSQL writes one: `500ms`, `30s`), and returns
+/// the one it replaces, to be set back the same way: charges isolated row by row run under a short one, and the
+/// batch's statements after them under the batch's own.
+pub async fn set_local_statement_timeout(tx: &mut PgConnection, value: &str) -> Result<String, sqlx::Error> {
     sqlx::query_scalar!(
-        "select set_config('statement_timeout', $1, true)",
-        millis.to_string()
+        r#"select s.before as "before!"
+           from (select current_setting('statement_timeout') as before offset 0) s
+           where set_config('statement_timeout', $1, true) is not null"#,
+        value
     )
     .fetch_one(&mut *tx)
-    .await?;
-    Ok(())
+    .await
 }
 
 /// Whether `day` has a loan of `shard` with work — a charge or a correction (the predicate of

@@ -973,3 +973,36 @@ async fn a_replicas_batches_too_big_for_the_servers_lock_table_are_cut_to_fit(po
     );
 }
 }
+
+/// Isolating a rejected batch runs each charge under a short statement timeout; the batch's later statements
+/// (relieving held loans, its fence) run under the one it had before: a short timeout left on them failed a batch
+/// whose relief took longer, at every retry of its run.
+#[sqlx::test(fixtures("default_policy"))]
+async fn an_isolated_batch_gives_its_statements_back_their_timeout(pool: PgPool) {
+    use fine_settler::{
+        jobs::runner::BatchJob,
+        store::ledger::{Overdue, Scope},
+    };
+    let day = d("2026-10-10");
+    mixed_loans(&pool, day).await;
+    let overdue = overdue_on(&pool, day).await;
+    block_charges(&pool, &overdue[..1]).await;
+    let job = accrual(&pool, FinePolicy::DEFAULT).await.within(Scope::Full);
+    let rows: Vec<Overdue> = overdue.iter().map(|&id| Overdue { id }).collect();
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query("set local statement_timeout = '37s'")
+        .execute(&mut *tx)
+        .await
+        .expect("set");
+    let written = job
+        .write(&mut tx, &day_key(day, 0, 1), 1, &rows)
+        .await
+        .expect("the batch writes the charges it can");
+    assert_eq!(written.updated, overdue.len() as u64 - 1, "{written:?}");
+    let timeout: String = sqlx::query_scalar("select current_setting('statement_timeout')")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("timeout");
+    assert_eq!(timeout, "37s");
+    tx.rollback().await.expect("rollback");
+}
