@@ -21,6 +21,10 @@ pub enum ClassError {
     /// The name is longer than [`MAX_CLASS_CHARS`] characters.
     #[error("must be at most {MAX_CLASS_CHARS} characters, got {0}")]
     TooLong(usize),
+    /// A new name (`policy add`) begins or ends with white space, or holds a control character: libraryd's
+    /// `loans.fine_class` is matched exactly, and no one types such a name on purpose.
+    #[error("must not begin or end with white space nor hold a control character (loans.fine_class is matched exactly)")]
+    Unusual,
 }
 
 impl FineClass {
@@ -36,6 +40,16 @@ impl FineClass {
             n if n > MAX_CLASS_CHARS => Err(ClassError::TooLong(n)),
             _ => Ok(FineClass(name.to_string())),
         }
+    }
+
+    /// A name for a new version ([`FineClass::new`], and no leading or trailing white space, no control
+    /// character). Names read from the database are taken as [`FineClass::new`] takes them.
+    pub fn new_name(name: &str) -> Result<Self, ClassError> {
+        let class = FineClass::new(name)?;
+        if name.trim() != name || name.chars().any(char::is_control) {
+            return Err(ClassError::Unusual);
+        }
+        Ok(class)
     }
 
     pub fn as_str(&self) -> &str {
@@ -60,5 +74,19 @@ mod tests {
         assert!(FineClass::new(&"é".repeat(64)).is_ok());
         assert_eq!(FineClass::new(&"x".repeat(65)), Err(ClassError::TooLong(65)));
         assert_eq!(FineClass::default_class().as_str(), "default");
+    }
+
+    #[test]
+    fn a_new_name_is_one_someone_would_type() {
+        assert!(FineClass::new_name("dvd").is_ok());
+        assert!(FineClass::new_name("rare books").is_ok());
+        for name in ["   ", " dvd", "dvd\t", "a\nb", "a\u{1}b"] {
+            assert_eq!(FineClass::new_name(name), Err(ClassError::Unusual), "{name:?}");
+            assert!(
+                FineClass::new(name).is_ok(),
+                "read from the database as it is: {name:?}"
+            );
+        }
+        assert_eq!(FineClass::new_name(""), Err(ClassError::Empty));
     }
 }

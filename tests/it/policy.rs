@@ -333,6 +333,19 @@ async fn policy_add_refuses_bad_input_and_is_idempotent(pool: PgPool) {
             vec!["--class", &long, "--from", &from, "--daily-rate-cents", "5"],
             "at most 64 characters",
         ),
+        // libraryd's `loans.fine_class` is matched exactly: a name no one types is a typo waiting.
+        (
+            vec!["--class", "   ", "--from", &from, "--daily-rate-cents", "5"],
+            "--class \"   \"",
+        ),
+        (
+            vec!["--class", " dvd", "--from", &from, "--daily-rate-cents", "5"],
+            "--class \" dvd\"",
+        ),
+        (
+            vec!["--class", "a\nb", "--from", &from, "--daily-rate-cents", "5"],
+            "--class \"a\\nb\"",
+        ),
         (
             vec!["--class", "laptop", "--from", &today, "--daily-rate-cents", "5"],
             "must be after today",

@@ -35,8 +35,8 @@ pub async fn policy(ctx: &Context, action: PolicyAction) -> Result<ExitCode, Cli
 
 /// The version `policy add` asks for, or a usage error naming the first bad value. Checked before connecting.
 fn new_policy(args: PolicyAddArgs) -> Result<NewPolicy, CliError> {
-    let class =
-        FineClass::new(&args.class).map_err(|e| CliError::Usage(format!("--class {:?}: {e}", args.class)))?;
+    let class = FineClass::new_name(&args.class)
+        .map_err(|e| CliError::Usage(format!("--class {:?}: {e}", args.class)))?;
     let fine = FinePolicy::new(args.daily_rate_cents, args.grace_days, args.cap_cents).map_err(|e| {
         let flag = match e {
             PolicyError::Rate(v) => format!("--daily-rate-cents {v}"),
