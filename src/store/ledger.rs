@@ -241,7 +241,9 @@ pub async fn try_hold_calendar(tx: &mut PgConnection) -> Result<bool, sqlx::Erro
 }
 
 /// The advisory-lock namespace of per-loan ledger locks (`pg_advisory_xact_lock(space, hashint8(loan_id))`):
-/// ASCII "fsLd". A collision of two loans' hashes only makes their charges wait for each other.
+/// ASCII "fsLd". A collision of two loans' hashes only makes their charges wait for each other. The trigger that
+/// keeps a charged loan's id (`fine_settler_loan_keeps_its_id`, migrations/20261205000062) takes it too, by its
+/// number, before it looks for the loan's charges.
 const LOAN_LOCK_SPACE: i32 = 0x6673_4c64;
 
 /// Locks each loan of `ids` for the rest of the transaction, in one fixed order (that of the lock keys), so that

@@ -858,6 +858,97 @@ async fn a_charged_loan_cannot_change_its_id(pool: PgPool) {
         .expect("a loan with nothing charged may change its id");
     run_days(&pool, &job, &days("2026-11-02", "2026-11-03")).await;
     assert_eq!(charges(&pool).await.len(), 2, "no day charged twice");
+
+    let refused = |e: sqlx::Error| {
+        let db = e.as_database_error().expect("refused by the database");
+        assert_eq!(db.code().as_deref(), Some("23001"), "{db}");
+    };
+    // A loan overdue by its own row, with nothing charged yet: a batch may be charging it this very moment (its
+    // charge not yet committed, or not visible to libraryd's repeatable read snapshot).
+    let mut overdue = loan(5, "2026-11-01", None);
+    overdue.borrowed_on = overdue.due_on - chrono::Duration::days(21);
+    let mut late = loan(6, "2026-11-01", Some("2026-11-03"));
+    late.borrowed_on = late.due_on - chrono::Duration::days(21);
+    insert(&pool, &[overdue, late]).await;
+    for id in [5, 6] {
+        refused(
+            sqlx::query(&format!("update loans set id = {} where id = {id}", id + 1000))
+                .execute(&pool)
+                .await
+                .expect_err("an overdue loan keeps its id"),
+        );
+    }
+    // Loans with charges whose due date moved later meanwhile. A charge queued for compensation is a charge too.
+    let mut queued = loan(3, "2099-11-01", None);
+    queued.borrowed_on = queued.due_on - chrono::Duration::days(21);
+    insert(&pool, &[queued]).await;
+    sqlx::query(
+        "insert into fine_pending (loan_id, accrual_date, amount_cents, last_error, next_attempt_at)
+         values (3, '2026-11-02', 100, 'test', now())",
+    )
+    .execute(&pool)
+    .await
+    .expect("queue a charge");
+    refused(
+        sqlx::query("update loans set id = 1003 where id = 3")
+            .execute(&pool)
+            .await
+            .expect_err("a queued charge keeps the id"),
+    );
+    // The id judged is the one written, whatever libraryd's own BEFORE triggers do to it.
+    crate::helpers::ddl(
+        &pool,
+        &[
+            "create function libraryd_renumbers() returns trigger language plpgsql as $$
+             begin new.id := new.id + 5000; return new; end $$",
+            "create trigger loans_renumber before update on loans for each row
+             when (new.member_id = 99) execute function libraryd_renumbers()",
+        ],
+    )
+    .await;
+    refused(
+        sqlx::query("update loans set member_id = 99 where id = 1")
+            .execute(&pool)
+            .await
+            .expect_err("renumbered by a BEFORE trigger"),
+    );
+    sqlx::query("drop trigger loans_renumber on loans")
+        .execute(&pool)
+        .await
+        .expect("drop");
+    // A charge in flight when libraryd renumbers the loan: the renumbering waits for it, then sees it.
+    let mut flight = loan(4, "2099-11-01", None);
+    flight.borrowed_on = flight.due_on - chrono::Duration::days(21);
+    insert(&pool, &[flight]).await;
+    let mut charging = pool.begin().await.expect("begin");
+    sqlx::raw_sql(
+        "select pg_advisory_xact_lock(1718832228, hashint8(4::bigint));
+         insert into fine_ledger (loan_id, accrual_date, amount_cents) values (4, '2026-11-02', 100)",
+    )
+    .execute(&mut *charging)
+    .await
+    .expect("a charge in flight");
+    let renumber = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            sqlx::query("update loans set id = 1004 where id = 4")
+                .execute(&pool)
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!renumber.is_finished(), "the renumbering waits for the charge");
+    charging.commit().await.expect("commit the charge");
+    refused(renumber.await.expect("join").expect_err("seen once committed"));
+    let ids: Vec<i64> = sqlx::query_scalar("select id from loans order by id")
+        .fetch_all(&pool)
+        .await
+        .expect("ids");
+    assert_eq!(
+        ids,
+        [1, 3, 4, 5, 6, 1002],
+        "only the loan never overdue was renumbered"
+    );
 }
 
 /// The cap's guard and the calendar's lock take a lock in one statement and read what it protects in the next:
