@@ -502,7 +502,8 @@ async fn retry_pending(
             tx.commit().await?;
             tracing::warn!(loan_id = p.loan_id, accrual_date = %p.accrual_date,
                 "pending charge held back: the loan's other days hold more than they owe under the cap; \
-                 left to the accrual's re-check, which corrects them and charges this day");
+                 left to the accrual's re-check, which corrects them and charges this day while it is in the \
+                 catch-up window (an older day: run `fine-settler accrue --date` with this day)");
             Retried::HeldBack
         }
         Ok(charged) => {
