@@ -936,7 +936,21 @@ async fn a_charged_loan_cannot_change_its_id(pool: PgPool) {
                 .await
         }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The renumbering waits for the charge's lock (not a sleep: the wait is seen in pg_locks).
+    crate::helpers::wait_until(
+        "the renumbering waiting for loan 4's ledger lock",
+        Duration::from_secs(10),
+        || async {
+            sqlx::query_scalar::<_, bool>(
+                "select exists (select 1 from pg_locks where locktype = 'advisory' and classid = 1718832228
+                                                     and not granted)",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(false)
+        },
+    )
+    .await;
     assert!(!renumber.is_finished(), "the renumbering waits for the charge");
     charging.commit().await.expect("commit the charge");
     refused(renumber.await.expect("join").expect_err("seen once committed"));
